@@ -1,0 +1,263 @@
+"""``MulaConfig``: one dataclass for every Mula model, with named presets.
+
+The architecture is OLMo / OLMoE (pre-norm decoder, RMSNorm, q/k-norm, RoPE, SwiGLU, untied embeddings,
+vocabulary 50304). A config with ``num_experts == 0`` is dense; otherwise every decoder layer's feed-forward
+is a sparse MoE block of ``num_experts`` SwiGLU experts of width ``intermediate_size``, ``top_k`` chosen per
+token.
+
+Presets (``MulaConfig.from_name``) reproduce Table 1 of "Scalable Pretraining of Large Mixture of Experts
+Language Models on Aurora Super Computer" (layers, hidden size, heads, head size 128, intermediate size,
+experts, chosen experts); the remaining settings follow OLMoE-1B-7B (rope_theta 1e4, rms_norm_eps 1e-5,
+aux loss 0.01, z loss 0.001, no top-k renormalisation). Context length 2048 as in the paper's Section 2.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+RouterKind = Literal["softmax_topk", "topk_softmax"]
+ROUTER_KINDS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass
+class MulaConfig:
+    """Shape and behaviour of a Mula decoder.
+
+    Args:
+        name: preset name (informational).
+        vocab_size: embedding rows (padded vocabulary, 50304 for the OLMo tokenizer).
+        hidden_size: model width H.
+        num_layers: decoder layers L.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention); ``None`` means ``num_heads``.
+        head_dim: width of one head; ``None`` means ``hidden_size // num_heads``.
+        intermediate_size: SwiGLU width of the dense FFN, or of one expert in an MoE layer.
+        num_experts: experts per MoE layer; 0 makes a dense model.
+        top_k: experts chosen per token.
+        router_kind: ``"softmax_topk"`` (OLMoE, "ST": softmax over all experts, then top-k) or
+            ``"topk_softmax"`` (Mixtral: top-k logits, then softmax over those k).
+        norm_topk_prob: renormalise the k chosen probabilities to sum to one (``softmax_topk`` only;
+            ``topk_softmax`` is normalised by construction).
+        capacity_factor: tokens an expert may take, as a multiple of its fair share
+            ``S * top_k / num_experts``; ``None`` is dropless.
+        aux_loss_coef: weight of the Switch/OLMoE load-balancing loss.
+        z_loss_coef: weight of the router z-loss.
+        forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks and
+            scaling studies; the router stays in the graph).
+        qk_norm: RMSNorm over the projected queries and keys (OLMoE), over the full projection width.
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: optional RoPE scaling, e.g. Llama 3.1's
+            ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}``.
+        max_seq_len: longest sequence the model is trained on (context size).
+        tie_word_embeddings: share the input embedding with the LM head (Mula: untied).
+        init_std: standard deviation of the normal initialisation of every weight matrix.
+        moe_impl: which MoE block computes the sparse layers (``"reference"``: the plain loop; other names
+            are registered in :data:`mula_lightning.models.transformer.MOE_IMPLS`). All share one layout.
+        extra: free-form metadata carried along (not used by the model).
+    """
+
+    name: str = "custom"
+    vocab_size: int = 50304
+    hidden_size: int = 2048
+    num_layers: int = 16
+    num_heads: int = 16
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 1024
+    num_experts: int = 0
+    top_k: int = 0
+    router_kind: RouterKind = "softmax_topk"
+    norm_topk_prob: bool = False
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    forced_uniform_routing: bool = False
+    qk_norm: bool = True
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_seq_len: int = 2048
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+    moe_impl: str = "reference"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.num_heads <= 0 or self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
+                    "when head_dim is not given"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending values when the shape is inconsistent."""
+        positive = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "max_seq_len": self.max_seq_len,
+        }
+        bad = {k: v for k, v in positive.items() if not isinstance(v, int) or v <= 0}
+        if bad:
+            raise ValueError(f"these config values must be positive integers: {bad}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts ({self.num_experts}) must be >= 0 (0 = dense)")
+        if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
+        if self.router_kind not in ROUTER_KINDS:
+            raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (known: 'llama3', 'default')")
+
+    # ------------------------------------------------------------- properties
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # ---------------------------------------------------------- constructors
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> MulaConfig:
+        """A preset by name, with fields overridden by keyword (``from_name("mula-tiny-moe", top_k=1)``)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+        values = dict(PRESETS[name])
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown MulaConfig fields {sorted(unknown)} in overrides for {name!r}")
+        values.update(overrides)
+        return cls(name=name, **values)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> MulaConfig:
+        """Build the config of a transformers ``OlmoeConfig``, ``MixtralConfig`` or ``LlamaConfig``."""
+        from mula_lightning.models.hf_convert import config_from_hf
+
+        return config_from_hf(hf_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------ accounting
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count computed from the shape alone.
+
+        Args:
+            active: count only what one token uses: the router and ``top_k`` experts per MoE layer
+                instead of all ``num_experts``.
+        """
+        h = self.hidden_size
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.qk_norm:
+            attn += self.q_dim + self.kv_dim
+        expert = 3 * h * self.intermediate_size
+        if self.is_moe:
+            used = self.top_k if active else self.num_experts
+            ffn = self.num_experts * h + used * expert
+        else:
+            ffn = expert
+        layer = attn + ffn + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + h
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward): 6 * active non-embedding-input params + attention.
+
+        The attention term is 12 * L * q_dim * T (scores and weighted values, forward and backward; the
+        causal mask halves the useful work but not what dense kernels compute), as in the PaLM appendix.
+        """
+        t = seq_len or self.max_seq_len
+        dense = (
+            self.num_params(active=True) - self.vocab_size * self.hidden_size
+        )  # input embedding is a lookup
+        return 6.0 * dense + 12.0 * self.num_layers * self.q_dim * t
+
+
+def _mula(layers: int, hidden: int, heads: int, inter: int, experts: int, k: int) -> dict[str, Any]:
+    return dict(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=128,
+        intermediate_size=inter,
+        num_experts=experts,
+        top_k=k,
+    )
+
+
+#: Table 1 of the Aurora paper; tiny presets for CPU tests and the demo.
+PRESETS: dict[str, dict[str, Any]] = {
+    "mula-1b": _mula(16, 2048, 16, 8192, 0, 0),
+    "mula-7b-a1b": _mula(16, 2048, 16, 1024, 64, 8),
+    "mula-20b-a2b": _mula(32, 2048, 16, 1024, 96, 8),
+    "mula-100b-a7b": _mula(48, 3072, 24, 1536, 144, 8),
+    "mula-220b-a10b": _mula(64, 3072, 24, 1536, 240, 8),
+    "mula-tiny-moe": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=128,
+        num_experts=8,
+        top_k=2,
+        max_seq_len=256,
+    ),
+    "mula-tiny-dense": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=512,
+        num_experts=0,
+        top_k=0,
+        max_seq_len=256,
+    ),
+}
+
+#: Totals and active counts printed in Table 1 (billions), used by tests and `mula models`.
+TABLE1_BILLIONS: dict[str, tuple[float, float]] = {
+    "mula-1b": (1.3, 1.3),
+    "mula-7b-a1b": (6.9, 1.3),
+    "mula-20b-a2b": (20.0, 2.4),
+    "mula-100b-a7b": (100.0, 7.6),
+    "mula-220b-a10b": (220.0, 10.0),
+}
+
+
+def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Tokens one expert may take: ``ceil(capacity_factor * S * K / E)`` for S source tokens."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)

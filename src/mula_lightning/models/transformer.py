@@ -1,0 +1,294 @@
+"""``MulaForCausalLM``: the single-device Mula decoder (OLMo / OLMoE architecture).
+
+Legend: B = batch, T = sequence length, H = hidden size, V = vocabulary, nh / nkv = query / key-value heads,
+hd = head size.
+
+Pre-norm decoder layers ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; attention is causal PyTorch SDPA with
+RoPE (optionally Llama-3 scaled), grouped-query heads and OLMoE's optional q/k RMSNorm over the full
+projection width; the FFN is a SwiGLU MLP (dense) or an MoE block. Module and parameter names follow
+transformers' Llama / OLMoE / Mixtral models (5.x, fused experts) so checkpoints convert by renaming little.
+
+The model stays plain: no process groups, no sharding. Parallelism is applied to it from the outside
+(:mod:`mula_lightning.parallel`). It can be built on the meta device (``with torch.device("meta"):``) and
+materialised later with ``model.to_empty(device=...)`` followed by :func:`init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.moe.reference import MoEAux, ReferenceMoEBlock
+
+
+def _moe_impls() -> dict[str, type[nn.Module]]:
+    impls: dict[str, type[nn.Module]] = {"reference": ReferenceMoEBlock}
+    try:  # the fast block lives in mula_lightning.moe.block once built
+        from mula_lightning.moe.block import FastSparseMoEBlock
+
+        impls["fast"] = FastSparseMoEBlock
+    except ImportError:
+        pass
+    return impls
+
+
+def build_moe_block(config: MulaConfig) -> nn.Module:
+    impls = _moe_impls()
+    if config.moe_impl not in impls:
+        raise ValueError(f"moe_impl {config.moe_impl!r} is not available; known: {sorted(impls)}")
+    return impls[config.moe_impl](config)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, scaled by a learned weight (T5 / Llama / OLMoE form)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: MulaConfig, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies (hd/2,), with Llama 3.1's piecewise scaling when configured."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotary_cos_sin(config: MulaConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """cos and sin tables of shape (T, hd), computed in fp32 then cast (as transformers does)."""
+    inv_freq = rope_inv_freq(config, device=device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, hd) by position (non-interleaved halves, as in Llama / OLMoE)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class MulaAttention(nn.Module):
+    """Causal grouped-query self-attention with RoPE and optional q/k-norm."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, config.q_dim, bias=False)
+        self.k_proj = nn.Linear(h, config.kv_dim, bias=False)
+        self.v_proj = nn.Linear(h, config.kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.q_dim, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.q_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.kv_dim, config.rms_norm_eps)
+
+    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x_BTH.shape
+        q, k, v = self.q_proj(x_BTH), self.k_proj(x_BTH), self.v_proj(x_BTH)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.q_dim))
+
+
+class MulaMLP(nn.Module):
+    """Dense SwiGLU feed-forward: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MulaDecoderLayer(nn.Module):
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MulaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = build_moe_block(config) if config.is_moe else MulaMLP(config)
+
+    def forward(
+        self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, MoEAux | None]:
+        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin)
+        h = self.post_attention_layernorm(x_BTH)
+        if hasattr(self.mlp, "forward_with_aux"):
+            y, aux = self.mlp.forward_with_aux(h)
+        else:
+            y, aux = self.mlp(h), None
+        return x_BTH + y, aux
+
+
+class MulaModel(nn.Module):
+    """Embedding, decoder layers and the final norm (no LM head)."""
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MulaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        cos, sin = rotary_cos_sin(self.config, input_ids.shape[1], x.device, x.dtype)
+        moe_aux: list[MoEAux] = []
+        for layer in self.layers:
+            x, aux = layer(x, cos, sin)
+            if aux is not None:
+                moe_aux.append(aux)
+        return self.norm(x), moe_aux
+
+
+@dataclass
+class MulaOutput:
+    """Model output.
+
+    Attributes:
+        logits: (B, T, V) in the parameters' dtype.
+        loss: mean next-token cross-entropy over labels != -100 (None without labels); the LM loss only.
+        aux_loss: MoE auxiliary losses summed over layers, already weighted by their coefficients
+            (a zero scalar for dense models).
+        moe_aux: per MoE layer side outputs (tokens per expert, drops, unweighted losses).
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    moe_aux: list[MoEAux] = field(default_factory=list)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored (transformers' rule)."""
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        shifted.reshape(-1),
+        ignore_index=-100,
+        reduction=reduction,
+    )
+
+
+class MulaForCausalLM(nn.Module):
+    """A Mula decoder with its LM head.
+
+    ``model(input_ids, labels=None)`` returns :class:`MulaOutput`. Build on the meta device for huge presets
+    (``with torch.device("meta"): MulaForCausalLM(cfg)``); materialise with ``to_empty`` and
+    :func:`init_weights`.
+    """
+
+    def __init__(self, config: MulaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = MulaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if not any(p.is_meta for p in self.parameters()):
+            init_weights(self, seed=0)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, loss_reduction: str = "mean"
+    ) -> MulaOutput:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        hidden, moe_aux = self.model(input_ids)
+        logits = self.lm_head(hidden)
+        loss = causal_lm_loss(logits, labels, loss_reduction) if labels is not None else None
+        if moe_aux:
+            aux_loss = torch.stack([a.aux_loss for a in moe_aux]).sum()
+        else:
+            aux_loss = logits.new_zeros((), dtype=torch.float32)
+        return MulaOutput(logits=logits, loss=loss, aux_loss=aux_loss, moe_aux=moe_aux)
+
+    # Conversion with transformers (implemented in hf_convert).
+    @classmethod
+    def from_hf(cls, hf_model_or_path: Any, **config_overrides: Any) -> MulaForCausalLM:
+        """Load a transformers ``OlmoeForCausalLM`` / ``MixtralForCausalLM`` / ``LlamaForCausalLM``.
+
+        Args:
+            hf_model_or_path: a model object, or a directory with ``config.json`` and single- or multi-file
+                safetensors (fused 5.x expert keys or per-expert hub keys).
+            config_overrides: MulaConfig fields to change (e.g. ``moe_impl``).
+        """
+        from mula_lightning.models.hf_convert import load_from_hf
+
+        return load_from_hf(hf_model_or_path, **config_overrides)
+
+    def to_hf(self) -> Any:
+        """The equivalent transformers model (OLMoE, Mixtral or Llama; see ``hf_convert.to_hf``)."""
+        from mula_lightning.models.hf_convert import to_hf
+
+        return to_hf(self)
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def init_parameter(
+    name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int
+) -> torch.Tensor:
+    """The initial value of one full (unsharded) parameter, a function of (seed, name) alone.
+
+    Norm weights start at one; every matrix is drawn from ``N(0, init_std^2)`` with a generator seeded by
+    ``(seed, name)``. One process, DDP and any sharded layout therefore start bit-identical: shard owners
+    draw the full tensor and keep their slice.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(_stable_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, config.init_std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights(model: MulaForCausalLM, seed: int = 0) -> MulaForCausalLM:
+    """(Re)initialise every parameter of a materialised model from (seed, parameter name)."""
+    for name, param in model.named_parameters():
+        param.copy_(init_parameter(name, param.shape, model.config, seed).to(param.dtype))
+    return model

@@ -1,0 +1,180 @@
+"""The MoE router: scores, top-k choice, capacity drops, forced uniform routing and auxiliary losses.
+
+Legend: S = tokens on this rank, H = hidden size, E = experts, K = experts chosen per token.
+
+Two router kinds compute the weights of the K chosen experts:
+
+* ``softmax_topk`` (OLMoE; "ST" in the Llama-3 upcycling paper): ``p = softmax(logits)`` over all E experts,
+  then the K largest ``p``; optionally renormalised to sum to one (``norm_topk_prob``).
+* ``topk_softmax`` (Mixtral): the K largest logits, then a softmax over those K only. This is the same
+  function as ``softmax_topk`` with ``norm_topk_prob=True`` (softmax is monotonic, and renormalising K
+  softmax values is a softmax over their logits); the upcycling paper relies on it for exact equivalence.
+
+Router math runs in fp32 whatever the activation dtype. The auxiliary losses (Switch / OLMoE
+load balancing, router z-loss) are computed here, per layer and per micro-batch, from the router's own
+choice (before capacity drops) and returned unweighted; the block weights them by the config's
+coefficients.
+
+Capacity: expert e may take ``ceil(capacity_factor * S * K / E)`` (token, k) pairs; pairs beyond that are
+dropped in token order (row-major over ``(S, K)``): their index becomes -1 and their weight 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mula_lightning.models.config import ROUTER_KINDS, capacity
+
+
+@dataclass
+class RouterOutput:
+    """What the router hands to dispatch, and what monitoring reads.
+
+    Attributes:
+        logits_SE: raw router logits (fp32).
+        weights_SK: weights of the chosen experts (fp32, 0 where dropped).
+        indices_SK: chosen expert ids (int64, -1 where dropped by capacity).
+        load_balance_loss: unweighted Switch/OLMoE load-balancing loss (scalar).
+        z_loss: unweighted router z-loss (scalar).
+        tokens_per_expert_E: (token, k) pairs each expert receives after drops (int64, no grad).
+        num_dropped: (token, k) pairs dropped by capacity (int64 scalar, no grad).
+    """
+
+    logits_SE: torch.Tensor
+    weights_SK: torch.Tensor
+    indices_SK: torch.Tensor
+    load_balance_loss: torch.Tensor
+    z_loss: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    num_dropped: torch.Tensor
+
+
+def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> torch.Tensor:
+    """Switch-Transformer / OLMoE auxiliary loss ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is the number of (token, k) pairs routed to e divided by S (so ``sum_e f_e = K``, as in OLMoE and
+    transformers), ``P_e`` the mean router probability of e. Its minimum, K, is reached by uniform routing.
+    """
+    num_tokens, num_experts = probs_SE.shape
+    counts_E = torch.zeros(num_experts, dtype=probs_SE.dtype, device=probs_SE.device)
+    counts_E.scatter_add_(
+        0, indices_SK.reshape(-1), torch.ones_like(indices_SK, dtype=probs_SE.dtype).reshape(-1)
+    )
+    f_E = counts_E / max(num_tokens, 1)
+    p_E = probs_SE.mean(dim=0)
+    return num_experts * torch.sum(f_E * p_E)
+
+
+def router_z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of ``logsumexp(logits)^2``."""
+    return torch.logsumexp(logits_SE, dim=-1).square().mean()
+
+
+def uniform_routing_indices(
+    num_tokens: int, num_experts: int, top_k: int, device: torch.device
+) -> torch.Tensor:
+    """Forced uniform routing: token s takes experts ``(s*K + j) mod E`` for ``j < K``.
+
+    Every expert receives ``S*K/E`` pairs (to within one when E does not divide S*K), in the same pattern on
+    every step and rank, and no token picks an expert twice as long as K <= E.
+    """
+    s = torch.arange(num_tokens, device=device).unsqueeze(1)
+    j = torch.arange(top_k, device=device).unsqueeze(0)
+    return (s * top_k + j) % num_experts
+
+
+def apply_capacity(indices_SK: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
+    """Mark (token, k) pairs beyond an expert's capacity with -1, keeping the first ``cap`` in token order."""
+    flat = indices_SK.reshape(-1)
+    one_hot = F.one_hot(flat, num_experts)  # (S*K, E)
+    position = (torch.cumsum(one_hot, dim=0) * one_hot).sum(dim=-1) - 1  # arrival order within the expert
+    keep = position < cap
+    return torch.where(keep, flat, torch.full_like(flat, -1)).reshape(indices_SK.shape)
+
+
+class Router(nn.Module):
+    """Linear router ``H -> E`` with top-k selection (see the module docstring for the semantics).
+
+    The weight is stored as ``weight`` of shape (E, H), like transformers' ``OlmoeTopKRouter`` /
+    ``MixtralTopKRouter`` so checkpoints map one to one.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        router_kind: str = "softmax_topk",
+        norm_topk_prob: bool = False,
+        capacity_factor: float | None = None,
+        forced_uniform_routing: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if router_kind not in ROUTER_KINDS:
+            raise ValueError(f"router_kind ({router_kind!r}) must be one of {ROUTER_KINDS}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k ({top_k}) must be in [1, num_experts ({num_experts})]")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.router_kind = router_kind
+        self.norm_topk_prob = norm_topk_prob
+        self.capacity_factor = capacity_factor
+        self.forced_uniform_routing = forced_uniform_routing
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"kind={self.router_kind}, norm_topk_prob={self.norm_topk_prob}, "
+            f"capacity_factor={self.capacity_factor}, forced_uniform={self.forced_uniform_routing}"
+        )
+
+    def forward(self, x_SH: torch.Tensor) -> RouterOutput:
+        x_SH = x_SH.reshape(-1, self.hidden_size)
+        logits_SE = F.linear(x_SH.float(), self.weight.float())
+        probs_SE = torch.softmax(logits_SE, dim=-1)
+        num_tokens = logits_SE.shape[0]
+
+        if self.forced_uniform_routing:
+            indices_SK = uniform_routing_indices(num_tokens, self.num_experts, self.top_k, logits_SE.device)
+        elif self.router_kind == "softmax_topk":
+            _, indices_SK = torch.topk(probs_SE, self.top_k, dim=-1)
+        else:
+            _, indices_SK = torch.topk(logits_SE, self.top_k, dim=-1)
+
+        if self.router_kind == "softmax_topk":
+            weights_SK = probs_SE.gather(1, indices_SK)
+            if self.norm_topk_prob:
+                weights_SK = weights_SK / weights_SK.sum(dim=-1, keepdim=True)
+        else:
+            weights_SK = torch.softmax(logits_SE.gather(1, indices_SK), dim=-1)
+
+        lb_loss = load_balancing_loss(probs_SE, indices_SK)
+        z_loss = router_z_loss(logits_SE)
+
+        with torch.no_grad():
+            if self.capacity_factor is not None:
+                cap = capacity(self.capacity_factor, num_tokens, self.top_k, self.num_experts)
+                indices_SK = apply_capacity(indices_SK, self.num_experts, cap)
+            kept = indices_SK >= 0
+            tokens_per_expert_E = torch.bincount(indices_SK[kept], minlength=self.num_experts)
+            num_dropped = (~kept).sum()
+        if self.capacity_factor is not None:
+            weights_SK = weights_SK * kept.to(weights_SK.dtype)
+
+        return RouterOutput(
+            logits_SE=logits_SE,
+            weights_SK=weights_SK,
+            indices_SK=indices_SK,
+            load_balance_loss=lb_loss,
+            z_loss=z_loss,
+            tokens_per_expert_E=tokens_per_expert_E,
+            num_dropped=num_dropped,
+        )
