@@ -38,9 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(
-            f"mula: unknown command {name!r}; known commands: {', '.join(sorted(COMMANDS))}", file=sys.stderr
-        )
+        print(f"mula: unknown command {name!r}; known commands: {', '.join(sorted(COMMANDS))}", file=sys.stderr)
         return 2
     target, _ = COMMANDS[name]
     module_name, func_name = target.split(":")

@@ -116,9 +116,7 @@ class MulaConfig:
         if bad:
             raise ValueError(f"these config values must be positive integers: {bad}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.num_experts < 0:
@@ -199,9 +197,7 @@ class MulaConfig:
         causal mask halves the useful work but not what dense kernels compute), as in the PaLM appendix.
         """
         t = seq_len or self.max_seq_len
-        dense = (
-            self.num_params(active=True) - self.vocab_size * self.hidden_size
-        )  # input embedding is a lookup
+        dense = self.num_params(active=True) - self.vocab_size * self.hidden_size  # input embedding is a lookup
         return 6.0 * dense + 12.0 * self.num_layers * self.q_dim * t
 
 

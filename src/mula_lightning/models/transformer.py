@@ -123,9 +123,7 @@ class MulaAttention(nn.Module):
         k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, c.q_dim))
 
 
@@ -150,9 +148,7 @@ class MulaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_moe_block(config) if config.is_moe else MulaMLP(config)
 
-    def forward(
-        self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, MoEAux | None]:
+    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, MoEAux | None]:
         x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin)
         h = self.post_attention_layernorm(x_BTH)
         if hasattr(self.mlp, "forward_with_aux"):
@@ -271,9 +267,7 @@ def _stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def init_parameter(
-    name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int
-) -> torch.Tensor:
+def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int) -> torch.Tensor:
     """The initial value of one full (unsharded) parameter, a function of (seed, name) alone.
 
     Norm weights start at one; every matrix is drawn from ``N(0, init_std^2)`` with a generator seeded by

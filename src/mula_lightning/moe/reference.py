@@ -102,9 +102,7 @@ class ReferenceMoEBlock(nn.Module):
             forced_uniform_routing=config.forced_uniform_routing,
             device=device,
         )
-        self.experts = ExpertWeights(
-            config.num_experts, config.hidden_size, config.intermediate_size, device=device
-        )
+        self.experts = ExpertWeights(config.num_experts, config.hidden_size, config.intermediate_size, device=device)
 
     def forward_with_aux(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         shape = x_BTH.shape

@@ -61,9 +61,7 @@ def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> tor
     """
     num_tokens, num_experts = probs_SE.shape
     counts_E = torch.zeros(num_experts, dtype=probs_SE.dtype, device=probs_SE.device)
-    counts_E.scatter_add_(
-        0, indices_SK.reshape(-1), torch.ones_like(indices_SK, dtype=probs_SE.dtype).reshape(-1)
-    )
+    counts_E.scatter_add_(0, indices_SK.reshape(-1), torch.ones_like(indices_SK, dtype=probs_SE.dtype).reshape(-1))
     f_E = counts_E / max(num_tokens, 1)
     p_E = probs_SE.mean(dim=0)
     return num_experts * torch.sum(f_E * p_E)
@@ -74,9 +72,7 @@ def router_z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_SE, dim=-1).square().mean()
 
 
-def uniform_routing_indices(
-    num_tokens: int, num_experts: int, top_k: int, device: torch.device
-) -> torch.Tensor:
+def uniform_routing_indices(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> torch.Tensor:
     """Forced uniform routing: token s takes experts ``(s*K + j) mod E`` for ``j < K``.
 
     Every expert receives ``S*K/E`` pairs (to within one when E does not divide S*K), in the same pattern on
