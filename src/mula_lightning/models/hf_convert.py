@@ -1,0 +1,375 @@
+"""Conversion between Mula and transformers' ``OlmoeForCausalLM``, ``MixtralForCausalLM`` and ``LlamaForCausalLM``.
+
+Mula keeps transformers 5.x names (``model.layers.N.self_attn.q_proj.weight``, fused experts
+``mlp.experts.gate_up_proj`` (E, 2I, H) with gate rows first and ``mlp.experts.down_proj`` (E, H, I), router
+``mlp.gate.weight`` (E, H)), so most keys map to themselves. Checkpoints on the Hub still use per-expert keys;
+both are accepted when loading:
+
+* OLMoE: ``mlp.experts.N.{gate,up,down}_proj.weight``;
+* Mixtral: ``block_sparse_moe.gate.weight`` and ``block_sparse_moe.experts.N.{w1,w3,w2}.weight``
+  (w1 = gate, w3 = up, w2 = down).
+
+Exporting picks the HF family that computes the same function:
+
+* dense without q/k-norm -> Llama;
+* dense with q/k-norm (``mula-1b``) -> OLMoE with one expert (softmax over one logit is exactly 1);
+* MoE with q/k-norm -> OLMoE (``topk_softmax`` becomes ``norm_topk_prob=True``, the same function);
+* MoE without q/k-norm -> Mixtral (needs top-k-then-softmax semantics).
+
+Capacity factors and forced uniform routing have no transformers equivalent: exporting such a model warns
+that the HF model routes dropless.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.models.transformer import MulaForCausalLM
+
+SUPPORTED_MODEL_TYPES = ("olmoe", "mixtral", "llama")
+
+
+# ----------------------------------------------------------------------------------------------- configs
+def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    scaling = getattr(hf_config, "rope_scaling", None) or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"rope type {kind!r} of this checkpoint is not supported (known: 'default', 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> MulaConfig:
+    """The ``MulaConfig`` computing the same function as a transformers OLMoE / Mixtral / Llama config."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (Mula uses SwiGLU with silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, flag, False):
+            raise ValueError(f"{flag}=True is not supported (Mula has no biases)")
+    if getattr(hf_config, "clip_qkv", None) is not None:
+        raise ValueError(f"clip_qkv={hf_config.clip_qkv} is not supported")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < hf_config.max_position_embeddings:
+        raise ValueError(f"sliding_window={window} is not supported (full causal attention only)")
+    theta, scaling = _rope_from_hf(hf_config)
+    values: dict[str, Any] = dict(
+        name=getattr(hf_config, "_name_or_path", "") or f"hf-{model_type}",
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        intermediate_size=hf_config.intermediate_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        init_std=getattr(hf_config, "initializer_range", 0.02),
+    )
+    if model_type == "olmoe" and hf_config.num_experts == 1:
+        # A one-expert OLMoE is a dense model (softmax over one logit is 1): how dense q/k-norm models export.
+        values.update(num_experts=0, top_k=0, qk_norm=True)
+    elif model_type == "olmoe":
+        values.update(
+            num_experts=hf_config.num_experts,
+            top_k=hf_config.num_experts_per_tok,
+            router_kind="softmax_topk",
+            norm_topk_prob=bool(hf_config.norm_topk_prob),
+            aux_loss_coef=hf_config.router_aux_loss_coef,
+            qk_norm=True,
+        )
+    elif model_type == "mixtral":
+        values.update(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            router_kind="topk_softmax",
+            aux_loss_coef=hf_config.router_aux_loss_coef,
+            z_loss_coef=0.0,
+            qk_norm=False,
+        )
+    else:
+        values.update(num_experts=0, top_k=0, qk_norm=False)
+    values.update(overrides)
+    return MulaConfig(**values)
+
+
+def hf_family(config: MulaConfig) -> str:
+    """Which transformers family exports ``config`` exactly (see the module docstring)."""
+    if not config.is_moe:
+        return "olmoe" if config.qk_norm else "llama"
+    if config.qk_norm:
+        if config.head_dim * config.num_heads != config.hidden_size:
+            raise ValueError(
+                f"OLMoE export needs head_dim * num_heads == hidden_size, got {config.head_dim} * "
+                f"{config.num_heads} != {config.hidden_size}"
+            )
+        return "olmoe"
+    if config.router_kind == "softmax_topk" and not config.norm_topk_prob:
+        raise ValueError(
+            "a MoE without q/k-norm and with softmax_topk routing without norm_topk_prob has no transformers "
+            "equivalent (Mixtral renormalises the top-k weights)"
+        )
+    return "mixtral"
+
+
+def hf_config_from_mula(config: MulaConfig) -> Any:
+    """The transformers config of the family chosen by :func:`hf_family`."""
+    import transformers
+
+    family = hf_family(config)
+    if config.capacity_factor is not None or config.forced_uniform_routing:
+        warnings.warn(
+            "transformers has no capacity factor or forced uniform routing; the exported model routes dropless",
+            stacklevel=2,
+        )
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling:
+        rope.update(config.rope_scaling)
+    common = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_seq_len,
+        tie_word_embeddings=config.tie_word_embeddings,
+        initializer_range=config.init_std,
+        rope_parameters=rope,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(head_dim=config.head_dim, **common)
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            head_dim=config.head_dim,
+            num_local_experts=config.num_experts,
+            num_experts_per_tok=config.top_k,
+            router_aux_loss_coef=config.aux_loss_coef,
+            **common,
+        )
+    moe = config.is_moe
+    return transformers.OlmoeConfig(
+        num_experts=config.num_experts if moe else 1,
+        num_experts_per_tok=config.top_k if moe else 1,
+        norm_topk_prob=config.norm_topk_prob or config.router_kind == "topk_softmax",
+        router_aux_loss_coef=config.aux_loss_coef,
+        **common,
+    )
+
+
+# ------------------------------------------------------------------------------------------ state dicts
+_OLMOE_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _fuse_per_expert(per_expert: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for prefix, experts in per_expert.items():
+        ids = sorted(experts)
+        if ids != list(range(len(ids))):
+            raise KeyError(f"{prefix}: expert ids are not contiguous from 0: {ids}")
+        missing = [(e, n) for e in ids for n in ("gate_proj", "up_proj", "down_proj") if n not in experts[e]]
+        if missing:
+            raise KeyError(f"{prefix}: missing per-expert weights {missing}")
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in ids]
+        )
+        out[f"{prefix}.experts.down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
+    return out
+
+
+def normalize_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rewrite Hub-style per-expert keys (OLMoE and Mixtral) into the fused 5.x / Mula layout."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, value in state_dict.items():
+        if m := _OLMOE_EXPERT.match(key):
+            prefix, e, name = m.group(1), int(m.group(2)), m.group(3)
+        elif m := _MIXTRAL_EXPERT.match(key):
+            prefix, e, name = f"{m.group(1)}.mlp", int(m.group(2)), _MIXTRAL_NAMES[m.group(3)]
+        else:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = value
+            continue
+        per_expert.setdefault(prefix, {}).setdefault(e, {})[name] = value
+    out.update(_fuse_per_expert(per_expert))
+    return out
+
+
+def _check_keys(got: set[str], expected: set[str], what: str) -> None:
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        raise KeyError(
+            f"{what}: {len(missing)} missing key(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+            f"{len(unexpected)} unexpected key(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+
+
+def hf_to_mula_state_dict(state_dict: dict[str, torch.Tensor], config: MulaConfig) -> dict[str, torch.Tensor]:
+    """Map a transformers state dict (any accepted layout) to Mula keys, checking every key."""
+    sd = normalize_hf_state_dict(state_dict)
+    if config.tie_word_embeddings or "lm_head.weight" not in sd:
+        if config.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    if not config.is_moe:  # a dense model exported as single-expert OLMoE comes back dense
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}.mlp"
+            if f"{p}.experts.gate_up_proj" in sd:
+                gate_up = sd.pop(f"{p}.experts.gate_up_proj")
+                if gate_up.shape[0] != 1:
+                    raise ValueError(f"{p}: a dense config cannot load {gate_up.shape[0]} experts")
+                sd[f"{p}.gate_proj.weight"], sd[f"{p}.up_proj.weight"] = gate_up[0].chunk(2, dim=0)
+                sd[f"{p}.down_proj.weight"] = sd.pop(f"{p}.experts.down_proj")[0]
+                sd.pop(f"{p}.gate.weight", None)
+    return sd
+
+
+def mula_to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: MulaConfig) -> dict[str, torch.Tensor]:
+    """Mula keys to the transformers 5.x keys of the family chosen by :func:`hf_family`."""
+    sd = dict(state_dict)
+    if hf_family(config) == "olmoe" and not config.is_moe:
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}.mlp"
+            gate, up, down = (sd.pop(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
+            sd[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], dim=0).unsqueeze(0)
+            sd[f"{p}.experts.down_proj"] = down.unsqueeze(0)
+            sd[f"{p}.gate.weight"] = gate.new_zeros(1, config.hidden_size)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+# ----------------------------------------------------------------------------------------- directories
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (key, tensor) from a HF directory's ``model.safetensors`` or sharded ``*.safetensors.index.json``."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: listed in the index but missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield key, f.get_tensor(key)
+        except Exception as err:  # safetensors raises its own error types for truncated headers
+            if isinstance(err, (FileNotFoundError, KeyError)):
+                raise
+            raise ValueError(f"{file}: cannot read safetensors file ({err})") from err
+
+
+def load_hf_directory(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The transformers config and full state dict stored in a local HF model directory (no network)."""
+    import transformers
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+    hf_config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return hf_config, dict(iter_safetensors(path))
+
+
+# ---------------------------------------------------------------------------------------------- models
+def load_from_hf(hf_model_or_path: Any, **overrides: Any) -> MulaForCausalLM:
+    """Build a ``MulaForCausalLM`` holding the weights of a transformers model or HF directory."""
+    if isinstance(hf_model_or_path, (str, Path)):
+        hf_config, state_dict = load_hf_directory(hf_model_or_path)
+    else:  # copy, so that training one model never changes the other
+        hf_config = hf_model_or_path.config
+        state_dict = {k: v.detach().clone() for k, v in hf_model_or_path.state_dict().items()}
+    config = config_from_hf(hf_config, **overrides)
+    sd = hf_to_mula_state_dict(state_dict, config)
+    with torch.device("meta"):
+        model = MulaForCausalLM(config)
+    _check_keys(set(sd), set(model.state_dict()), f"loading a {hf_config.model_type} checkpoint into Mula")
+    model.load_state_dict(sd, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def to_hf(model: MulaForCausalLM) -> Any:
+    """The transformers model computing the same function as ``model`` (weights copied)."""
+    import transformers
+
+    config = model.config
+    hf_config = hf_config_from_mula(config)
+    cls = {
+        "olmoe": transformers.OlmoeForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "llama": transformers.LlamaForCausalLM,
+    }[hf_config.model_type]
+    with torch.device("meta"):
+        hf_model = cls(hf_config)
+    sd = mula_to_hf_state_dict(model.state_dict(), config)
+    expected = {k for k in hf_model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    _check_keys(set(sd), expected, f"exporting Mula to {cls.__name__}")
+    hf_model.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        hf_model.tie_weights()
+    hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config=hf_config)  # buffers off the meta device
+    return hf_model.eval()
+
+
+def save_hf(model: MulaForCausalLM, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``model`` as a transformers directory (config.json + safetensors) without building the HF model."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config = hf_config_from_mula(model.config)
+    hf_config.architectures = [
+        {"olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM"}[
+            hf_config.model_type
+        ]
+    ]
+    sd = {k: v.detach().contiguous().cpu() for k, v in mula_to_hf_state_dict(model.state_dict(), model.config).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in sd.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config.save_pretrained(str(path))
+    return path

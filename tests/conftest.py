@@ -1,0 +1,18 @@
+"""Shared pytest setup: deterministic CPU math, few threads (CI has 2 cores), W&B offline."""
+
+import os
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    torch.manual_seed(1234)
+    yield
