@@ -32,7 +32,7 @@ def test_meta_device_model_has_the_formula_parameter_count(name):
 
 
 def test_presets_follow_table1_shapes():
-    """The shapes of Table 1 (layers, hidden, heads, head size 128, intermediate, experts, top-k), vocab 50304, untied."""
+    """Table 1 shapes (layers, hidden, heads, head 128, intermediate, experts, top-k), vocab 50304, untied."""
     expected = {
         "mula-1b": (16, 2048, 16, 8192, 0, 0),
         "mula-7b-a1b": (16, 2048, 16, 1024, 64, 8),

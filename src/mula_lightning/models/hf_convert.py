@@ -226,9 +226,8 @@ def _check_keys(got: set[str], expected: set[str], what: str) -> None:
 def hf_to_mula_state_dict(state_dict: dict[str, torch.Tensor], config: MulaConfig) -> dict[str, torch.Tensor]:
     """Map a transformers state dict (any accepted layout) to Mula keys, checking every key."""
     sd = normalize_hf_state_dict(state_dict)
-    if config.tie_word_embeddings or "lm_head.weight" not in sd:
-        if config.tie_word_embeddings:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     if not config.is_moe:  # a dense model exported as single-expert OLMoE comes back dense
         for i in range(config.num_layers):
             p = f"model.layers.{i}.mlp"
