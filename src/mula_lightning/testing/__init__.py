@@ -1,0 +1,18 @@
+"""Helpers for the project's own tests (and users' tests): real multi-process runs and accelerator markers.
+
+``run_distributed_test(fn, world_size, backend="gloo")`` runs a module-level function on several processes with an
+initialised process group and returns the per-rank results; ``requires_gpu`` and ``BACKENDS`` let tests cover
+CUDA / XPU when present while passing on a CPU-only machine.
+"""
+
+from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test
+from mula_lightning.testing.markers import BACKENDS, available_backends, gpu_available, requires_gpu
+
+__all__ = [
+    "BACKENDS",
+    "DistributedTestError",
+    "available_backends",
+    "gpu_available",
+    "requires_gpu",
+    "run_distributed_test",
+]
