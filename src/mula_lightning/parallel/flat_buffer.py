@@ -1,0 +1,203 @@
+"""Contiguous parameter / gradient buffers split into buckets and per-rank shards (Megatron-style).
+
+One :class:`FlatBuffer` serves one *parameter family* (a set of parameters replicated over the same ranks and
+sharded over the same group). Its layout:
+
+* parameters are laid out back to back in the order given (the caller passes them in reverse registration
+  order, close to the order in which backward produces their gradients), grouped by optimizer param group so
+  that every shard maps to few (start, end, group) segments;
+* the buffer is cut into buckets of about ``bucket_numel`` elements at parameter boundaries; each bucket is
+  padded to a multiple of the shard-group size ``g`` so that it splits into ``g`` equal shards;
+* rank ``i`` of the shard group owns shard ``i`` of every bucket (the element range it reduces, updates and
+  broadcasts).
+
+``param.data`` becomes a view into ``params`` (so an all-gather into a bucket refreshes the model in place)
+and gradients are accumulated into ``grads`` (a separate buffer, possibly of another dtype) by hooks.
+Padding elements stay zero in both buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives in the flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    group_index: int
+    start: int  # element offset in the flat buffer
+    numel: int
+    bucket: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass
+class Bucket:
+    """A padded range ``[start, start + numel)`` of the flat buffer, split into ``shard_count`` shards."""
+
+    index: int
+    start: int
+    numel: int  # padded
+    shard_count: int
+    slots: list[ParamSlot] = field(default_factory=list)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.shard_count
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """Buffer range owned by shard ``shard``."""
+        lo = self.start + shard * self.shard_numel
+        return lo, lo + self.shard_numel
+
+
+@dataclass
+class Segment:
+    """Part of a rank's owned elements that belongs to one parameter (for updates and checkpoints).
+
+    Attributes:
+        slot: the parameter.
+        buffer_start / buffer_end: the range in the flat buffer.
+        param_start: offset of ``buffer_start`` inside the flattened parameter.
+        local_start: offset inside the rank's concatenated owned elements (the optimizer-state vectors).
+    """
+
+    slot: ParamSlot
+    buffer_start: int
+    buffer_end: int
+    param_start: int
+    local_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.buffer_end - self.buffer_start
+
+
+class FlatBuffer:
+    """Flat parameter and gradient storage of one parameter family; see the module docstring.
+
+    Args:
+        named_params: (name, parameter, param-group index) in layout order.
+        shard_count: size ``g`` of the group the optimizer states are sharded over (1 = replicated).
+        shard_index: this rank's index in that group.
+        bucket_numel: target elements per bucket (``None``: one bucket).
+        grad_dtype: dtype of the gradient accumulation buffer (default: the parameters' dtype).
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter, int]],
+        shard_count: int,
+        shard_index: int,
+        bucket_numel: int | None = None,
+        grad_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not named_params:
+            raise ValueError("a FlatBuffer needs at least one parameter")
+        dtypes = {p.dtype for _, p, _ in named_params}
+        devices = {p.device for _, p, _ in named_params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"a FlatBuffer needs one dtype and device, got dtypes {dtypes} and devices {devices}")
+        self.dtype = dtypes.pop()
+        self.device = devices.pop()
+        self.shard_count = shard_count
+        self.shard_index = shard_index
+        ordered = sorted(named_params, key=lambda item: item[2])  # stable: keeps the caller's order per group
+        self.slots: list[ParamSlot] = []
+        self.buckets: list[Bucket] = []
+        offset = 0
+        current: list[tuple[str, nn.Parameter, int]] = []
+
+        def close_bucket() -> None:
+            nonlocal offset
+            start = offset
+            for name, p, g in current:
+                slot = ParamSlot(name, p, g, offset, p.numel(), len(self.buckets))
+                self.slots.append(slot)
+                offset += p.numel()
+            padded = -(-(offset - start) // shard_count) * shard_count
+            bucket = Bucket(len(self.buckets), start, padded, shard_count, self.slots[-len(current) :])
+            self.buckets.append(bucket)
+            offset = start + padded
+            current.clear()
+
+        running = 0
+        for item in ordered:
+            current.append(item)
+            running += item[1].numel()
+            if bucket_numel is not None and running >= bucket_numel:
+                close_bucket()
+                running = 0
+        if current:
+            close_bucket()
+        self.numel = offset
+
+        self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grads = torch.zeros(self.numel, dtype=grad_dtype or self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot in self.slots:
+                view = self.params[slot.start : slot.end].view_as(slot.param)
+                view.copy_(slot.param.data)
+                slot.param.data = view
+        self.segments = self._owned_segments()
+        self.owned_numel = sum(b.shard_numel for b in self.buckets)
+        self.runs = self._group_runs()
+
+    def _group_runs(self) -> list[tuple[int, int, int]]:
+        """Owned elements as maximal (local_start, local_end, group_index) runs; padding joins its neighbours.
+
+        The optimizer updates run by run, so a shard of one param group is one fused update, not one per tensor.
+        """
+        runs: list[list[int]] = []
+        for seg in self.segments:
+            g = seg.slot.group_index
+            if runs and runs[-1][2] == g:
+                runs[-1][1] = seg.local_start + seg.numel
+            else:
+                if runs:
+                    runs[-1][1] = seg.local_start  # padding between runs goes with the earlier run
+                runs.append([seg.local_start if runs else 0, seg.local_start + seg.numel, g])
+        if runs:
+            runs[-1][1] = self.owned_numel
+        return [tuple(r) for r in runs]
+
+    def _owned_segments(self) -> list[Segment]:
+        segments: list[Segment] = []
+        local = 0
+        for bucket in self.buckets:
+            lo, hi = bucket.shard_range(self.shard_index)
+            for slot in bucket.slots:
+                s, e = max(lo, slot.start), min(hi, slot.end)
+                if s < e:
+                    segments.append(Segment(slot, s, e, s - slot.start, local + (s - lo)))
+            local += hi - lo
+        return segments
+
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        """Buffer ranges this rank owns, one per bucket (padding included)."""
+        return [b.shard_range(self.shard_index) for b in self.buckets]
+
+    def gather_owned(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's owned elements of ``buffer`` (``params`` or ``grads``) concatenated (a view if one bucket)."""
+        ranges = self.owned_ranges()
+        if len(ranges) == 1:
+            return buffer[ranges[0][0] : ranges[0][1]]
+        return torch.cat([buffer[lo:hi] for lo, hi in ranges])
+
+    def scatter_owned(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
+        """Write concatenated owned elements back into ``buffer`` (inverse of :meth:`gather_owned`)."""
+        offset = 0
+        for lo, hi in self.owned_ranges():
+            target = buffer[lo:hi]
+            if target.data_ptr() != values[offset:].data_ptr():  # a view of itself needs no copy
+                target.copy_(values[offset : offset + hi - lo])
+            offset += hi - lo

@@ -1,0 +1,294 @@
+"""A flat-buffer sharded AdamW for DP x EP: ``"ep_aware"`` (EPSO), ``"dp"`` (SO, ZeRO-1) and ``"none"`` (DDP).
+
+Why: with DP x EP, a standard sharded optimizer (SO) splits optimizer states over the DP ranks only, so the
+states of the non-expert parameters (replicated on all DP*EP ranks) are stored EP times. EPSO (Aurora paper,
+Section 3.2, Figure 6) shards each parameter family over exactly the ranks that replicate it.
+
+Communication plan (W = DP*EP ranks; every family is a :class:`FlatBuffer`; "RS"/"AR"/"AG" = reduce-scatter,
+all-reduce, all-gather, bucket by bucket). Gradients are first divided by W (each rank's loss is a mean over
+its own tokens; expert gradients already hold their EP group's tokens through the dispatch backward, so every
+family is divided by the same W):
+
+=========  ============  ======================  ==================  ==================
+mode       family        gradient reduction      states sharded      after the update
+=========  ============  ======================  ==================  ==================
+none       non-expert    AR over world (W)       no (replicated)     nothing
+none       expert        AR over dp (DP)         no (replicated)     nothing
+dp         non-expert    RS over dp, AR over ep  over dp (DP)        AG over dp
+dp         expert        RS over dp              over dp (DP)        AG over dp
+ep_aware   non-expert    RS over world           over world (W)      AG over world
+ep_aware   expert        RS over dp              over dp (DP)        AG over dp
+=========  ============  ======================  ==================  ==================
+
+On one rank, for every family: backward hooks add each parameter's gradient into the family's gradient
+buffer; when every parameter of a bucket is ready (and synchronisation is on: the last micro-batch of a
+gradient-accumulation window) the bucket's RS is launched asynchronously, overlapping the rest of backward.
+``step()`` waits for the reductions, runs the cross-group AR of the owned shard where the table says so,
+clips by the global norm (each element counted once: a shard replicated R times is counted 1/R each), updates
+the owned fp32 shard with AdamW (decoupled weight decay), writes it into the parameters and all-gathers.
+
+Bytes per rank (AdamW, P_ne / P_e = non-expert / expert elements of the full model, padding included):
+8 bytes of moments per owned element, plus 4 for an fp32 master copy when parameters are not fp32.
+Owned elements: none: P_ne + P_e/EP; dp (SO): P_ne/DP + P_e/(DP*EP); ep_aware (EPSO): P_ne/(DP*EP) +
+P_e/(DP*EP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mula_lightning.parallel.flat_buffer import FlatBuffer
+from mula_lightning.parallel.topology import MoETopology
+
+MODES = ("ep_aware", "dp", "none")
+
+
+@dataclass
+class FamilyPlan:
+    """Process groups of one parameter family (``None`` means a group of one: nothing to send)."""
+
+    name: str
+    shard_group: Any
+    shard_size: int
+    shard_rank: int
+    cross_group: Any
+    cross_size: int
+
+
+def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
+    """The groups of the table in the module docstring for ``mode`` on ``topo``."""
+    if mode not in MODES:
+        raise ValueError(f"sharded_optimizer mode {mode!r} must be one of {MODES}")
+    w, dp, ep = topo.world_size, topo.dp_size, topo.ep_size
+    world, dpg, epg = topo.world_group, topo.dp_group, topo.ep_group
+    if mode == "none":
+        return {
+            "non_expert": FamilyPlan("non_expert", None, 1, 0, world if w > 1 else None, w),
+            "expert": FamilyPlan("expert", None, 1, 0, dpg if dp > 1 else None, dp),
+        }
+    expert = FamilyPlan("expert", dpg if dp > 1 else None, dp, topo.dp_rank, None, 1)
+    if mode == "dp":
+        non_expert = FamilyPlan("non_expert", dpg if dp > 1 else None, dp, topo.dp_rank, epg if ep > 1 else None, ep)
+    else:
+        non_expert = FamilyPlan("non_expert", world if w > 1 else None, w, topo.rank, None, 1)
+    return {"non_expert": non_expert, "expert": expert}
+
+
+def is_expert_param(name: str) -> bool:
+    """Expert weights are the fused tensors under an ``experts`` module (``...mlp.experts.gate_up_proj``)."""
+    return ".experts." in f".{name}"
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW over flat, sharded buffers; the communication plan is in the module docstring.
+
+    Args:
+        model: the (expert-parallel) module whose parameters are trained.
+        topology: the DP x EP layout.
+        mode: ``"ep_aware"``, ``"dp"`` or ``"none"``.
+        param_groups: optional list of ``{"params": [names or parameters], **hyperparameters}``; defaults to one
+            group with all trainable parameters.
+        lr, betas, eps, weight_decay: AdamW defaults (the Aurora paper's recipe).
+        reduce_dtype: dtype gradients travel in (``torch.float32`` or ``torch.bfloat16`` as in the paper).
+        bucket_numel: elements per communication bucket (``None``: one bucket per family).
+        max_grad_norm: default global-norm clip used by :meth:`step` when set (see :meth:`clip_grad_norm_`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        topology: MoETopology,
+        mode: str = "ep_aware",
+        param_groups: list[dict[str, Any]] | None = None,
+        lr: float = 4e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        reduce_dtype: torch.dtype = torch.float32,
+        bucket_numel: int | None = 40_000_000,
+    ) -> None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        if param_groups is None:
+            param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        groups = []
+        for g in param_groups:
+            params = [dict(model.named_parameters())[p] if isinstance(p, str) else p for p in g["params"]]
+            unknown = [p for p in params if id(p) not in names]
+            if unknown:
+                raise ValueError(f"{len(unknown)} optimizer parameter(s) do not belong to the model")
+            groups.append({**g, "params": params})
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(groups, defaults)
+        self.topology = topology
+        self.mode = mode
+        self.reduce_dtype = reduce_dtype
+        self.world_size = topology.world_size
+        self.plans = family_plans(mode, topology)
+        self.require_grad_sync = True
+        self._step = 0
+
+        by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {"non_expert": [], "expert": []}
+        for gi, group in enumerate(self.param_groups):
+            for p in reversed(group["params"]):  # backward produces gradients roughly in reverse order
+                name = names[id(p)]
+                by_family["expert" if is_expert_param(name) else "non_expert"].append((name, p, gi))
+        self.buffers: dict[str, FlatBuffer] = {}
+        for fam, items in by_family.items():
+            if items:
+                plan = self.plans[fam]
+                self.buffers[fam] = FlatBuffer(items, plan.shard_size, plan.shard_rank, bucket_numel)
+        self.master_dtype = torch.float32
+        self._init_state()
+        self._pending: dict[tuple[str, int], Any] = {}
+        self._ready: dict[tuple[str, int], int] = {}
+        self._bucket_of = {
+            id(s.param): (fam, s.bucket, s.start, s.end) for fam, buf in self.buffers.items() for s in buf.slots
+        }
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for buf in self.buffers.values() for p in _params(buf)
+        ]
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self) -> None:
+        self.shards: dict[str, dict[str, torch.Tensor]] = {}
+        for fam, buf in self.buffers.items():
+            owned = buf.gather_owned(buf.params)
+            master = owned.float() if buf.dtype != torch.float32 else None
+            self.shards[fam] = {
+                "exp_avg": torch.zeros(buf.owned_numel, dtype=torch.float32, device=buf.device),
+                "exp_avg_sq": torch.zeros(buf.owned_numel, dtype=torch.float32, device=buf.device),
+                **({"master": master} if master is not None else {}),
+            }
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (moments and fp32 master, padding included)."""
+        return sum(t.numel() * t.element_size() for s in self.shards.values() for t in s.values())
+
+    # ------------------------------------------------------------- gradients
+    def _on_grad(self, param: nn.Parameter) -> None:
+        fam, bucket, start, end = self._bucket_of[id(param)]
+        buf = self.buffers[fam]
+        buf.grads[start:end].add_(param.grad.reshape(-1))
+        param.grad = None
+        if not self.require_grad_sync:  # inside a gradient-accumulation window: accumulate only
+            return
+        key = (fam, bucket)
+        self._ready[key] = self._ready.get(key, 0) + 1
+        if self._ready[key] == len(buf.buckets[bucket].slots):
+            self._launch(fam, bucket)
+
+    def _launch(self, fam: str, bucket_index: int) -> None:
+        """Scale the bucket by 1/W and start its reduce-scatter (or all-reduce when states are replicated)."""
+        if (fam, bucket_index) in self._pending:
+            return
+        buf, plan = self.buffers[fam], self.plans[fam]
+        b = buf.buckets[bucket_index]
+        view = buf.grads[b.start : b.start + b.numel]
+        view.div_(self.world_size)
+        send = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
+        work, out = None, None
+        if plan.shard_size > 1:
+            out = torch.empty(b.shard_numel, dtype=self.reduce_dtype, device=view.device)
+            work = dist.reduce_scatter_tensor(out, send, group=plan.shard_group, async_op=True)
+        elif plan.cross_size > 1 and plan.cross_group is not None:
+            work = dist.all_reduce(send, group=plan.cross_group, async_op=True)
+            out = send
+        self._pending[(fam, bucket_index)] = (work, out)
+
+    def finish_grad_sync(self) -> None:
+        """Complete every bucket's reduction so each rank holds its owned, fully reduced gradient shard."""
+        for fam, buf in self.buffers.items():
+            plan = self.plans[fam]
+            for b in buf.buckets:
+                self._launch(fam, b.index)  # buckets whose parameters got no gradient (unused this step)
+                work, out = self._pending.pop((fam, b.index))
+                if work is not None:
+                    work.wait()
+                lo, hi = b.shard_range(plan.shard_rank)
+                if plan.shard_size > 1:
+                    if plan.cross_size > 1 and plan.cross_group is not None:
+                        dist.all_reduce(out, group=plan.cross_group)
+                    buf.grads[lo:hi].copy_(out)
+                elif out is not None and out is not buf.grads[b.start : b.start + b.numel]:
+                    buf.grads[lo:hi].copy_(out)
+        self._ready.clear()
+
+    def owned_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients, every element of the model counted exactly once."""
+        total = torch.zeros((), dtype=torch.float32, device=next(iter(self.buffers.values())).device)
+        for fam, buf in self.buffers.items():
+            owned = buf.gather_owned(buf.grads).float()
+            total += owned.pow(2).sum() / self.plans[fam].cross_size
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.topology.world_group)
+        return total.sqrt()
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Any = None, max_grad_norm: float | None = None) -> torch.Tensor | None:
+        """Finish reductions, optionally clip to ``max_grad_norm`` (global), update owned shards, all-gather.
+
+        Returns:
+            The global gradient norm before clipping when ``max_grad_norm`` is given, else ``None``.
+        """
+        loss = closure() if closure is not None else None
+        self.finish_grad_sync()
+        norm, scale = None, 1.0
+        if max_grad_norm is not None:
+            norm = self.owned_grad_norm()
+            scale = min(1.0, max_grad_norm / (norm.item() + 1e-6))
+        self._step += 1
+        for fam, buf in self.buffers.items():
+            self._adamw_update(fam, buf, scale)
+            self._all_gather(fam, buf)
+        self.zero_grad()
+        return norm if max_grad_norm is not None else loss
+
+    def _adamw_update(self, fam: str, buf: FlatBuffer, grad_scale: float) -> None:
+        state = self.shards[fam]
+        grads = buf.gather_owned(buf.grads).float()
+        if grad_scale != 1.0:
+            grads.mul_(grad_scale)
+        params = state.get("master")
+        if params is None:
+            params = buf.gather_owned(buf.params)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        for lo, hi, gi in buf.runs:
+            g = self.param_groups[gi]
+            lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+            p_s, g_s, m_s, v_s = params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi]
+            p_s.mul_(1 - lr * wd)
+            m_s.lerp_(g_s, 1 - b1)
+            v_s.mul_(b2).addcmul_(g_s, g_s, value=1 - b2)
+            bc1, bc2 = 1 - b1**self._step, 1 - b2**self._step
+            denom = (v_s.sqrt() / math.sqrt(bc2)).add_(eps)
+            p_s.addcdiv_(m_s, denom, value=-lr / bc1)
+        buf.scatter_owned(buf.params, params.to(buf.dtype) if params.dtype != buf.dtype else params)
+
+    def _all_gather(self, fam: str, buf: FlatBuffer) -> None:
+        plan = self.plans[fam]
+        if plan.shard_size == 1:
+            return
+        for b in buf.buckets:
+            lo, hi = b.shard_range(plan.shard_rank)
+            full = buf.params[b.start : b.start + b.numel]
+            dist.all_gather_into_tensor(full, buf.params[lo:hi].clone(), group=plan.shard_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for buf in self.buffers.values():
+            buf.grads.zero_()
+            for p in _params(buf):
+                p.grad = None
+        self._ready.clear()
+        self._pending.clear()
+
+
+def _params(buf: FlatBuffer) -> Iterable[nn.Parameter]:
+    return (s.param for s in buf.slots)
