@@ -69,7 +69,9 @@ def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_
                 opt.require_grad_sync = micro == accumulate - 1
                 loss = sum((p * _grad(n, p.shape, (step, micro), rank)).sum() / accumulate for n, p in params.items())
                 loss.backward()
-            opt.step(max_grad_norm=max_norm)
+            if max_norm is not None:
+                opt.clip_grad_norm_(max_norm)
+            opt.step()
         results[mode] = ({n: p.detach().clone() for n, p in params.items()}, opt.state_bytes())
     return results
 

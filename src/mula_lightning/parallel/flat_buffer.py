@@ -148,7 +148,7 @@ class FlatBuffer:
                 view = self.params[slot.start : slot.end].view_as(slot.param)
                 view.copy_(slot.param.data)
                 slot.param.data = view
-        self.segments = self._owned_segments()
+        self.segments = self.segments_for(shard_index)
         self.owned_numel = sum(b.shard_numel for b in self.buckets)
         self.runs = self._group_runs()
 
@@ -170,11 +170,12 @@ class FlatBuffer:
             runs[-1][1] = self.owned_numel
         return [tuple(r) for r in runs]
 
-    def _owned_segments(self) -> list[Segment]:
+    def segments_for(self, shard_index: int) -> list[Segment]:
+        """The segments owned by shard ``shard_index`` (every rank can compute every other rank's layout)."""
         segments: list[Segment] = []
         local = 0
         for bucket in self.buckets:
-            lo, hi = bucket.shard_range(self.shard_index)
+            lo, hi = bucket.shard_range(shard_index)
             for slot in bucket.slots:
                 s, e = max(lo, slot.start), min(hi, slot.end)
                 if s < e:

@@ -60,6 +60,7 @@ class FamilyPlan:
     shard_rank: int
     cross_group: Any
     cross_size: int
+    cross_rank: int = 0  # index among the ranks holding the same shard (0 writes it to checkpoints)
 
 
 def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
@@ -70,12 +71,14 @@ def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
     world, dpg, epg = topo.world_group, topo.dp_group, topo.ep_group
     if mode == "none":
         return {
-            "non_expert": FamilyPlan("non_expert", None, 1, 0, world if w > 1 else None, w),
-            "expert": FamilyPlan("expert", None, 1, 0, dpg if dp > 1 else None, dp),
+            "non_expert": FamilyPlan("non_expert", None, 1, 0, world if w > 1 else None, w, topo.rank),
+            "expert": FamilyPlan("expert", None, 1, 0, dpg if dp > 1 else None, dp, topo.dp_rank),
         }
     expert = FamilyPlan("expert", dpg if dp > 1 else None, dp, topo.dp_rank, None, 1)
     if mode == "dp":
-        non_expert = FamilyPlan("non_expert", dpg if dp > 1 else None, dp, topo.dp_rank, epg if ep > 1 else None, ep)
+        non_expert = FamilyPlan(
+            "non_expert", dpg if dp > 1 else None, dp, topo.dp_rank, epg if ep > 1 else None, ep, topo.ep_rank
+        )
     else:
         non_expert = FamilyPlan("non_expert", world if w > 1 else None, w, topo.rank, None, 1)
     return {"non_expert": non_expert, "expert": expert}
@@ -98,7 +101,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: AdamW defaults (the Aurora paper's recipe).
         reduce_dtype: dtype gradients travel in (``torch.float32`` or ``torch.bfloat16`` as in the paper).
         bucket_numel: elements per communication bucket (``None``: one bucket per family).
-        max_grad_norm: default global-norm clip used by :meth:`step` when set (see :meth:`clip_grad_norm_`).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.plans = family_plans(mode, topology)
         self.require_grad_sync = True
         self._step = 0
+        self._synced = False  # reductions of this step finished (clip_grad_norm_ may run them before step)
 
         by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {"non_expert": [], "expert": []}
         for gi, group in enumerate(self.param_groups):
@@ -204,6 +207,9 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction so each rank holds its owned, fully reduced gradient shard."""
+        if self._synced:
+            return
+        self._synced = True
         for fam, buf in self.buffers.items():
             plan = self.plans[fam]
             for b in buf.buckets:
@@ -232,30 +238,36 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure: Any = None, max_grad_norm: float | None = None) -> torch.Tensor | None:
-        """Finish reductions, optionally clip to ``max_grad_norm`` (global), update owned shards, all-gather.
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the reduced gradients so their global L2 norm is at most ``max_norm``; return the norm before.
 
-        Returns:
-            The global gradient norm before clipping when ``max_grad_norm`` is given, else ``None``.
+        Runs the gradient reductions first (``step`` will not repeat them), like ``torch.nn.utils.clip_grad_norm_``
+        with the global norm of the unsharded model.
         """
+        self.finish_grad_sync()
+        norm = self.owned_grad_norm()
+        scale = max_norm / (norm.item() + 1e-6)
+        if scale < 1.0:
+            for buf in self.buffers.values():
+                for lo, hi in buf.owned_ranges():
+                    buf.grads[lo:hi].mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Finish reductions (unless clipping already did), update the owned shards with AdamW, all-gather."""
         loss = closure() if closure is not None else None
         self.finish_grad_sync()
-        norm, scale = None, 1.0
-        if max_grad_norm is not None:
-            norm = self.owned_grad_norm()
-            scale = min(1.0, max_grad_norm / (norm.item() + 1e-6))
         self._step += 1
         for fam, buf in self.buffers.items():
-            self._adamw_update(fam, buf, scale)
+            self._adamw_update(fam, buf)
             self._all_gather(fam, buf)
         self.zero_grad()
-        return norm if max_grad_norm is not None else loss
+        return loss
 
-    def _adamw_update(self, fam: str, buf: FlatBuffer, grad_scale: float) -> None:
+    def _adamw_update(self, fam: str, buf: FlatBuffer) -> None:
         state = self.shards[fam]
         grads = buf.gather_owned(buf.grads).float()
-        if grad_scale != 1.0:
-            grads.mul_(grad_scale)
         params = state.get("master")
         if params is None:
             params = buf.gather_owned(buf.params)
@@ -288,6 +300,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad = None
         self._ready.clear()
         self._pending.clear()
+        self._synced = False
 
 
 def _params(buf: FlatBuffer) -> Iterable[nn.Parameter]:
