@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mula_lightning.testing import BACKENDS, DistributedTestError, run_distributed_test
+from mula_lightning.testing import BACKENDS, DistributedTestError, requires_gpu, run_distributed_test
+from mula_lightning.utils.device import default_device, device_count
 
 pytestmark = pytest.mark.distributed
 
@@ -53,13 +54,20 @@ def _report_env(rank: int, world_size: int) -> dict:
     return env
 
 
+def _accelerator_all_reduce(rank: int, world_size: int) -> tuple[str, list[float]]:
+    device = default_device()
+    x = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(x)
+    return str(device), x.cpu().tolist()
+
+
 def test_returns_per_rank_values_and_all_reduce_sums() -> None:
     """Results come back in rank order from distinct processes, and a real gloo all_reduce sums 1..N (scaled)."""
-    results = run_distributed_test(_all_reduce_rank_values, world_size=3, scale=0.5)
-    assert [r["rank"] for r in results] == [0, 1, 2]
-    assert all(r["world_size"] == 3 for r in results)
-    assert [r["sum"] for r in results] == [0.5 * (1 + 2 + 3)] * 3
-    assert len({r["pid"] for r in results} | {os.getpid()}) == 4  # three children, none of them this process
+    results = run_distributed_test(_all_reduce_rank_values, world_size=2, scale=0.5)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert [r["sum"] for r in results] == [0.5 * (1 + 2)] * 2
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 3  # two children, none of them this process
 
 
 def test_exception_on_one_rank_surfaces_with_rank_and_traceback() -> None:
@@ -119,3 +127,14 @@ def test_backends_always_include_gloo_first() -> None:
     assert BACKENDS[0] == "gloo"
     assert ("nccl" in BACKENDS) <= torch.cuda.is_available()
     assert ("xccl" in BACKENDS) <= (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@requires_gpu
+def test_accelerator_backend_pins_ranks_to_devices_and_all_reduces() -> None:
+    """With a GPU, the accelerator backend (NCCL / XCCL) starts one rank per device, pins rank r to device r, and
+    sums across devices."""
+    world_size = device_count()
+    results = run_distributed_test(_accelerator_all_reduce, world_size=world_size, backend=BACKENDS[-1])
+    total = world_size * (world_size + 1) / 2
+    for rank, (device, values) in enumerate(results):
+        assert device.endswith(f":{rank}") and values == [total] * 4

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
+from mula_lightning.utils.device import BACKEND_FOR_DEVICE
 
 __all__ = [
     "all_gather_into_tensor",
@@ -54,6 +55,15 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _NATIVE_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64}
 )
+
+
+def _group_device(group: Any) -> torch.device:
+    """Where tensors this function creates for ``group`` must live: NCCL / XCCL only move accelerator memory."""
+    backend = str(dist.get_backend(group))
+    device_type = next((kind for kind, name in BACKEND_FOR_DEVICE.items() if name == backend), "cpu")
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, getattr(torch, device_type).current_device())
 
 
 def _rows_as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +273,7 @@ def exchange_split_sizes(
     """The ``output_split_sizes`` matching each peer's ``input_split_sizes`` (the count exchange before an
     all-to-all dispatch). Sends ``d - 1`` int64 values per rank through an all-to-all.
     """
-    counts = torch.tensor(input_split_sizes, dtype=torch.int64)
+    counts = torch.tensor(input_split_sizes, dtype=torch.int64, device=_group_device(group))
     received = _all_to_all(counts, None, None, group, level, None, tag)
     return received.tolist()
 

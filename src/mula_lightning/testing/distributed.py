@@ -242,7 +242,9 @@ def run_distributed_test(
     """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes with an initialised process group.
 
     ``fn`` must be a module-level function (not a lambda, closure or method): spawned children are fresh
-    interpreters that import it by its qualified name. ``kwargs`` and the return values must be picklable.
+    interpreters that import it by its qualified name (in a script, call this under
+    ``if __name__ == "__main__":``, since each child re-imports the main module). ``kwargs`` and the return values
+    must be picklable.
     Inside ``fn`` the default process group is ready (``torch.distributed`` calls work), each child uses one
     CPU thread, and these variables are set: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
     ``GROUP_RANK`` (= ``NODE_RANK``), ``MASTER_ADDR``, ``MASTER_PORT``, ``MULA_NODE_NAME`` (``node0``, ...),
@@ -339,11 +341,9 @@ def _wait_for_ranks(outcomes: list[_Outcome], done: threading.Condition, timeout
             (r for r, o in enumerate(outcomes) if o.status in ("error", "died")), key=lambda r: outcomes[r].finished_at
         )
         details = {r: outcomes[r].detail for r in failed}
+        raised = {r for r in failed if outcomes[r].status == "error"}
     if failed:
-        parts = []
-        for r in failed:
-            what = "raised" if outcomes[r].status == "error" else "died"
-            parts.append(f"--- rank {r} {what} ---\n{details[r]}")
+        parts = [f"--- rank {r} {'raised' if r in raised else 'died'} ---\n{details[r]}" for r in failed]
         still = f"; ranks {running} were still running and were killed" if running else ""
         raise DistributedTestError(
             f"rank {failed[0]} failed (failed ranks, first failure first: {failed}{still})\n\n" + "\n\n".join(parts),
