@@ -64,7 +64,8 @@ class _Outcome:
     status: str  # "running", then "ok", "error" (raised) or "died" (exited without a result)
     value: Any = None
     detail: str = ""
-    finished_at: float = 0.0
+    finished_at: float = 0.0  # parent's monotonic clock: for the grace period
+    reported_at: float = 0.0  # wall clock at which the child reported: for ordering failures
 
 
 def _exit_description(exitcode: int | None) -> str:
@@ -160,10 +161,10 @@ def _child_main(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
         value = fn(rank, world_size, **kwargs)
-        message = ("ok", pickle.dumps(value))
+        message = ("ok", pickle.dumps(value), time.time())
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything, including SystemExit, must reach the parent
-        message = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        message = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time())
     try:
         conn.send(message)
     finally:
@@ -186,6 +187,8 @@ def _watch(proc: Any, conn: Connection, outcome: _Outcome, done: threading.Condi
         except (EOFError, OSError):
             message = None
     finished_at = time.monotonic()  # when the rank reported (or died), not when it finished cleaning up
+    # Order failures by when the child sent them (same machine, same clock), not by when this thread woke up.
+    reported_at = message[2] if message is not None else time.time()
     if message is None:
         proc.join()  # it has exited (the sentinel fired or the pipe hit EOF): this only collects the exit code
     status, value, detail = "died", None, f"{_exit_description(proc.exitcode)} without reporting a result"
@@ -197,7 +200,8 @@ def _watch(proc: Any, conn: Connection, outcome: _Outcome, done: threading.Condi
     elif message is not None:
         status, detail = "error", message[1]
     with done:  # publish all fields at once: the main thread reads them under this lock
-        outcome.status, outcome.value, outcome.detail, outcome.finished_at = status, value, detail, finished_at
+        outcome.status, outcome.value, outcome.detail = status, value, detail
+        outcome.finished_at, outcome.reported_at = finished_at, reported_at
         done.notify_all()
 
 
@@ -338,7 +342,7 @@ def _wait_for_ranks(outcomes: list[_Outcome], done: threading.Condition, timeout
         # Snapshot under the lock: watcher threads may still be writing after the children get killed.
         running = [r for r, o in enumerate(outcomes) if o.status == "running"]
         failed = sorted(
-            (r for r, o in enumerate(outcomes) if o.status in ("error", "died")), key=lambda r: outcomes[r].finished_at
+            (r for r, o in enumerate(outcomes) if o.status in ("error", "died")), key=lambda r: outcomes[r].reported_at
         )
         details = {r: outcomes[r].detail for r in failed}
         raised = {r for r in failed if outcomes[r].status == "error"}
