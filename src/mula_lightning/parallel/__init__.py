@@ -1,1 +1,34 @@
-"""parallel"""
+"""parallel: process-group topology, autograd collectives and the communication ledger.
+
+``collectives`` holds the Algorithm 1 collectives (``forward_allgather_backward_reducescatter`` ...) and plain
+functional wrappers; ``ledger`` records the bytes each of them sends, per topology level.
+"""
+
+from mula_lightning.parallel.collectives import (
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    exchange_split_sizes,
+    forward_allgather,
+    forward_allgather_backward_reducescatter,
+    forward_reducescatter_backward_allgather,
+    reduce_scatter_tensor,
+)
+from mula_lightning.parallel.ledger import CommLedger, CommRecord, CommTotals, Topology, is_recording, ring_bytes_sent
+
+__all__ = [
+    "CommLedger",
+    "CommRecord",
+    "CommTotals",
+    "Topology",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "exchange_split_sizes",
+    "forward_allgather",
+    "forward_allgather_backward_reducescatter",
+    "forward_reducescatter_backward_allgather",
+    "is_recording",
+    "reduce_scatter_tensor",
+    "ring_bytes_sent",
+]

@@ -64,7 +64,8 @@ class _Outcome:
     status: str  # "running", then "ok", "error" (raised) or "died" (exited without a result)
     value: Any = None
     detail: str = ""
-    finished_at: float = 0.0
+    finished_at: float = 0.0  # parent's monotonic clock: for the grace period
+    reported_at: float = 0.0  # wall clock at which the child reported: for ordering failures
 
 
 def _exit_description(exitcode: int | None) -> str:
@@ -160,10 +161,10 @@ def _child_main(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
         value = fn(rank, world_size, **kwargs)
-        message = ("ok", pickle.dumps(value))
+        message = ("ok", pickle.dumps(value), time.time())
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything, including SystemExit, must reach the parent
-        message = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        message = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time())
     try:
         conn.send(message)
     finally:
@@ -186,6 +187,8 @@ def _watch(proc: Any, conn: Connection, outcome: _Outcome, done: threading.Condi
         except (EOFError, OSError):
             message = None
     finished_at = time.monotonic()  # when the rank reported (or died), not when it finished cleaning up
+    # Order failures by when the child sent them (same machine, same clock), not by when this thread woke up.
+    reported_at = message[2] if message is not None else time.time()
     if message is None:
         proc.join()  # it has exited (the sentinel fired or the pipe hit EOF): this only collects the exit code
     status, value, detail = "died", None, f"{_exit_description(proc.exitcode)} without reporting a result"
@@ -197,7 +200,8 @@ def _watch(proc: Any, conn: Connection, outcome: _Outcome, done: threading.Condi
     elif message is not None:
         status, detail = "error", message[1]
     with done:  # publish all fields at once: the main thread reads them under this lock
-        outcome.status, outcome.value, outcome.detail, outcome.finished_at = status, value, detail, finished_at
+        outcome.status, outcome.value, outcome.detail = status, value, detail
+        outcome.finished_at, outcome.reported_at = finished_at, reported_at
         done.notify_all()
 
 
@@ -242,7 +246,9 @@ def run_distributed_test(
     """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes with an initialised process group.
 
     ``fn`` must be a module-level function (not a lambda, closure or method): spawned children are fresh
-    interpreters that import it by its qualified name. ``kwargs`` and the return values must be picklable.
+    interpreters that import it by its qualified name (in a script, call this under
+    ``if __name__ == "__main__":``, since each child re-imports the main module). ``kwargs`` and the return values
+    must be picklable.
     Inside ``fn`` the default process group is ready (``torch.distributed`` calls work), each child uses one
     CPU thread, and these variables are set: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
     ``GROUP_RANK`` (= ``NODE_RANK``), ``MASTER_ADDR``, ``MASTER_PORT``, ``MULA_NODE_NAME`` (``node0``, ...),
@@ -336,14 +342,12 @@ def _wait_for_ranks(outcomes: list[_Outcome], done: threading.Condition, timeout
         # Snapshot under the lock: watcher threads may still be writing after the children get killed.
         running = [r for r, o in enumerate(outcomes) if o.status == "running"]
         failed = sorted(
-            (r for r, o in enumerate(outcomes) if o.status in ("error", "died")), key=lambda r: outcomes[r].finished_at
+            (r for r, o in enumerate(outcomes) if o.status in ("error", "died")), key=lambda r: outcomes[r].reported_at
         )
         details = {r: outcomes[r].detail for r in failed}
+        raised = {r for r in failed if outcomes[r].status == "error"}
     if failed:
-        parts = []
-        for r in failed:
-            what = "raised" if outcomes[r].status == "error" else "died"
-            parts.append(f"--- rank {r} {what} ---\n{details[r]}")
+        parts = [f"--- rank {r} {'raised' if r in raised else 'died'} ---\n{details[r]}" for r in failed]
         still = f"; ranks {running} were still running and were killed" if running else ""
         raise DistributedTestError(
             f"rank {failed[0]} failed (failed ranks, first failure first: {failed}{still})\n\n" + "\n\n".join(parts),
