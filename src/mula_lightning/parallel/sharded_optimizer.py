@@ -44,7 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mula_lightning.parallel.collectives import _all_gather_single, _reduce_scatter_single
 from mula_lightning.parallel.flat_buffer import FlatBuffer
+from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
 from mula_lightning.parallel.topology import MoETopology
 
 MODES = ("ep_aware", "dp", "none")
@@ -199,9 +201,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         work, out = None, None
         if plan.shard_size > 1:
             out = torch.empty(b.shard_numel, dtype=self.reduce_dtype, device=view.device)
-            work = dist.reduce_scatter_tensor(out, send, group=plan.shard_group, async_op=True)
+            work = _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=plan.shard_group, async_op=True)
+            _record("reduce_scatter", plan.shard_group, plan.shard_size, send, out, fam)
         elif plan.cross_size > 1 and plan.cross_group is not None:
             work = dist.all_reduce(send, group=plan.cross_group, async_op=True)
+            _record("all_reduce", plan.cross_group, plan.cross_size, send, send, fam)
             out = send
         self._pending[(fam, bucket_index)] = (work, out)
 
@@ -221,6 +225,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 if plan.shard_size > 1:
                     if plan.cross_size > 1 and plan.cross_group is not None:
                         dist.all_reduce(out, group=plan.cross_group)
+                        _record("all_reduce", plan.cross_group, plan.cross_size, out, out, fam)
                     buf.grads[lo:hi].copy_(out)
                 elif out is not None and out is not buf.grads[b.start : b.start + b.numel]:
                     buf.grads[lo:hi].copy_(out)
@@ -291,7 +296,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         for b in buf.buckets:
             lo, hi = b.shard_range(plan.shard_rank)
             full = buf.params[b.start : b.start + b.numel]
-            dist.all_gather_into_tensor(full, buf.params[lo:hi].clone(), group=plan.shard_group)
+            shard = buf.params[lo:hi].clone()
+            _all_gather_single(full, shard, group=plan.shard_group)
+            _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for buf in self.buffers.values():
@@ -301,6 +308,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ready.clear()
         self._pending.clear()
         self._synced = False
+
+
+def _record(op: str, group: Any, size: int, tensor_in: torch.Tensor, tensor_out: torch.Tensor, fam: str) -> None:
+    """Add one collective of the optimizer to the communication ledger (free when nothing records)."""
+    if is_recording():
+        sent = ring_bytes_sent(op, size, tensor_in.numel() * tensor_in.element_size())
+        record_collective(op, group, tensor_in, tensor_out, sent, tag=f"optimizer.{fam}")
 
 
 def _params(buf: FlatBuffer) -> Iterable[nn.Parameter]:
