@@ -42,15 +42,16 @@ class CombineExpertOutputs(torch.autograd.Function):
         num_rows, hidden = mlp_out_RH.shape
         weights_R = weights_SK.reshape(-1).index_select(0, plan.row_slot)  # router weight of each routed row
         grad_mlp_out_RH = torch.empty_like(mlp_out_RH)
-        grad_weights_R = torch.empty(num_rows, dtype=torch.float32, device=mlp_out_RH.device)
+        acc_dtype = torch.promote_types(mlp_out_RH.dtype, torch.float32)
+        grad_weights_R = torch.empty(num_rows, dtype=acc_dtype, device=mlp_out_RH.device)
         for c in row_chunks(num_rows, hidden * 4, mlp_out_RH.device):
             grad_CH = grad_mlp_out_RH[c]
             torch.index_select(grad_out_SH, 0, plan.input_indices[c], out=grad_CH)  # out_grad[t] of each row
-            torch.linalg.vecdot(mlp_out_RH[c].float(), grad_CH.float(), out=grad_weights_R[c])  # line 108
+            torch.linalg.vecdot(mlp_out_RH[c].to(acc_dtype), grad_CH.to(acc_dtype), out=grad_weights_R[c])  # l.108
             torch.mul(grad_CH, weights_R[c].unsqueeze(-1), out=grad_CH)  # line 107 (fp32 math, row dtype)
         grad_weights_SK = None
         if ctx.needs_input_grad[1]:
-            grad_weights_SK = torch.zeros(weights_SK.numel(), dtype=torch.float32, device=weights_SK.device)
+            grad_weights_SK = torch.zeros(weights_SK.numel(), dtype=acc_dtype, device=weights_SK.device)
             grad_weights_SK.index_copy_(0, plan.row_slot, grad_weights_R)  # each slot written once
             grad_weights_SK = grad_weights_SK.view_as(weights_SK).to(weights_SK.dtype)
         return grad_mlp_out_RH, grad_weights_SK, None

@@ -206,26 +206,27 @@ def gather_token_rows(
 
     The shared reduction of the combine forward (weighted) and of the dispatch backward (unweighted). Each token
     reads its own K rows and sums them in k order, so the result is bit-reproducible on any device (no atomics)
-    and accumulates in fp32 whatever the row dtype. Slots with row -1 contribute exactly zero (masked, so a
-    non-finite row elsewhere cannot leak in through ``0 * inf``).
+    and accumulates in fp32 (fp64 for fp64 rows) whatever the row dtype. Slots with row -1 contribute exactly
+    zero (masked, so a non-finite row elsewhere cannot leak in through ``0 * inf``).
 
     Returns:
-        (S, H) fp32.
+        (S, H) in the accumulation dtype.
     """
     num_tokens, top_k = slot_row_SK.shape
     hidden = rows_RH.shape[-1]
-    out_SH = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=rows_RH.device)
+    acc_dtype = torch.promote_types(rows_RH.dtype, torch.float32)
+    out_SH = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=rows_RH.device)
     if rows_RH.shape[0] == 0:
         return out_SH
     for c in row_chunks(num_tokens, top_k * hidden * 4, rows_RH.device):
         slots_CK = slot_row_SK[c]
-        rows_CKH = rows_RH.index_select(0, slots_CK.reshape(-1).clamp(min=0)).view(-1, top_k, hidden).float()
+        rows_CKH = rows_RH.index_select(0, slots_CK.reshape(-1).clamp(min=0)).view(-1, top_k, hidden).to(acc_dtype)
         if not all_routed:
             rows_CKH.masked_fill_((slots_CK < 0).unsqueeze(-1), 0.0)
         if weights_SK is None:
             torch.sum(rows_CKH, dim=1, out=out_SH[c])
         else:
-            w_C1K = weights_SK[c].float().unsqueeze(1)
+            w_C1K = weights_SK[c].to(acc_dtype).unsqueeze(1)
             torch.bmm(w_C1K, rows_CKH, out=out_SH[c].unsqueeze(1))
     return out_SH
 
