@@ -1,1 +1,31 @@
-"""moe"""
+"""Mixture-of-Experts building blocks: router, dispatch, grouped experts, combine and the blocks built from them.
+
+``ReferenceMoEBlock`` is the plain loop every fast path is checked against; ``FastSparseMoEBlock`` is Algorithm 1
+of the Aurora paper (token counting, index generation, grouped GEMMs, weighted combine) and the default MoE block
+of ``MulaForCausalLM``; ``patch_hf_moe`` swaps it into transformers' OLMoE and Mixtral models.
+"""
+
+from mula_lightning.moe.block import FastSparseMoEBlock, patch_hf_moe
+from mula_lightning.moe.combine import combine_expert_outputs
+from mula_lightning.moe.dispatch import DispatchPlan, build_dispatch_plan, count_tokens, dispatch_tokens
+from mula_lightning.moe.experts import GroupedExperts, grouped_mm, grouped_mm_available
+from mula_lightning.moe.reference import ExpertWeights, MoEAux, ReferenceMoEBlock
+from mula_lightning.moe.router import Router, RouterOutput
+
+__all__ = [
+    "DispatchPlan",
+    "ExpertWeights",
+    "FastSparseMoEBlock",
+    "GroupedExperts",
+    "MoEAux",
+    "ReferenceMoEBlock",
+    "Router",
+    "RouterOutput",
+    "build_dispatch_plan",
+    "combine_expert_outputs",
+    "count_tokens",
+    "dispatch_tokens",
+    "grouped_mm",
+    "grouped_mm_available",
+    "patch_hf_moe",
+]

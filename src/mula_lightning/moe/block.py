@@ -1,0 +1,238 @@
+"""``FastSparseMoEBlock``: the five stages of Algorithm 1 composed into one MoE block, and the transformers drop-in.
+
+Legend: B = batch, T = sequence, S = B*T tokens, H = hidden, E = experts, K = experts per token,
+RT = routed rows (local (token, k) pairs, grouped by expert).
+
+Forward, single device (Stage 1's all-gather is the identity here; expert parallelism wraps the same stages):
+
+1. route: ``gate`` (fp32 router: top-k, capacity drops, forced uniform routing, auxiliary losses);
+2. + 3. :func:`~mula_lightning.moe.dispatch.build_dispatch_plan` counts tokens and generates the indices for the
+   local experts ``[n_start, n_end]``;
+4. :func:`~mula_lightning.moe.dispatch.dispatch_tokens` gathers the routed rows and
+   :class:`~mula_lightning.moe.experts.GroupedExperts` runs every expert with three grouped GEMMs;
+5. :func:`~mula_lightning.moe.combine.combine_expert_outputs` weights and sums each token's expert outputs.
+
+The parameters are ``gate.weight`` (E, H), ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj``
+(E, H, I), exactly those of :class:`~mula_lightning.moe.reference.ReferenceMoEBlock` and of transformers 5.x's
+``OlmoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``, so state dicts move between all of them unchanged.
+
+:meth:`FastSparseMoEBlock.from_hf` wraps a transformers block: it keeps that block's own router module as
+``.gate`` (so routing is bit-for-bit transformers', ``output_router_logits=True`` still records the logits through
+the router's forward hook, and the parameters are the same objects) and shares its expert weights.
+:func:`patch_hf_moe` swaps every such block of a model in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.moe.combine import combine_expert_outputs
+from mula_lightning.moe.dispatch import build_dispatch_plan, dispatch_tokens
+from mula_lightning.moe.experts import GroupedExperts
+from mula_lightning.moe.reference import MoEAux
+from mula_lightning.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
+
+
+class FastSparseMoEBlock(nn.Module):
+    """Router + dispatch plan + grouped experts + weighted combine (Algorithm 1), for a :class:`MulaConfig`.
+
+    ``forward(x)`` returns the block output with the shape and dtype of ``x``; ``forward_with_aux(x)`` also
+    returns the :class:`~mula_lightning.moe.reference.MoEAux` of the layer (auxiliary losses in the graph,
+    tokens per expert, dropped pairs).
+
+    Args:
+        config: the model config (hidden size, experts, top-k, router kind, capacity, loss coefficients).
+        device: where to allocate the parameters.
+        use_grouped_mm: use ``torch._grouped_mm`` where the operands allow it; ``False`` runs one GEMM per
+            expert (same results, for checking and for devices without a grouped kernel).
+    """
+
+    def __init__(
+        self, config: MulaConfig, device: torch.device | str | None = None, use_grouped_mm: bool = True
+    ) -> None:
+        super().__init__()
+        if not config.is_moe:
+            raise ValueError(f"FastSparseMoEBlock needs num_experts > 0, got {config.num_experts}")
+        self.config = config
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.n_start, self.n_end = 0, config.num_experts - 1
+        self.jitter_noise = 0.0
+        self.gate: nn.Module = Router(
+            config.hidden_size,
+            config.num_experts,
+            config.top_k,
+            router_kind=config.router_kind,
+            norm_topk_prob=config.norm_topk_prob,
+            capacity_factor=config.capacity_factor,
+            forced_uniform_routing=config.forced_uniform_routing,
+            device=device,
+        )
+        self.experts = GroupedExperts(
+            config.num_experts,
+            config.hidden_size,
+            config.intermediate_size,
+            device=device,
+            use_grouped_mm=use_grouped_mm,
+        )
+
+    @property
+    def use_grouped_mm(self) -> bool:
+        return self.experts.use_grouped_mm
+
+    @use_grouped_mm.setter
+    def use_grouped_mm(self, value: bool) -> None:
+        self.experts.use_grouped_mm = value
+
+    # ------------------------------------------------------------------ stages
+    def route(self, x_SH: torch.Tensor) -> RouterOutput:
+        """Stage 1 on one rank: our :class:`Router`, or a transformers router returning (logits, scores, indices)."""
+        if isinstance(self.gate, Router):
+            return self.gate(x_SH)
+        logits_SE, weights_SK, indices_SK = self.gate(x_SH)
+        logits32_SE = logits_SE.float()
+        with torch.no_grad():
+            tokens_per_expert_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts)
+        return RouterOutput(
+            logits_SE=logits_SE,
+            weights_SK=weights_SK,
+            indices_SK=indices_SK,
+            load_balance_loss=load_balancing_loss(torch.softmax(logits32_SE, dim=-1), indices_SK),
+            z_loss=router_z_loss(logits32_SE),
+            tokens_per_expert_E=tokens_per_expert_E,
+            num_dropped=indices_SK.new_zeros(()),
+        )
+
+    def _every_pair_routed_here(self) -> bool:
+        dropless = not isinstance(self.gate, Router) or self.gate.capacity_factor is None
+        return dropless and self.n_start == 0 and self.n_end == self.num_experts - 1
+
+    def forward_with_aux(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+        shape = x_BTH.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative router jitter
+            noise = torch.empty_like(x_BTH).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            x_BTH = x_BTH * noise
+        x_SH = x_BTH.reshape(-1, shape[-1])
+        routed = self.route(x_SH)
+        plan = build_dispatch_plan(
+            routed.indices_SK,
+            self.num_experts,
+            self.n_start,
+            self.n_end,
+            all_routed=True if self._every_pair_routed_here() else None,
+        )
+        x_RH = dispatch_tokens(x_SH, plan)
+        y_RH = self.experts(x_RH, plan.offs, plan.token_counts.tolist())
+        out_SH = combine_expert_outputs(y_RH, routed.weights_SK, plan)
+        aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
+        return out_SH.to(x_BTH.dtype).reshape(shape), aux
+
+    def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_aux(x_BTH)[0]
+
+    # ------------------------------------------------------------- transformers
+    @classmethod
+    def from_hf(cls, hf_block: nn.Module, use_grouped_mm: bool = True) -> FastSparseMoEBlock:
+        """A fast block sharing the weights (and the router module) of a transformers sparse MoE block.
+
+        Args:
+            hf_block: an ``OlmoeSparseMoeBlock`` or ``MixtralSparseMoeBlock`` (transformers 5.x, fused experts).
+            use_grouped_mm: see the class arguments.
+
+        Returns:
+            A block whose ``forward(hidden_states)`` returns what ``hf_block(hidden_states)`` returns, with the
+            same parameter objects.
+        """
+        _check_hf_block(hf_block)
+        gate, experts = hf_block.gate, hf_block.experts
+        hf_config = experts.config
+        is_mixtral = type(hf_block).__name__.startswith("Mixtral")
+        config = MulaConfig(
+            name=f"from_hf:{type(hf_block).__name__}",
+            vocab_size=1,
+            hidden_size=experts.hidden_dim,
+            num_layers=1,
+            num_heads=1,
+            head_dim=2,
+            intermediate_size=experts.intermediate_dim,
+            num_experts=experts.num_experts,
+            top_k=gate.top_k,
+            router_kind="topk_softmax" if is_mixtral else "softmax_topk",
+            norm_topk_prob=True if is_mixtral else bool(gate.norm_topk_prob),
+            aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
+            z_loss_coef=0.0,
+            moe_impl="fast",
+        )
+        block = cls(config, device="meta", use_grouped_mm=use_grouped_mm)
+        block.gate = gate  # the transformers router itself: same routing, same parameter, same output hooks
+        block.experts.gate_up_proj = experts.gate_up_proj
+        block.experts.down_proj = experts.down_proj
+        block.jitter_noise = float(getattr(hf_block, "jitter_noise", 0.0) or 0.0)
+        block.train(hf_block.training)
+        return block
+
+
+def _hf_block_types() -> tuple[type, ...]:
+    types: list[type] = []
+    try:
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+        types.append(OlmoeSparseMoeBlock)
+    except ImportError:  # pragma: no cover - depends on the installed transformers
+        pass
+    try:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        types.append(MixtralSparseMoeBlock)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def _check_hf_block(hf_block: nn.Module) -> None:
+    types = _hf_block_types()
+    if not isinstance(hf_block, types):
+        raise TypeError(f"from_hf expects one of {[t.__name__ for t in types]}, got {type(hf_block).__name__}")
+    experts = hf_block.experts
+    act = getattr(experts.config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"FastSparseMoEBlock computes SwiGLU experts; {type(hf_block).__name__} uses {act!r}")
+    for flag in ("has_bias", "is_transposed", "has_post_expert_norm"):
+        if getattr(experts, flag, False):
+            raise ValueError(f"{type(experts).__name__}.{flag}=True is not supported by FastSparseMoEBlock")
+    if getattr(experts, "_is_expert_parallel", False):
+        raise ValueError("the transformers block is already expert-parallel; patch before sharding experts")
+
+
+def patch_hf_moe(model: nn.Module, use_grouped_mm: bool = True) -> Any:
+    """Swap every ``OlmoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` of a transformers model for a fast block.
+
+    The swap is in place and keeps the parameter objects (an optimizer built before the swap stays valid) and
+    the router modules (``output_router_logits=True`` keeps working). Outputs, loss and gradients are those of
+    the original model up to floating-point summation order.
+
+    Args:
+        model: a transformers model (or any module containing such blocks).
+        use_grouped_mm: see :class:`FastSparseMoEBlock`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: when the model contains no supported sparse MoE block.
+    """
+    types = _hf_block_types()
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, types)]
+    if not targets:
+        raise ValueError(
+            f"{type(model).__name__} has no {' / '.join(t.__name__ for t in types)} to patch (already patched?)"
+        )
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FastSparseMoEBlock.from_hf(module, use_grouped_mm=use_grouped_mm))
+    return model

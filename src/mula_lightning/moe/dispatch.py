@@ -1,0 +1,252 @@
+"""Stages 2 and 3 of FastSparseMoE (Algorithm 1): token counting and index generation, plus the token gather.
+
+Legend: S = tokens seen by this rank (after any all-gather), K = experts per token, E = experts of the layer,
+NR = experts local to this rank (``n_end - n_start + 1``), RT = routed rows (local (token, k) pairs),
+H = hidden size.
+
+Algorithm 1 of the Aurora paper runs two GPU kernels over the router's ``indices`` (S, K):
+
+* Stage 2 counts, for the local experts ``n_start <= n <= n_end`` only, how many (token, k) pairs each local
+  expert receives (``token_counts``, prefix-summed into ``cum_token_counts``) and how many local experts each
+  token picked (``expert_counts`` / ``cum_expert_counts``).
+* Stage 3 lays the routed rows out expert by expert, tokens in order within an expert:
+  ``input_indices[r]`` is the token of routed row r; ``output_indices[o]`` is the routed row of the o-th local
+  (token, k) pair in token-major order (token t owns ``o`` in ``[cum_expert_counts[t], cum_expert_counts[t+1])``)
+  and ``selected_expert_indices[o]`` is its k.
+
+Here both stages are a handful of vectorised torch ops (a stable sort stands in for the per-thread counters of
+the kernel and yields exactly the same layout), so they run on any device. The expert range is an argument
+so that expert parallelism can gather every rank's tokens and indices and build the plan of its own experts
+only; pairs outside the range (and pairs dropped by capacity, index -1) are simply not routed here.
+
+:class:`DispatchTokens` is Stage 4's ``mlp_in = input[input_indices]`` as an autograd function whose backward
+sums the K row gradients of each token in a fixed order (deterministic on every device, fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DispatchPlan:
+    """Everything stages 4 and 5 need to move rows between token order and expert order.
+
+    Attributes:
+        num_tokens: S.
+        top_k: K.
+        n_start: first local expert (global id).
+        n_end: last local expert (global id, inclusive).
+        token_counts: (NR,) int64, routed rows per local expert.
+        cum_token_counts: (NR + 1,) int64, prefix sum of ``token_counts`` with a leading 0.
+        expert_counts: (S,) int64, local experts picked by each token.
+        cum_expert_counts: (S + 1,) int64, prefix sum of ``expert_counts`` with a leading 0.
+        input_indices: (RT,) int64, token of each routed row (rows grouped by expert, token order inside).
+        output_indices: (RT,) int64, routed row of each local (token, k) pair, token-major.
+        selected_expert_indices: (RT,) int64, k of each local (token, k) pair, token-major.
+        row_slot: (RT,) int64, flat ``t * K + k`` of each routed row (to read its router weight).
+        slot_row_SK: (S, K) int64, routed row of each (token, k) pair, -1 where not routed here.
+        all_routed: every (token, k) pair is routed here (no drops, all experts local): reductions can skip
+            the masking of non-local slots.
+    """
+
+    num_tokens: int
+    top_k: int
+    n_start: int
+    n_end: int
+    token_counts: torch.Tensor
+    cum_token_counts: torch.Tensor
+    expert_counts: torch.Tensor
+    cum_expert_counts: torch.Tensor
+    input_indices: torch.Tensor
+    output_indices: torch.Tensor
+    selected_expert_indices: torch.Tensor
+    row_slot: torch.Tensor
+    slot_row_SK: torch.Tensor
+    all_routed: bool
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.n_end - self.n_start + 1
+
+    @property
+    def num_rows(self) -> int:
+        """RT, the rows the local experts compute."""
+        return self.input_indices.numel()
+
+    @property
+    def offs(self) -> torch.Tensor:
+        """``cum_token_counts[1:]`` as int32: the group ends ``torch._grouped_mm`` takes."""
+        return self.cum_token_counts[1:].to(torch.int32)
+
+
+def _check_range(num_experts: int, n_start: int, n_end: int) -> None:
+    if not 0 <= n_start <= n_end < num_experts:
+        raise ValueError(
+            f"local expert range [n_start={n_start}, n_end={n_end}] must lie inside "
+            f"[0, num_experts - 1 = {num_experts - 1}]"
+        )
+
+
+def count_tokens(
+    indices_SK: torch.Tensor, n_start: int, n_end: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2 (Algorithm 1 lines 15-43): per-local-expert and per-token counts of routed pairs.
+
+    Args:
+        indices_SK: (S, K) global expert ids chosen per token; -1 (dropped) counts as not local.
+        n_start: first local expert, inclusive.
+        n_end: last local expert, inclusive.
+
+    Returns:
+        ``(local_expert_SK, token_counts, cum_token_counts, expert_counts, cum_expert_counts)``, where
+        ``local_expert_SK`` is the local expert id of each pair and NR (one past the last) for pairs not
+        routed here; the counts are as in :class:`DispatchPlan`.
+    """
+    num_local = n_end - n_start + 1
+    local_SK = (indices_SK >= n_start) & (indices_SK <= n_end)
+    local_expert_SK = torch.where(local_SK, indices_SK - n_start, torch.full_like(indices_SK, num_local))
+    # bincount over NR + 1 buckets: the last one collects the non-local pairs and is cut off.
+    token_counts = torch.bincount(local_expert_SK.reshape(-1), minlength=num_local + 1)[:num_local]
+    expert_counts = local_SK.sum(dim=1)
+    zero = indices_SK.new_zeros(1)
+    cum_token_counts = torch.cat([zero, torch.cumsum(token_counts, dim=0)])
+    cum_expert_counts = torch.cat([zero, torch.cumsum(expert_counts, dim=0)])
+    return local_expert_SK, token_counts, cum_token_counts, expert_counts, cum_expert_counts
+
+
+def build_dispatch_plan(
+    indices_SK: torch.Tensor,
+    num_experts: int,
+    n_start: int = 0,
+    n_end: int | None = None,
+    all_routed: bool | None = None,
+) -> DispatchPlan:
+    """Stages 2 and 3: the plan that routes (token, k) pairs to the local experts ``[n_start, n_end]``.
+
+    Args:
+        indices_SK: (S, K) int64 expert ids from the router (-1 for pairs dropped by capacity).
+        num_experts: E, experts of the whole layer (to check the range).
+        n_start: first local expert.
+        n_end: last local expert, inclusive (default: the last expert).
+        all_routed: pass ``True`` when the caller knows every pair is routed here (dropless routing over all
+            experts); this skips a host synchronisation. ``None`` works it out from the counts.
+
+    Returns:
+        The :class:`DispatchPlan`.
+    """
+    n_end = num_experts - 1 if n_end is None else n_end
+    _check_range(num_experts, n_start, n_end)
+    num_tokens, top_k = indices_SK.shape
+    num_slots = num_tokens * top_k
+    local_expert_SK, token_counts, cum_token_counts, expert_counts, cum_expert_counts = count_tokens(
+        indices_SK, n_start, n_end
+    )
+
+    # Stage 3 (lines 45-72). A stable sort by local expert id keeps token order inside each expert, which is
+    # the order the kernel's per-thread counters produce; non-local pairs (key NR) sort to the tail.
+    order = torch.argsort(local_expert_SK.reshape(-1), stable=True)  # (S*K,) slots in routed-row order
+    if all_routed is None:
+        num_rows = int(cum_token_counts[-1])  # host sync, as the kernel's RT allocation
+        all_routed = num_rows == num_slots
+    else:
+        num_rows = num_slots
+    row_slot = order[:num_rows]
+    input_indices = torch.div(row_slot, top_k, rounding_mode="floor")
+    slot_row = torch.empty_like(order)
+    slot_row[order] = torch.arange(num_slots, device=order.device)  # routed row of each slot, >= RT if not local
+
+    if all_routed:
+        slot_row_SK = slot_row.view(num_tokens, top_k)
+        output_indices = slot_row
+        selected_expert_indices = torch.arange(top_k, device=order.device).repeat(num_tokens)
+    else:
+        local_S = local_expert_SK.reshape(-1) < (n_end - n_start + 1)
+        slot_row_SK = torch.where(local_S, slot_row, torch.full_like(slot_row, -1)).view(num_tokens, top_k)
+        output_indices = slot_row[local_S]
+        selected_expert_indices = torch.arange(top_k, device=order.device).repeat(num_tokens)[local_S]
+
+    return DispatchPlan(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        n_start=n_start,
+        n_end=n_end,
+        token_counts=token_counts,
+        cum_token_counts=cum_token_counts,
+        expert_counts=expert_counts,
+        cum_expert_counts=cum_expert_counts,
+        input_indices=input_indices,
+        output_indices=output_indices,
+        selected_expert_indices=selected_expert_indices,
+        row_slot=row_slot,
+        slot_row_SK=slot_row_SK,
+        all_routed=all_routed,
+    )
+
+
+def row_chunks(num_rows: int, row_bytes: int, device: torch.device) -> list[slice]:
+    """Slices of rows that keep CPU temporaries near 2 MiB.
+
+    On CPU a fresh allocation of tens of MiB goes to ``mmap`` and pays a page fault per 4 KiB page every time;
+    working in cache-sized chunks avoids those temporaries (and keeps them in cache). Accelerators take one
+    chunk: their caching allocators make temporaries cheap and every extra launch costs.
+    """
+    if device.type != "cpu" or num_rows == 0:
+        return [slice(0, num_rows)]
+    step = max(1, (2 << 20) // max(row_bytes, 1))
+    return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, step)]
+
+
+def gather_token_rows(
+    rows_RH: torch.Tensor, slot_row_SK: torch.Tensor, all_routed: bool, weights_SK: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] * rows[slot_row[t, k]]`` over the routed slots of t, in fp32, k in order.
+
+    The shared reduction of the combine forward (weighted) and of the dispatch backward (unweighted). Each token
+    reads its own K rows and sums them in k order, so the result is bit-reproducible on any device (no atomics)
+    and accumulates in fp32 (fp64 for fp64 rows) whatever the row dtype. Slots with row -1 contribute exactly
+    zero (masked, so a non-finite row elsewhere cannot leak in through ``0 * inf``).
+
+    Returns:
+        (S, H) in the accumulation dtype.
+    """
+    num_tokens, top_k = slot_row_SK.shape
+    hidden = rows_RH.shape[-1]
+    acc_dtype = torch.promote_types(rows_RH.dtype, torch.float32)
+    out_SH = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=rows_RH.device)
+    if rows_RH.shape[0] == 0:
+        return out_SH
+    for c in row_chunks(num_tokens, top_k * hidden * 4, rows_RH.device):
+        slots_CK = slot_row_SK[c]
+        rows_CKH = rows_RH.index_select(0, slots_CK.reshape(-1).clamp(min=0)).view(-1, top_k, hidden).to(acc_dtype)
+        if not all_routed:
+            rows_CKH.masked_fill_((slots_CK < 0).unsqueeze(-1), 0.0)
+        if weights_SK is None:
+            torch.sum(rows_CKH, dim=1, out=out_SH[c])
+        else:
+            w_C1K = weights_SK[c].to(acc_dtype).unsqueeze(1)
+            torch.bmm(w_C1K, rows_CKH, out=out_SH[c].unsqueeze(1))
+    return out_SH
+
+
+class DispatchTokens(torch.autograd.Function):
+    """Stage 4 input: ``x_RH = x_SH[input_indices]``; backward sums each token's row gradients (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        ctx.plan = plan
+        ctx.x_dtype = x_SH.dtype
+        return x_SH.index_select(0, plan.input_indices)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor) -> tuple[torch.Tensor, None]:
+        plan: DispatchPlan = ctx.plan
+        grad_SH = gather_token_rows(grad_RH.contiguous(), plan.slot_row_SK, plan.all_routed)
+        return grad_SH.to(ctx.x_dtype), None
+
+
+def dispatch_tokens(x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """(S, H) tokens -> (RT, H) routed rows in expert order (see :class:`DispatchTokens`)."""
+    return DispatchTokens.apply(x_SH, plan)

@@ -1,0 +1,172 @@
+"""Stage 4 of FastSparseMoE: all local experts' SwiGLU MLPs as three grouped GEMMs.
+
+Legend: RT = routed rows (grouped by expert), H = hidden size, I = expert intermediate size, NR = local experts.
+
+The weights of the local experts are merged (Algorithm 1 line 76): ``gate_up_proj`` (NR, 2I, H) holds every
+expert's gate rows above its up rows, ``down_proj`` (NR, H, I) every down projection (the layout of
+:class:`~mula_lightning.moe.reference.ExpertWeights` and of transformers 5.x). Rows of expert e are
+``[cum_token_counts[e], cum_token_counts[e+1])``, so one grouped GEMM computes all experts.
+
+:class:`GroupedSwiGLU` is one autograd function for ``down(silu(gate x) * up x)``. Writing the backward by hand
+(rather than letting autograd chain three GEMMs, a chunk and two element-wise ops) lets it
+
+* save only ``x`` and ``gate_up`` (the SwiGLU output is recomputed in backward), less than autograd keeps;
+* write the gate and up gradients straight into one (RT, 2I) buffer (no ``cat``);
+* hand ``torch._grouped_mm`` a contiguous incoming gradient (a non-contiguous one, e.g. the expanded gradient
+  of a ``sum``, makes the kernel fail);
+* zero the weight gradients of experts without tokens (some grouped kernels leave them uninitialised).
+
+``torch._grouped_mm`` (``torch.nn.functional.grouped_mm`` where present) takes int32 ``offs`` = cumulative group
+ends without a leading 0, has no fp64 kernel, needs 16-byte aligned strides and pointers, and leaves rows past
+``offs[-1]`` uninitialised (here RT is exactly ``offs[-1]``, so there are none). When it is missing or an operand
+does not qualify, :func:`grouped_mm` falls back to one ``torch.mm`` per expert with the same results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mula_lightning.moe.reference import ExpertWeights
+
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned data pointer and non-unit strides, as the grouped GEMM kernels require."""
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return False
+    return all((stride * size) % 16 == 0 for stride in t.stride() if stride != 1)
+
+
+def grouped_mm_available(*tensors: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can take these operands (dtype, device, alignment, non-empty)."""
+    if _GROUPED_MM is None:
+        return False
+    first = tensors[0]
+    if first.dtype not in _GROUPED_MM_DTYPES or any(t.dtype != first.dtype for t in tensors):
+        return False
+    if first.device.type == "cuda":
+        if torch.cuda.get_device_capability(first.device) < (8, 0):
+            return False
+    elif first.device.type != "cpu":  # no grouped kernel known elsewhere (XPU, MPS): per-expert mm
+        return False
+    return all(t.numel() > 0 and _aligned(t) for t in tensors)
+
+
+def grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list[int], use_grouped: bool = True
+) -> torch.Tensor:
+    """Grouped matrix product over the jagged row groups given by ``offs``.
+
+    Two forms, as ``torch._grouped_mm``:
+
+    * ``a`` (RT, Kd) and ``b`` (NR, Kd, N): rows of group e times ``b[e]`` -> (RT, N);
+    * ``a`` (M, RT) and ``b`` (RT, N) (weight gradients): columns / rows of group e -> ``out[e]`` (NR, M, N),
+      zero for groups without rows.
+
+    Args:
+        a: left operand.
+        b: right operand.
+        offs: (NR,) int32 cumulative group ends (no leading 0).
+        counts: the NR group sizes on the host (for the fallback loop and the empty-group fix-up).
+        use_grouped: allow the grouped kernel (``False`` forces the per-group fallback).
+    """
+    weight_grad = b.dim() == 2
+    if use_grouped and grouped_mm_available(a, b):
+        out = _GROUPED_MM(a, b, offs=offs)
+        if weight_grad and 0 in counts:
+            empty = torch.tensor([e for e, n in enumerate(counts) if n == 0], device=out.device)
+            out.index_fill_(0, empty, 0.0)
+        return out
+    if weight_grad:
+        out = a.new_zeros(len(counts), a.shape[0], b.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                torch.mm(a[:, start : start + n], b[start : start + n], out=out[e])
+            start += n
+        return out
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(a[start : start + n], b[e], out=out[start : start + n])
+        start += n
+    return out
+
+
+class GroupedSwiGLU(torch.autograd.Function):
+    """``y = down_e(silu(gate_e x) * up_e x)`` for every row of every local expert, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x_RH, gate_up_proj, down_proj, offs, counts, use_grouped):
+        intermediate = down_proj.shape[-1]
+        gate_up_RO = grouped_mm(x_RH, gate_up_proj.transpose(1, 2), offs, counts, use_grouped)  # (RT, 2I)
+        gate_RI, up_RI = gate_up_RO[:, :intermediate], gate_up_RO[:, intermediate:]
+        h_RI = F.silu(gate_RI).mul_(up_RI)
+        y_RH = grouped_mm(h_RI, down_proj.transpose(1, 2), offs, counts, use_grouped)
+        ctx.save_for_backward(x_RH, gate_up_RO, gate_up_proj, down_proj, offs)
+        ctx.counts = counts
+        ctx.use_grouped = use_grouped
+        return y_RH
+
+    @staticmethod
+    def backward(ctx, grad_y_RH):
+        x_RH, gate_up_RO, gate_up_proj, down_proj, offs = ctx.saved_tensors
+        counts, use_grouped = ctx.counts, ctx.use_grouped
+        intermediate = down_proj.shape[-1]
+        grad_y_RH = grad_y_RH.contiguous()
+        gate_RI, up_RI = gate_up_RO[:, :intermediate], gate_up_RO[:, intermediate:]
+
+        grad_h_RI = grouped_mm(grad_y_RH, down_proj, offs, counts, use_grouped)  # (RT, I)
+        silu_RI = F.silu(gate_RI)
+        h_RI = silu_RI * up_RI
+        grad_down = grouped_mm(grad_y_RH.t(), h_RI, offs, counts, use_grouped)  # (NR, H, I)
+        del h_RI
+
+        grad_gate_up_RO = torch.empty_like(gate_up_RO)
+        torch.mul(grad_h_RI, silu_RI, out=grad_gate_up_RO[:, intermediate:])
+        del silu_RI
+        grad_h_RI.mul_(up_RI)
+        torch.ops.aten.silu_backward.grad_input(grad_h_RI, gate_RI, grad_input=grad_gate_up_RO[:, :intermediate])
+        del grad_h_RI
+
+        grad_x_RH = None
+        if ctx.needs_input_grad[0]:
+            grad_x_RH = grouped_mm(grad_gate_up_RO, gate_up_proj, offs, counts, use_grouped)  # (RT, H)
+        grad_gate_up = grouped_mm(grad_gate_up_RO.t(), x_RH, offs, counts, use_grouped)  # (NR, 2I, H)
+        return grad_x_RH, grad_gate_up, grad_down, None, None, None
+
+
+class GroupedExperts(ExpertWeights):
+    """The merged expert weights with a grouped-GEMM forward over rows already grouped by expert.
+
+    Same parameters and names as :class:`~mula_lightning.moe.reference.ExpertWeights` (``gate_up_proj``,
+    ``down_proj``), so state dicts are interchangeable with the reference block and with transformers.
+
+    Args:
+        use_grouped_mm: use ``torch._grouped_mm`` when the operands allow it (``False`` always takes the
+            per-expert fallback; tests compare the two).
+    """
+
+    def __init__(self, *args, use_grouped_mm: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x_RH: torch.Tensor, offs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows ``[cum_counts[e], cum_counts[e+1])`` go through local expert e.
+
+        Args:
+            x_RH: (RT, H) routed rows, grouped by expert.
+            offs: (NR,) int32 cumulative group ends (``cum_token_counts[1:]``).
+            counts: the NR group sizes on the host.
+        """
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        if x_RH.dtype != gate_up_proj.dtype:  # autocast or mixed inputs: compute in the weights' dtype
+            x_RH = x_RH.to(gate_up_proj.dtype)
+        if x_RH.shape[0] == 0:  # no rows: keep the weights in the graph with zero gradients
+            return x_RH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum())
+        return GroupedSwiGLU.apply(x_RH, gate_up_proj, down_proj, offs, counts, self.use_grouped_mm)
