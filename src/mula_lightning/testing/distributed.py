@@ -7,7 +7,8 @@ How a run works:
 
 1. The parent opens a ``TCPStore`` server on ``127.0.0.1`` with port 0, so the OS picks a free port and no other
    process can take it between choosing and binding (the classic "find a free port" race).
-2. It starts ``world_size`` children with the ``spawn`` start method (a fresh interpreter, safe with threads and
+2. It starts ``world_size`` children from a fork server that imported torch once (see :func:`_context`; plain
+   ``spawn`` where that is unavailable): fresh interpreter state, safe with threads and
    accelerators) and one watcher thread per child. Each child sets the launcher environment variables
    (``RANK``, ``LOCAL_RANK``, ...), connects to the store, initialises the default process group, calls
    ``fn(rank, world_size, **kwargs)``, destroys the group and sends the return value (or the traceback) back
@@ -119,6 +120,21 @@ def _exit_when_parent_dies() -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _context():
+    """The multiprocessing context for ranks: a fork server with torch already imported, else ``spawn``.
+
+    Every child of a fork server starts as a copy of one fresh process that imported torch once (no threads,
+    no accelerator context), so starting 8 ranks costs milliseconds instead of 8 interpreter + torch imports,
+    with the isolation of ``spawn``. ``MULA_TEST_START_METHOD=spawn`` forces plain spawn.
+    """
+    method = os.environ.get("MULA_TEST_START_METHOD", "forkserver")
+    if method == "forkserver" and sys.platform != "win32":
+        ctx = get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "mula_lightning.testing.distributed"])
+        return ctx
+    return get_context("spawn")
 
 
 def _child_main(
@@ -290,7 +306,7 @@ def run_distributed_test(
     store = dist.TCPStore(
         host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
     )
-    ctx = get_context("spawn")
+    ctx = _context()
     done = threading.Condition()
     procs, outcomes, threads = [], [_Outcome(status="running") for _ in range(world_size)], []
     succeeded = False
