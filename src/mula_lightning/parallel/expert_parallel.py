@@ -146,11 +146,13 @@ class ExpertParallelMoEBlock(FastSparseMoEBlock):
         pairs = order[: sum(input_splits)]  # drop the pairs removed by capacity (dest == EP, sorted last)
         token_of_pair = torch.div(pairs, top_k, rounding_mode="floor")
         output_splits = exchange_split_sizes(input_splits, group, level="ep", tag="moe.a2a.counts")
-        x_recv = all_to_all_single(x_SH.index_select(0, token_of_pair), output_splits, input_splits, group,
-                                   level="ep", tag="moe.a2a.x")
+        x_recv = all_to_all_single(
+            x_SH.index_select(0, token_of_pair), output_splits, input_splits, group, level="ep", tag="moe.a2a.x"
+        )
         with torch.no_grad():
-            e_recv = all_to_all_single(idx.index_select(0, pairs), output_splits, input_splits, group,
-                                       level="ep", tag="moe.a2a.idx")
+            e_recv = all_to_all_single(
+                idx.index_select(0, pairs), output_splits, input_splits, group, level="ep", tag="moe.a2a.idx"
+            )
         y_RH, plan = self._run_local_experts(x_recv, e_recv.unsqueeze(1))  # each received pair is one "token"
         y_recv = y_RH.index_select(0, plan.slot_row_SK.reshape(-1))  # back to received order
         y_back = all_to_all_single(y_recv, input_splits, output_splits, group, level="ep", tag="moe.a2a.y")
@@ -175,7 +177,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, dispatcher: str = "al
         if isinstance(module, ExpertParallelMoEBlock):
             continue
         if isinstance(module, ReferenceMoEBlock):
-            raise ValueError(f"{name}: expert parallelism needs FastSparseMoEBlock (moe_impl='fast'), not the reference")
+            raise ValueError(
+                f"{name}: expert parallelism needs FastSparseMoEBlock (moe_impl='fast'), not ReferenceMoEBlock"
+            )
         if isinstance(module, FastSparseMoEBlock):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
