@@ -160,6 +160,28 @@ class ShardedAdamW(torch.optim.Optimizer):
             p.register_post_accumulate_grad_hook(self._on_grad) for buf in self.buffers.values() for p in _params(buf)
         ]
 
+    @classmethod
+    def from_optimizer(cls, model: nn.Module, optimizer: torch.optim.Optimizer, topology: MoETopology, **kwargs: Any):
+        """Take over a user's ``torch.optim.AdamW``: same param groups and hyper-parameters, sharded states.
+
+        Raises:
+            TypeError: for optimizers other than AdamW (the sharded update implements AdamW only).
+        """
+        if isinstance(optimizer, cls):
+            return optimizer
+        if type(optimizer) is not torch.optim.AdamW:
+            raise TypeError(
+                f"the sharded optimizer implements AdamW; got {type(optimizer).__name__}. Return torch.optim.AdamW "
+                "from configure_optimizers (its param groups and hyper-parameters are kept)"
+            )
+        groups = [
+            {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay", "initial_lr")}
+            for g in optimizer.param_groups
+        ]
+        if any(g.get("amsgrad") for g in optimizer.param_groups):
+            raise ValueError("amsgrad=True is not supported by the sharded AdamW")
+        return cls(model, topology, param_groups=groups, **kwargs)
+
     # ------------------------------------------------------------------ state
     def _init_state(self) -> None:
         self.shards: dict[str, dict[str, torch.Tensor]] = {}

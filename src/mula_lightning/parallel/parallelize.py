@@ -1,0 +1,131 @@
+"""Apply parallelism to a plain single-device model, in one fixed, commented order.
+
+The order matters and is the same everywhere (the strategies call :func:`parallelize`):
+
+1. **Expert parallelism** first: it replaces MoE blocks and cuts expert tensors to the local slice, so every
+   later step sees the final modules and parameter shapes.
+2. **Activation checkpointing** next: it wraps whole decoder layers (including the EP collectives, which are
+   then re-run in backward on every rank alike).
+3. **Compile** after that: regional compilation of the attention and norm modules of each layer. FastSparseMoE
+   is left eager on purpose: its routed-token counts are data dependent, so a compiled MoE block would either
+   recompile for every new routing or break its graph at each count; asking to compile it raises.
+4. **Data-parallel sharding** last, and not as a module wrapper: the sharded optimizer
+   (:class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW`) lays the parameters out in flat buffers
+   and reduces gradients through hooks, so the module keeps its single-device names (checkpoint keys).
+
+Materialisation (meta device -> real tensors) and the initial broadcast are in :func:`materialize_and_broadcast`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.models.transformer import MulaDecoderLayer, MulaForCausalLM, init_parameter
+from mula_lightning.parallel.expert_parallel import apply_expert_parallel
+from mula_lightning.parallel.sharded_optimizer import is_expert_param
+from mula_lightning.parallel.topology import MoETopology
+
+
+def parallelize(
+    model: nn.Module,
+    topology: MoETopology,
+    *,
+    dispatcher: str = "allgather",
+    activation_checkpointing: bool = False,
+    compile: bool | dict[str, Any] = False,
+) -> nn.Module:
+    """EP -> activation checkpointing -> compile, in place (see the module docstring); returns ``model``."""
+    if topology.ep_size > 1:  # 1. expert parallelism
+        apply_expert_parallel(model, topology.ep_group, dispatcher=dispatcher)
+    if activation_checkpointing:  # 2. activation checkpointing
+        apply_activation_checkpointing(model)
+    if compile:  # 3. regional compile (MoE blocks stay eager)
+        apply_compile(model, **(compile if isinstance(compile, dict) else {}))
+    return model  # 4. data-parallel sharding happens in the sharded optimizer
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each decoder layer in backward instead of storing its activations (full-layer checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as apply_ac
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, MulaDecoderLayer))
+    return model
+
+
+def apply_compile(model: nn.Module, moe: bool = False, **compile_kwargs: Any) -> nn.Module:
+    """Compile the attention and norm modules of every decoder layer in place (``nn.Module.compile``).
+
+    In-place compilation keeps parameter names (no ``_orig_mod.`` prefix), so checkpoints are unchanged.
+
+    Raises:
+        ValueError: when ``moe=True``: FastSparseMoE has data-dependent shapes and is not compiled.
+    """
+    if moe:
+        raise ValueError(
+            "torch.compile of FastSparseMoE is not supported: routed-token counts per expert are data dependent "
+            "(a recompile or graph break per routing); compile=True compiles attention and norms and leaves the "
+            "MoE blocks eager"
+        )
+    for module in model.modules():
+        if isinstance(module, MulaDecoderLayer):
+            for child in (module.self_attn, module.input_layernorm, module.post_attention_layernorm):
+                child.compile(**compile_kwargs)
+    return model
+
+
+def _mula_models(model: nn.Module) -> list[tuple[str, MulaForCausalLM]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MulaForCausalLM)]
+
+
+@torch.no_grad()
+def materialize_and_broadcast(
+    model: nn.Module, topology: MoETopology, device: torch.device, seed: int = 0, broadcast: bool = True
+) -> nn.Module:
+    """Give every rank the same initial weights, reading or drawing them once per shard.
+
+    A model on the meta device is allocated on ``device``; on the ranks with ``dp_rank == 0`` (one per expert
+    slice) every parameter of a Mula model is drawn from (seed, single-device name) on the full tensor and
+    sliced, other modules get ``reset_parameters()``. Then non-expert tensors are broadcast from global rank 0
+    and expert slices from the ``dp_rank == 0`` rank of each DP group, so one process, DDP and every DP x EP
+    layout start bit-identical and only one rank per shard ever initialises or reads.
+    """
+    was_meta = any(p.is_meta for p in model.parameters())
+    if was_meta:
+        model.to_empty(device=device)
+        if topology.dp_rank == 0:
+            _initialise(model, topology, seed)
+    else:
+        model.to(device)
+    if broadcast and dist.is_available() and dist.is_initialized() and topology.world_size > 1:
+        for name, tensor in model.state_dict().items():
+            if is_expert_param(name) and topology.ep_size > 1:
+                if topology.dp_size > 1:
+                    dist.broadcast(tensor, src=topology.ep_rank, group=topology.dp_group)
+            else:
+                dist.broadcast(tensor, src=0)
+    return model
+
+
+def _initialise(model: nn.Module, topology: MoETopology, seed: int) -> None:
+    covered: set[int] = set()
+    for _, mula in _mula_models(model):
+        config: MulaConfig = mula.config
+        for name, param in mula.named_parameters():
+            covered.add(id(param))
+            shape = param.shape
+            if is_expert_param(name) and topology.ep_size > 1:
+                full = init_parameter(name, (config.num_experts, *shape[1:]), config, seed)
+                lo = topology.ep_rank * shape[0]
+                param.copy_(full[lo : lo + shape[0]].to(param.dtype))
+            else:
+                param.copy_(init_parameter(name, shape, config, seed).to(param.dtype))
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own and not all(id(p) in covered for p in own) and hasattr(module, "reset_parameters"):
+            module.reset_parameters()

@@ -1,0 +1,172 @@
+"""What the Fabric and Trainer flavours of a sharded strategy share: settings, setup, precision, checkpoints.
+
+Kept apart from the strategy classes so that each strategy file stays a thin mapping of Lightning's hooks onto
+:mod:`mula_lightning.parallel`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from mula_lightning.parallel.checkpoint import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from mula_lightning.parallel.expert_parallel import DISPATCHERS
+from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
+from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
+from mula_lightning.parallel.topology import MoETopology, build_topology
+
+METADATA_KEY = "metadata"
+
+
+@dataclass
+class EPSOSettings:
+    """The user's choices for a DP x EP run (validated on construction)."""
+
+    ep_size: int = 1
+    sharded_optimizer: str = "ep_aware"
+    dispatcher: str = "allgather"
+    reduce_dtype: torch.dtype = torch.float32
+    bucket_numel: int | None = 40_000_000
+    seed: int = 0
+    activation_checkpointing: bool = False
+    compile: bool | dict[str, Any] = False
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size ({self.ep_size}) must be >= 1")
+        if self.sharded_optimizer not in MODES:
+            raise ValueError(f"sharded_optimizer ({self.sharded_optimizer!r}) must be one of {MODES}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher ({self.dispatcher!r}) must be one of {DISPATCHERS}")
+        if isinstance(self.reduce_dtype, str):
+            self.reduce_dtype = getattr(torch, self.reduce_dtype.replace("torch.", ""))
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"reduce_dtype ({self.reduce_dtype}) must be torch.float32 or torch.bfloat16")
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's / Fabric's wrappers."""
+    while hasattr(optimizer, "_optimizer"):
+        optimizer = optimizer._optimizer
+    return optimizer
+
+
+def check_precision(plugin: Any) -> None:
+    """Accept ``32-true`` and ``bf16-true``; reject mixed precision and fp16 (see the strategy docstring)."""
+    name = type(plugin).__name__
+    precision = getattr(plugin, "precision", None)
+    if "Mixed" in name or precision in ("bf16-mixed", "16-mixed"):
+        raise ValueError(
+            f"precision={precision!r} is not supported by the sharded strategies: the strategy owns precision; use "
+            "'bf16-true' (bf16 parameters, fp32 master weights in the optimizer) or '32-true'"
+        )
+    if precision not in (None, "32-true", "bf16-true"):
+        raise ValueError(f"precision={precision!r} is not supported; use '32-true' or 'bf16-true'")
+    if hasattr(plugin, "clip_grad_by_norm"):  # the Trainer's plugin clips; route it to the sharded optimizer
+        plugin.clip_grad_by_norm = _clip_grad_by_norm
+        plugin.clip_grad_by_value = _clip_grad_by_value
+
+
+def _clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+    unwrap_optimizer(optimizer).clip_grad_norm_(float(clip_val))
+
+
+def _clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+    raise ValueError(
+        "gradient_clip_algorithm='value' is not supported with sharded gradients; use the default 'norm' "
+        f"(gradient_clip_val={clip_val})"
+    )
+
+
+def setup_epso_module(
+    module: nn.Module, settings: EPSOSettings, device: torch.device, topology: MoETopology | None = None
+) -> MoETopology:
+    """Topology, then :func:`parallelize` (EP -> AC -> compile), then materialise and broadcast the weights."""
+    topology = topology or build_topology(settings.ep_size)
+    parallelize(
+        module,
+        topology,
+        dispatcher=settings.dispatcher,
+        activation_checkpointing=settings.activation_checkpointing,
+        compile=settings.compile,
+    )
+    materialize_and_broadcast(module, topology, device, seed=settings.seed)
+    return topology
+
+
+def _to_saveable(value: Any, topology: MoETopology) -> Any:
+    if isinstance(value, nn.Module):
+        return model_state_dict(value, topology)
+    if isinstance(unwrap_optimizer(value), ShardedAdamW):
+        return optimizer_state_dict(unwrap_optimizer(value))
+    return None
+
+
+def save_sharded_checkpoint(
+    path: Path, state: dict[str, Any], topology: MoETopology, metadata: dict[str, Any] | None = None
+) -> None:
+    """Write a DCP directory: modules and sharded optimizers by logical key, everything else pickled.
+
+    Args:
+        state: modules, (wrapped) sharded optimizers, state dicts made by the Trainer's hooks, or plain objects
+            (those go to the metadata, as their ``state_dict()`` when they have one).
+        metadata: more picklable entries (the Trainer's loops, callbacks, schedulers, ...).
+    """
+    tensors: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(metadata or {})
+    for key, value in state.items():
+        saveable = _to_saveable(value, topology)
+        if saveable is not None:
+            tensors[key] = saveable
+        elif isinstance(value, dict) and (key == "state_dict" or key.startswith("optimizer_")):
+            tensors[key] = value
+        else:
+            extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
+    tensors[METADATA_KEY] = pickle.dumps(extra)
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=str(path))
+
+
+def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopology, strict: bool = True):
+    """Load a :func:`save_sharded_checkpoint` directory into ``state`` in place, at any layout.
+
+    Modules and sharded optimizers in ``state`` are filled from their logical keys; other entries are restored
+    from the pickled metadata (``load_state_dict`` when they have one). Returns the metadata entries that are
+    not in ``state`` (Fabric's contract; for the Trainer, the rest of its checkpoint dict).
+    """
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
+    saved_keys = {k.split(".")[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    targets: dict[str, Any] = {}
+    for key, value in state.items():
+        saveable = _to_saveable(value, topology)
+        if saveable is None:
+            continue
+        if key not in saved_keys:
+            if strict:
+                raise KeyError(f"{path}: the checkpoint has no {key!r} (it holds {sorted(saved_keys)})")
+            continue
+        targets[key] = saveable
+    targets[METADATA_KEY] = b""
+    dcp.load(targets, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    for key, value in state.items():
+        if key in targets and isinstance(unwrap_optimizer(value), ShardedAdamW):
+            apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
+    metadata = pickle.loads(targets[METADATA_KEY])
+    for key in list(state):
+        if key in targets or key not in metadata:
+            continue
+        if hasattr(state[key], "load_state_dict"):
+            state[key].load_state_dict(metadata.pop(key))
+        else:
+            state[key] = metadata.pop(key)
+    return {k: v for k, v in metadata.items() if k not in state}
