@@ -218,7 +218,9 @@ class DataManifest:
         """
         from mula_lightning.data.tokenizer import load_tokenizer, tokenizer_hash
 
-        tok = load_tokenizer(tokenizer_or_path) if isinstance(tokenizer_or_path, str | os.PathLike) else tokenizer_or_path
+        tok = (
+            load_tokenizer(tokenizer_or_path) if isinstance(tokenizer_or_path, str | os.PathLike) else tokenizer_or_path
+        )
         found = tokenizer_hash(tok)
         if found != self.content["tokenizer"]["hash"]:
             raise ValueError(

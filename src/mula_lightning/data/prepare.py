@@ -166,7 +166,9 @@ def prepare(
     if val_fraction > 0 and n_val == 0 and total >= 2:
         n_val = 1
     if total - n_val < 1:
-        raise ValueError(f"{total} instances of seq_len {seq_len} leave none for training after val_fraction {val_fraction}")
+        raise ValueError(
+            f"{total} instances of seq_len {seq_len} leave none for training after val_fraction {val_fraction}"
+        )
     order = np.random.default_rng(seed).permutation(total)
     reader = _InstanceReader(work, per_unit, seq_len, token_dtype)
     split_ids = {"train": order[n_val:], "val": order[:n_val]}
@@ -300,7 +302,7 @@ def _tokenize_units(units, work: Path, tok, eos_id: int, dtype: np.dtype, worker
     def handle(result) -> None:
         i, n_docs, ids = result
         if ids is None:  # a _Done: n_docs holds the budget bytes the unit used; publish tokens, then the sidecar
-            f = writers.pop(i, None) or open(work / f"unit-{i:05d}.bin.tmp-{os.getpid()}", "wb")
+            f = writers.pop(i, None) or open(work / f"unit-{i:05d}.bin.tmp-{os.getpid()}", "wb")  # noqa: SIM115
             f.flush()
             os.fsync(f.fileno())
             f.close()
@@ -309,7 +311,7 @@ def _tokenize_units(units, work: Path, tok, eos_id: int, dtype: np.dtype, worker
             atomic_write_json(work / f"unit-{i:05d}.json", stats[i])
             return
         if i not in writers:
-            writers[i] = open(work / f"unit-{i:05d}.bin.tmp-{os.getpid()}", "wb")
+            writers[i] = open(work / f"unit-{i:05d}.bin.tmp-{os.getpid()}", "wb")  # noqa: SIM115 (open across batches)
         writers[i].write(ids.tobytes())
         counts[i][0] += n_docs
         counts[i][1] += len(ids)
@@ -345,7 +347,9 @@ def _start_pool(workers: int, tok, eos_id: int, dtype: np.dtype):
     previous = os.environ.get("RAYON_NUM_THREADS")
     os.environ["RAYON_NUM_THREADS"] = "1"
     try:
-        return mp.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(tok.to_str(), eos_id, dtype.name))
+        return mp.get_context("spawn").Pool(
+            workers, initializer=init_worker, initargs=(tok.to_str(), eos_id, dtype.name)
+        )
     finally:
         if previous is None:
             os.environ.pop("RAYON_NUM_THREADS", None)

@@ -81,9 +81,7 @@ def _cap_text_files(paths: list[Path], budget: int | None) -> tuple[list[Path], 
     return kept, None, budget
 
 
-def discover_units(
-    inputs: list[str] | None, text_field: str = "text", max_bytes: int | None = None
-) -> list[Unit]:
+def discover_units(inputs: list[str] | None, text_field: str = "text", max_bytes: int | None = None) -> list[Unit]:
     """Resolve ``inputs`` (files and folders) into units, in a deterministic order.
 
     Args:
@@ -131,7 +129,7 @@ def discover_units(
 
 def _list_files(folder: Path) -> list[Path]:
     """Every file under ``folder`` (recursively, hidden ones skipped), sorted by path."""
-    files = [p for p in folder.rglob("*") if p.is_file()]
+    files = [p for p in folder.rglob("*") if p.is_file() or p.is_symlink()]  # a broken link fails loudly later
     files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
     return sorted(files, key=lambda p: p.as_posix())
 
@@ -273,7 +271,9 @@ def _iter_hf_disk(path: str, split: str | None, text_field: str) -> Iterator[str
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"reading the saved dataset {path!r} needs the `datasets` package: pip install datasets") from e
+        raise ImportError(
+            f"reading the saved dataset {path!r} needs the `datasets` package: pip install datasets"
+        ) from e
     ds = datasets.load_from_disk(path)
     if split is not None:
         ds = ds[split]
