@@ -6,7 +6,8 @@
   resumable across a change of data-parallel size or micro-batch size.
 - :class:`MulaDataModule`: the LightningDataModule wiring both, with state-dict hooks for exact resume.
 
-Names are imported on first use, so ``prepare``'s worker processes never import Lightning.
+``prepare`` is imported eagerly: its name is also its module's, and the function must win. The other names
+are imported on first use, so ``prepare``'s worker processes never import Lightning.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from mula_lightning.data.prepare import prepare
+
 _EXPORTS = {
-    "prepare": "mula_lightning.data.prepare",
     "DataManifest": "mula_lightning.data.manifest",
     "TokenShardDataset": "mula_lightning.data.dataset",
     "MegatronSampler": "mula_lightning.data.dataset",
@@ -23,7 +25,7 @@ _EXPORTS = {
     "open_litdata": "mula_lightning.data.litdata_io",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "prepare"])
 
 
 def __getattr__(name: str) -> Any:
