@@ -208,30 +208,32 @@ def prepare(
 def _check_existing(out: Path, plan: dict, overwrite: bool) -> tuple[DataManifest | None, bool]:
     """Decide what to do with what ``out`` already holds.
 
+    A finished dataset of another plan is never replaced silently; the unfinished work of another plan (a run that
+    failed or was killed, then the command was corrected) is only intermediate state and is discarded.
+
     Returns:
         (the finished dataset of this very plan or None, whether an interrupted run of this plan can be resumed).
 
     Raises:
-        ValueError: ``out`` holds a dataset (finished or not) of another plan and ``overwrite`` is off.
+        ValueError: ``out`` holds a finished dataset of another plan and ``overwrite`` is off.
     """
-    existing: dict | None = None
     if (out / MANIFEST_NAME).is_file():
         existing = json.loads((out / MANIFEST_NAME).read_text()).get("plan")
         if existing == plan:
             shutil.rmtree(out / WORK_DIR, ignore_errors=True)  # killed after the manifest, before the cleanup
             return DataManifest.load(out), False
+        if not overwrite:
+            changed = sorted(k for k in set(plan) | set(existing or {}) if plan.get(k) != (existing or {}).get(k))
+            raise ValueError(
+                f"{out} holds a dataset prepared with other settings (differs in: {', '.join(changed)}); "
+                "choose another output folder or pass overwrite=True (--overwrite)"
+            )
     elif (out / WORK_DIR / "plan.json").is_file():
-        existing = json.loads((out / WORK_DIR / "plan.json").read_text())
-        if existing == plan:
+        if json.loads((out / WORK_DIR / "plan.json").read_text()) == plan:
             return None, True
-    if existing is None:
+        print(f"prepare: discarding the unfinished run of other settings in {out / WORK_DIR}", file=sys.stderr)
+    else:
         return None, False
-    if not overwrite:
-        changed = sorted(k for k in set(plan) | set(existing) if plan.get(k) != existing.get(k))
-        raise ValueError(
-            f"{out} holds a dataset prepared with other settings (differs in: {', '.join(changed)}); "
-            "choose another output folder or pass overwrite=True (--overwrite)"
-        )
     for p in out.iterdir():
         if p.name in (MANIFEST_NAME, TOKENIZER_FILE, WORK_DIR, "litdata") or p.name.startswith(("train-", "val-")):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
