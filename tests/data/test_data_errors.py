@@ -65,7 +65,9 @@ def test_vocabulary_overflowing_uint16(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "big.json"))
     data = write_jsonl(tmp_path / "d.jsonl", [" ".join(f"w{i}" for i in range(69_990, 70_000))] * 4)
-    with pytest.raises(ValueError, match=r"dtype uint16 holds ids below 65536, but tokenizer .*big\.json has a vocabulary of 70002 ids"):
+    with pytest.raises(
+        ValueError, match=r"dtype uint16 holds ids below 65536, but tokenizer .*big\.json has a vocabulary of 70002 ids"
+    ):
         _prep([data], tmp_path / "o16", tmp_path / "big.json", seq_len=4, dtype="uint16")
     m = _prep([data], tmp_path / "o32", tmp_path / "big.json", seq_len=4, val_fraction=0.0)
     assert m.dtype == np.uint32 and m.vocab_size == 70_002
