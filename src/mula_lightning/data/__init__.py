@@ -25,7 +25,14 @@ _EXPORTS = {
     "open_litdata": "mula_lightning.data.litdata_io",
 }
 
-__all__ = sorted([*_EXPORTS, "prepare"])
+__all__ = [
+    "DataManifest",
+    "MegatronSampler",
+    "MulaDataModule",
+    "TokenShardDataset",
+    "open_litdata",
+    "prepare",
+]
 
 
 def __getattr__(name: str) -> Any:

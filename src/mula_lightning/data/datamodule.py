@@ -14,7 +14,9 @@ sampler's position in *global samples*, advanced in :meth:`on_before_batch_trans
 micro-batch the loop really uses (a prefetched batch is not counted), so the resumed loader yields the very next
 instance, even with another number of devices or another micro-batch size. (If the LightningModule overrides
 ``on_before_batch_transfer`` too, Lightning calls only the module's hook; call ``datamodule.on_before_batch_transfer``
-from it.) In a Fabric loop, call :meth:`mark_consumed` after each micro-batch instead.
+from it.) The training DataLoader is itself stateful (:class:`ResumableDataLoader`), so Lightning's loop also
+stores the position and knows the loader resumes mid-epoch. In a Fabric loop, call :meth:`mark_consumed` after
+each micro-batch and save :meth:`state_dict` with the checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ from torch.utils.data import DataLoader
 
 from mula_lightning.data.dataset import MegatronSampler, TokenShardDataset, collate_batch
 from mula_lightning.data.manifest import DataManifest
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose ``state_dict`` is its sampler's position.
+
+    Lightning treats loaders with ``state_dict`` / ``load_state_dict`` as resumable: it stores the state in the
+    loop's checkpoint section as well and does not warn about a mid-epoch resume. Both copies hold one position.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self.sampler.load_state_dict(state_dict)
 
 
 class MulaDataModule(LightningDataModule):
@@ -122,7 +139,7 @@ class MulaDataModule(LightningDataModule):
             self._pending_state = None
 
     def _loader(self, dataset: TokenShardDataset, sampler: MegatronSampler, batch_size: int) -> DataLoader:
-        return DataLoader(
+        return ResumableDataLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
