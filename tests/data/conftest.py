@@ -14,34 +14,11 @@ import pytest
 
 from mula_lightning.data.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, atomic_write_json, fingerprint_of
 
-WORDS = [
-    "expert",
-    "router",
-    "token",
-    "shard",
-    "gather",
-    "permute",
-    "memory",
-    "rank",
-    "batch",
-    "tensor",
-    "gradient",
-    "optimizer",
-    "layer",
-    "attention",
-    "sparse",
-    "dense",
-    "aurora",
-    "mula",
-    "lightning",
-    "fabric",
-    "checkpoint",
-    "resume",
-    "epoch",
-    "sample",
-    "context",
-    "window",
-]
+_WORD_TEXT = (
+    "expert router token shard gather permute memory rank batch tensor gradient optimizer layer attention "
+    "sparse dense aurora mula lightning fabric checkpoint resume epoch sample context window"
+)
+WORDS = _WORD_TEXT.split()
 
 
 def make_documents(n: int, seed: int, words_per_doc: tuple[int, int] = (5, 60)) -> list[str]:

@@ -18,7 +18,14 @@ def _prep(inputs, out, tokenizer, **kw):
 
 
 def test_empty_inputs(tmp_path, tiny_tokenizer):
-    """An empty file, an empty folder and a JSONL file without documents are refused, naming the path."""
+    """An empty file, an empty folder and a JSONL file without documents are refused, naming the path; an empty
+    file among others in a folder is no document (and no lone EOS)."""
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_bytes(b"")
+    (mixed / "b.txt").write_text(" ".join(make_documents(30, seed=2)))
+    m = _prep([mixed], tmp_path / "o0", tiny_tokenizer, seq_len=4, val_fraction=0.0)
+    assert m.content["num_documents"] == 1
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"input file .*empty\.txt' is empty"):
         _prep([tmp_path / "empty.txt"], tmp_path / "o1", tiny_tokenizer, seq_len=4)

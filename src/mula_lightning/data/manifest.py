@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,12 @@ class DataManifest:
     Args:
         root: the dataset folder.
         content: the parsed JSON.
+        timings: seconds per step of the ``prepare`` call that returned this manifest (empty when loaded).
     """
 
     root: Path
     content: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step, set by the prepare call that wrote it
 
     # ------------------------------------------------------------------------------------------- loading
     @classmethod

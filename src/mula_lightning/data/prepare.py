@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Literal
@@ -55,8 +56,8 @@ from mula_lightning.data.tokenizer import (
 
 WORK_DIR = ".work"
 TOKENIZER_FILE = "tokenizer.json"
-BATCH_CHARS = 1 << 20  # characters of text per worker call: large enough to amortise the call, small to stream
-BATCH_DOCS = 4096
+BATCH_CHARS = 1 << 18  # characters per worker call: amortises the call, keeps every worker busy on small inputs
+BATCH_DOCS = 1024
 
 
 def prepare(
@@ -119,12 +120,13 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     work = out / WORK_DIR
 
+    clock = _Clock()
     units = sources.discover_units(inputs, text_field=text_field, max_bytes=max_bytes)
     sources.checksum_units(units)
-    for unit in units:
-        for f in unit.files:
-            if f["bytes"] == 0 and unit.kind != "hf_disk":
-                raise ValueError(f"input file {f['path']!r} is empty (0 bytes)")
+    for unit in units:  # empty files inside a folder are skipped (no document); an input of nothing is an error
+        if unit.kind != "hf_disk" and sum(f["bytes"] for f in unit.files) == 0:
+            what = f"input file {unit.files[0]['path']!r}" if len(unit.files) == 1 else f"input {unit.name!r}"
+            raise ValueError(f"{what} is empty (0 bytes)")
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     plan = {
         "inputs": [{"name": u.name, "kind": u.kind, "split": u.split, "files": u.files} for u in units],
@@ -158,6 +160,7 @@ def prepare(
     token_dtype = choose_dtype(vocab_size, dtype, f"tokenizer {plan['tokenizer']}")
     eos_id = find_eos_id(tok, tokenizer, eos_token)
 
+    clock.lap("plan")  # discovery, checksums, tokenizer
     stats = _tokenize_units(units, work, tok, eos_id, token_dtype, workers, max_bytes, progress)
     _check_stats(units, stats, seq_len, max_bytes)
     per_unit = [s["tokens"] // seq_len for s in stats]
@@ -169,6 +172,7 @@ def prepare(
         raise ValueError(
             f"{total} instances of seq_len {seq_len} leave none for training after val_fraction {val_fraction}"
         )
+    clock.lap("tokenize")
     order = np.random.default_rng(seed).permutation(total)
     reader = _InstanceReader(work, per_unit, seq_len, token_dtype)
     split_ids = {"train": order[n_val:], "val": order[:n_val]}
@@ -201,7 +205,24 @@ def prepare(
     content["fingerprint"] = fingerprint_of(content)
     atomic_write_json(out / MANIFEST_NAME, content)
     shutil.rmtree(work, ignore_errors=True)
-    return DataManifest.load(out)
+    clock.lap("shuffle_and_shard")
+    manifest = DataManifest.load(out)
+    manifest.timings = clock.laps
+    return manifest
+
+
+class _Clock:
+    """Seconds spent per step of this call (``DataManifest.timings``; never written to disk, output stays
+    byte-identical)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 # ------------------------------------------------------------------------------------------- plan helpers

@@ -11,9 +11,13 @@ a :class:`Unit`:
 - with no input at all, the embedded corpus: this interpreter's standard-library ``.py`` sources (not
   ``site-packages``), sorted, decoded with ``errors="replace"``; real text that every machine has.
 
+Empty files and empty texts are no documents (the standard library alone has dozens of empty ``__init__.py``);
+an input with no bytes at all is an error.
+
 ``max_bytes`` caps the text read, in document order across all units (the last document is cut), so demos and
 tests can run on a small, deterministic prefix. Every unit lists its files with their size and SHA-256 so the
-manifest records exactly what was read and a resumed run can refuse inputs that changed underneath it.
+manifest records exactly what was read, and a resumed run notices inputs that changed underneath it (its plan
+differs, so the unfinished work is discarded).
 """
 
 from __future__ import annotations
@@ -61,7 +65,11 @@ def _suffix(path: Path) -> str:
 def stdlib_files() -> tuple[Path, list[Path]]:
     """The embedded corpus: the standard library's ``.py`` files, ``site-packages`` excluded, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file()]
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    files = [p for p in files if p.is_file()]
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -212,9 +220,12 @@ def iter_documents(unit: Unit, budget: _Budget | None = None) -> Iterator[str]:
                     data = f.read() if limit is None else f.read(limit)
             except OSError as e:
                 raise OSError(f"cannot read input file {p!r}: {e.strerror or e}") from e
-            yield data.decode("utf-8", errors="replace")
+            if data:  # an empty file is no document (the standard library has many empty __init__.py)
+                yield data.decode("utf-8", errors="replace")
         return
     for text in _iter_structured(unit):
+        if not text:
+            continue
         taken = budget.take(text)
         if taken is None:
             return
