@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from mula_lightning.data import MulaDataModule
 from mula_lightning.data.prepare import prepare
 from mula_lightning.data.sources import discover_units, iter_documents
 from mula_lightning.data.tokenizer import TRAINED_EOS, load_tokenizer
-from mula_lightning.models import MulaConfig, MulaForCausalLM
+
+# torch, Lightning and the model are imported inside the functions that use them: prepare's worker processes are
+# spawned, and a spawned child re-imports this script's top level; heavy imports here would be paid per worker.
 
 
 def naive_tokenize(tokenizer, documents: list[str]) -> tuple[int, float]:
@@ -59,6 +59,10 @@ def timed_prepare(root: Path, tokenizer: Path, workers: int, max_bytes: int, seq
 def loader_times(data_dir: Path, micro_batch_size: int, batches: int, rounds: int) -> tuple[float, float, dict]:
     """Median seconds per batch over interleaved rounds: the DataModule's loader (with its position bookkeeping)
     and plain numpy reads of the same rows from the memory-mapped shard."""
+    import torch
+
+    from mula_lightning.data import MulaDataModule
+
     dm = MulaDataModule(str(data_dir), micro_batch_size=micro_batch_size)
     loader = dm.train_dataloader()
     batches = min(batches, len(loader) - 1)
@@ -84,6 +88,8 @@ def loader_times(data_dir: Path, micro_batch_size: int, batches: int, rounds: in
 
 def train_step_time(batch: dict, repeats: int) -> float:
     """Median seconds of one forward + backward of mula-tiny-moe on ``batch``."""
+    from mula_lightning.models import MulaConfig, MulaForCausalLM
+
     model = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe"))
     times = []
     for i in range(repeats + 2):
@@ -107,6 +113,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="prepare runs per worker count (best is kept)")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the training step")
     args = parser.parse_args()
+    import torch
+
     torch.set_num_threads(args.torch_threads)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -97,6 +97,10 @@ class TokenShardDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """A batch ``{"input_ids": (B, T), "labels": (B, T)}``; index ``-1`` is a padding row (labels ``-100``)."""
+        first = int(indices[0]) if len(indices) else 0
+        if first >= 0 and list(indices) == list(range(first, first + len(indices))):  # the sampler's usual batch
+            input_ids = torch.from_numpy(self.read(first, first + len(indices)).astype(np.int64))
+            return {"input_ids": input_ids, "labels": input_ids.clone()}
         ids = np.asarray(indices, dtype=np.int64)
         tokens = np.full((len(ids), self.seq_len), self.eos_id, dtype=np.int64)
         real = ids != PAD_INDEX

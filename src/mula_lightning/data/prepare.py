@@ -88,7 +88,9 @@ def prepare(
         tokenizer: a Hugging Face ``tokenizer.json`` or a folder holding one.
         train_tokenizer: instead, train a byte-level BPE of this vocabulary size on the input (saved beside data).
         seed: seed of the global permutation.
-        workers: tokenizer processes; 0 encodes in this process; ``None`` uses up to 8 cores.
+        workers: tokenizer processes; 0 encodes in this process; ``None`` uses up to 8 cores. Workers are
+            spawned (safe next to torch's threads), and a spawned child re-imports the calling script's top
+            level: keep heavy imports of a script that calls ``prepare`` under ``if __name__ == "__main__"``.
         val_fraction: share of instances held out for validation.
         max_bytes: read at most this many bytes of text (in input order), e.g. for demos and tests.
         text_field: JSON key / column with the document text.
@@ -198,7 +200,10 @@ def prepare(
         "num_tokens": sum(s["tokens"] for s in stats),
         "num_instances": total,
         "num_dropped_tokens": sum(s["tokens"] - n * seq_len for s, n in zip(stats, per_unit)),
-        "inputs": [{"name": u.name, **s, "instances": n} for u, s, n in zip(units, stats, per_unit)],
+        "inputs": [
+            {"name": u.name, "documents": s["documents"], "tokens": s["tokens"], "instances": n}
+            for u, s, n in zip(units, stats, per_unit)
+        ],
         "splits": splits,
         "plan": plan,
     }
@@ -430,8 +435,9 @@ def _write_npy_split(out: Path, split: str, ids: np.ndarray, reader: _InstanceRe
         if not path.is_file():  # a shard under its final name was completed (renamed) by an earlier run
             tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
             arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=reader.dtype, shape=(len(chunk), reader.seq_len))
-            for s in range(0, len(chunk), 65536):
-                arr[s : s + 65536] = reader.read(chunk[s : s + 65536])
+            rows = max(1, (1 << 24) // reader.seq_len)  # gather ~16M tokens at a time
+            for s in range(0, len(chunk), rows):
+                arr[s : s + rows] = reader.read(chunk[s : s + rows])
             arr.flush()
             del arr
             with open(tmp, "rb+") as f:
