@@ -95,3 +95,14 @@ def test_validation_batches_have_equal_shapes_and_ignored_padding(tmp_path):
         assert "seq_len (8) differs from the context size" in str(e)
     else:
         raise AssertionError("a seq_len other than the data's must be refused")
+
+
+def test_worker_processes_read_the_same_batches(tmp_path):
+    """With DataLoader worker processes (the dataset is pickled without its memory maps and re-maps lazily) the
+    training batches are identical to in-process loading."""
+    data = make_arange_dataset(tmp_path / "d", 30, SEQ)
+    serial = list(MulaDataModule(str(data), micro_batch_size=4).train_dataloader())
+    parallel = list(MulaDataModule(str(data), micro_batch_size=4, num_workers=2).train_dataloader())
+    assert len(serial) == len(parallel) == 7
+    for a, b in zip(serial, parallel):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])

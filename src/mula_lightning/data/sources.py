@@ -14,10 +14,12 @@ a :class:`Unit`:
 Empty files and empty texts are no documents (the standard library alone has dozens of empty ``__init__.py``);
 an input with no bytes at all is an error.
 
-``max_bytes`` caps the text read, in document order across all units (the last document is cut), so demos and
-tests can run on a small, deterministic prefix. Every unit lists its files with their size and SHA-256 so the
-manifest records exactly what was read, and a resumed run notices inputs that changed underneath it (its plan
-differs, so the unfinished work is discarded).
+``max_bytes`` caps the text read, so demos and tests run on a small, deterministic prefix: plain-text files are
+capped first, by raw file size in input order (the last file is cut), and JSONL / parquet / dataset documents
+share what is left, by UTF-8 size in input order (the last document is cut).
+
+Every unit lists its files with their size and SHA-256 so the manifest records exactly what was read, and a
+resumed run notices inputs that changed underneath it (its plan differs, so the unfinished work is discarded).
 """
 
 from __future__ import annotations
