@@ -40,7 +40,7 @@ def write_litdata_split(out: Path, split: str, ids: np.ndarray, reader: Any, sha
         out: the dataset folder.
         split: ``"train"`` or ``"val"``.
         ids: global instance ids in the order to write them.
-        reader: maps instance ids to token rows (``prepare._InstanceReader``).
+        reader: maps instance ids to token rows (:class:`~mula_lightning.data.shards.InstanceReader`).
         shard_tokens: tokens per litdata chunk (rounded to whole instances).
     """
     from litdata import optimize

@@ -41,8 +41,8 @@ from mula_lightning.data.manifest import (
     atomic_write_bytes,
     atomic_write_json,
     fingerprint_of,
-    sha256_file,
 )
+from mula_lightning.data.shards import InstanceReader, write_npy_split
 from mula_lightning.data.tokenizer import (
     choose_dtype,
     encode_documents,
@@ -176,11 +176,11 @@ def prepare(
         )
     clock.lap("tokenize")
     order = np.random.default_rng(seed).permutation(total)
-    reader = _InstanceReader(work, per_unit, seq_len, token_dtype)
+    reader = InstanceReader(work, per_unit, seq_len, token_dtype)
     split_ids = {"train": order[n_val:], "val": order[:n_val]}
     if format == "npy":
         per_shard = max(1, shard_tokens // seq_len)
-        splits = {name: _write_npy_split(out, name, ids, reader, per_shard) for name, ids in split_ids.items()}
+        splits = {name: write_npy_split(out, name, ids, reader, per_shard) for name, ids in split_ids.items()}
     else:
         from mula_lightning.data.litdata_io import write_litdata_split
 
@@ -399,49 +399,3 @@ def _check_stats(units, stats: list[dict], seq_len: int, max_bytes: int | None) 
     if all(s["tokens"] < seq_len for s in stats):
         sizes = ", ".join(f"{u.name}: {s['tokens']} tokens" for u, s in zip(units, stats))
         raise ValueError(f"seq_len ({seq_len}) is larger than every input: no instance can be cut ({sizes})")
-
-
-# ------------------------------------------------------------------------------------------ shuffle + shard
-class _InstanceReader:
-    """Global instance id -> tokens, reading the per-unit token files as ``(N_i, seq_len)`` memory maps."""
-
-    def __init__(self, work: Path, per_unit: list[int], seq_len: int, dtype: np.dtype) -> None:
-        self.offsets = np.concatenate([[0], np.cumsum(per_unit)]).astype(np.int64)
-        self.seq_len = seq_len
-        self.dtype = dtype
-        self.maps = [
-            np.memmap(work / f"unit-{i:05d}.bin", dtype=dtype, mode="r", shape=(n * seq_len,)).reshape(n, seq_len)
-            if n
-            else None
-            for i, n in enumerate(per_unit)
-        ]
-
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Rows ``ids`` (global instance ids) as a ``(len(ids), seq_len)`` array, in the order given."""
-        out = np.empty((len(ids), self.seq_len), dtype=self.dtype)
-        unit = np.searchsorted(self.offsets, ids, side="right") - 1
-        for u in np.unique(unit):
-            rows = np.nonzero(unit == u)[0]
-            out[rows] = self.maps[u][ids[rows] - self.offsets[u]]
-        return out
-
-
-def _write_npy_split(out: Path, split: str, ids: np.ndarray, reader: _InstanceReader, per_shard: int) -> dict:
-    """Write one split's instances, in permuted order, into ``<split>-NNNNN.npy`` shards (skipping finished ones)."""
-    shards = []
-    for k, start in enumerate(range(0, len(ids), per_shard)):
-        chunk = ids[start : start + per_shard]
-        path = out / f"{split}-{k:05d}.npy"
-        if not path.is_file():  # a shard under its final name was completed (renamed) by an earlier run
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=reader.dtype, shape=(len(chunk), reader.seq_len))
-            rows = max(1, (1 << 24) // reader.seq_len)  # gather ~16M tokens at a time
-            for s in range(0, len(chunk), rows):
-                arr[s : s + rows] = reader.read(chunk[s : s + rows])
-            arr.flush()
-            del arr
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        shards.append({"file": path.name, "num_instances": len(chunk), "sha256": sha256_file(path)})
-    return {"num_instances": len(ids), "shards": shards}
