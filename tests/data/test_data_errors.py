@@ -149,3 +149,13 @@ def test_optional_readers_say_what_to_install(tmp_path):
         (tmp_path / "hf" / "dataset_info.json").write_text("{}")
         with pytest.raises(ImportError, match=r"saved dataset .*hf' needs the `datasets` package"):
             list(iter_documents(discover_units([str(tmp_path / "hf")])[0]))
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+    """`mula data prepare` turns a bad input into one error line naming the file and exit code 1."""
+    from mula_lightning.cli import main
+
+    code = main(["data", "prepare", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o"),
+                 "--train-tokenizer", "300", "--progress", "false"])  # fmt: skip
+    assert code == 1
+    assert capsys.readouterr().err.strip().endswith(f"error: input {str(tmp_path / 'nope.jsonl')!r} does not exist")
