@@ -106,3 +106,19 @@ def test_worker_processes_read_the_same_batches(tmp_path):
     assert len(serial) == len(parallel) == 7
     for a, b in zip(serial, parallel):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+
+
+def test_dp_layout_comes_from_the_strategy(tmp_path):
+    """Without explicit dp_rank / dp_size the DataModule takes the strategy's ``distributed_sampler_kwargs`` (where
+    expert-parallel strategies report their data-parallel group), and defaults to one rank without it."""
+    from types import SimpleNamespace
+
+    data = make_arange_dataset(tmp_path / "d", 40, SEQ)
+    dm = MulaDataModule(str(data), micro_batch_size=3)
+    dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": 2}, training=False)
+    first = next(iter(dm.train_dataloader()))
+    assert (dm.train_sampler.dp_rank, dm.train_sampler.dp_size) == (2, 4)
+    assert (first["input_ids"][:, 0] // SEQ).tolist() == [6, 7, 8]
+    alone = MulaDataModule(str(data), micro_batch_size=3)
+    alone.setup("fit")
+    assert (alone.train_sampler.dp_rank, alone.train_sampler.dp_size) == (0, 1)

@@ -364,6 +364,8 @@ def _tokenize_units(units, work: Path, tok, eos_id: int, dtype: np.dtype, worker
             handle(in_flight.popleft().get())
     finally:
         bar.close()
+        for f in writers.values():  # only after an error: the unit's temporary is removed by the next run
+            f.close()
         if pool is not None:
             pool.terminate()
             pool.join()
