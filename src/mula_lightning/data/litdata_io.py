@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 LITDATA_DIR = "litdata"
+_CACHE_VARS = {"DATA_OPTIMIZER_CACHE_FOLDER": "chunks", "DATA_OPTIMIZER_DATA_CACHE_FOLDER": "data"}
 
 
 def _yield_instances(id_range: tuple[int, int], ids: np.ndarray, reader: Any):
@@ -43,30 +44,46 @@ def write_litdata_split(out: Path, split: str, ids: np.ndarray, reader: Any, sha
         reader: maps instance ids to token rows (:class:`~mula_lightning.data.shards.InstanceReader`).
         shard_tokens: tokens per litdata chunk (rounded to whole instances).
     """
-    from litdata import optimize
-    from litdata.streaming.item_loader import TokensLoader
-
     target = out / LITDATA_DIR / split
     per_chunk = max(1, shard_tokens // reader.seq_len)
     if len(ids) and not target.is_dir():
         tmp = target.with_name(f"{split}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        step = max(1, min(per_chunk, 4096))
-        ranges = [(s, min(s + step, len(ids))) for s in range(0, len(ids), step)]
-        optimize(
-            fn=partial(_yield_instances, ids=ids, reader=reader),
-            inputs=ranges,
-            output_dir=str(tmp),
-            chunk_size=per_chunk * reader.seq_len,
-            item_loader=TokensLoader(),
-            num_workers=1,
-            reorder_files=False,
-            start_method="fork" if os.name == "posix" else None,
-            verbose=False,
-        )
+        # litdata stages files in <cache>/chunks and <cache>/data (default: /tmp); keep them beside the output.
+        scratch = target.with_name(f"cache.tmp-{os.getpid()}")
+        saved = {k: os.environ.get(k) for k in _CACHE_VARS}
+        os.environ.update({k: str(scratch / sub) for k, sub in _CACHE_VARS.items()})
+        try:
+            _optimize(ids, reader, tmp, per_chunk)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            shutil.rmtree(scratch, ignore_errors=True)
         os.replace(tmp, target)
     return {"num_instances": len(ids), "dir": f"{LITDATA_DIR}/{split}", "shards": []}
+
+
+def _optimize(ids: np.ndarray, reader: Any, output_dir: Path, per_chunk: int) -> None:
+    from litdata import optimize
+    from litdata.streaming.item_loader import TokensLoader
+
+    step = max(1, min(per_chunk, 4096))
+    ranges = [(s, min(s + step, len(ids))) for s in range(0, len(ids), step)]
+    optimize(
+        fn=partial(_yield_instances, ids=ids, reader=reader),
+        inputs=ranges,
+        output_dir=str(output_dir),
+        chunk_size=per_chunk * reader.seq_len,
+        item_loader=TokensLoader(),
+        num_workers=1,
+        reorder_files=False,
+        start_method="fork" if os.name == "posix" else None,  # the reader's memory maps are inherited, not copied
+        verbose=False,
+    )
 
 
 def open_litdata(root: str | os.PathLike, split: str = "train", **kwargs: Any):
