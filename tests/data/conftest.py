@@ -1,6 +1,7 @@
 """Shared fixtures of the data tests: tiny local corpora, a tiny tokenizer, and an arange dataset.
 
-Everything is built in ``tmp_path``: no network, no hub.
+Everything is built in ``tmp_path``: no network, no hub. The helpers are handed to tests as (session-scoped,
+stateless) fixtures rather than imported, so the tests run under ``--import-mode=importlib`` as well.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ _WORD_TEXT = (
 WORDS = _WORD_TEXT.split()
 
 
-def make_documents(n: int, seed: int, words_per_doc: tuple[int, int] = (5, 60)) -> list[str]:
+def _make_documents(n: int, seed: int, words_per_doc: tuple[int, int] = (5, 60)) -> list[str]:
     """``n`` random short documents of known words (some with newlines and non-ASCII text)."""
     rng = random.Random(seed)
     docs = []
@@ -33,7 +34,7 @@ def make_documents(n: int, seed: int, words_per_doc: tuple[int, int] = (5, 60)) 
     return docs
 
 
-def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+def _write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
     return path
@@ -44,14 +45,14 @@ def tiny_tokenizer(tmp_path: Path) -> Path:
     """A byte-level BPE of 300 ids trained here on the test vocabulary; returns its ``tokenizer.json``."""
     from mula_lightning.data.tokenizer import train_bpe
 
-    tok = train_bpe(make_documents(200, seed=99), 300)
+    tok = train_bpe(_make_documents(200, seed=99), 300)
     path = tmp_path / "tok" / "tokenizer.json"
     path.parent.mkdir()
     tok.save(str(path))
     return path
 
 
-def make_arange_dataset(root: Path, num_instances: int, seq_len: int = 4, per_shard: int = 7) -> Path:
+def _make_arange_dataset(root: Path, num_instances: int, seq_len: int = 4, per_shard: int = 7) -> Path:
     """A dataset whose train instance ``i`` holds ``i * seq_len + [0, seq_len)``, split over several shards.
 
     The token value identifies the instance, so any reader can be checked for exactly-once coverage.
@@ -82,3 +83,21 @@ def make_arange_dataset(root: Path, num_instances: int, seq_len: int = 4, per_sh
     content["fingerprint"] = fingerprint_of(content)
     atomic_write_json(root / "manifest.json", content)
     return root
+
+
+@pytest.fixture(scope="session")
+def make_documents():
+    """``make_documents(n, seed)``: random short documents (see :func:`_make_documents`)."""
+    return _make_documents
+
+
+@pytest.fixture(scope="session")
+def write_jsonl():
+    """``write_jsonl(path, docs, field="text")``: one JSON object per document."""
+    return _write_jsonl
+
+
+@pytest.fixture(scope="session")
+def make_arange_dataset():
+    """``make_arange_dataset(root, num_instances, seq_len, per_shard)``: see :func:`_make_arange_dataset`."""
+    return _make_arange_dataset

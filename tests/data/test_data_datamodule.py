@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_arange_dataset
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -48,7 +47,7 @@ def _fit(data_dir, max_steps: int, ckpt_dir=None, ckpt_path=None) -> Recorder:
     return model
 
 
-def test_trainer_resume_continues_from_the_exact_next_sample(tmp_path):
+def test_trainer_resume_continues_from_the_exact_next_sample(tmp_path, make_arange_dataset):
     """Resuming a Trainer from a checkpoint mid-epoch (and mid second epoch) yields exactly the batches an
     uninterrupted run yields after that step; the second epoch starts the data over from instance 0."""
     data = make_arange_dataset(tmp_path / "d", 23, SEQ)  # 11 micro-batches of 2 per epoch
@@ -61,7 +60,7 @@ def test_trainer_resume_continues_from_the_exact_next_sample(tmp_path):
         assert resumed == full[step:]
 
 
-def test_datamodule_state_moves_to_another_dp_size(tmp_path):
+def test_datamodule_state_moves_to_another_dp_size(tmp_path, make_arange_dataset):
     """A position saved at dp_size 1 resumes on two DP ranks with micro-batch 3: the ranks' first step is the
     next six instances, rank 0 the first three and rank 1 the next three."""
     data = make_arange_dataset(tmp_path / "d", 40, SEQ)
@@ -78,7 +77,7 @@ def test_datamodule_state_moves_to_another_dp_size(tmp_path):
     assert firsts == [[10, 11, 12], [13, 14, 15]]
 
 
-def test_validation_batches_have_equal_shapes_and_ignored_padding(tmp_path):
+def test_validation_batches_have_equal_shapes_and_ignored_padding(tmp_path, make_arange_dataset):
     """Validation loaders on two DP ranks give equal shapes; padding rows carry labels -100, which the real-token
     count (for normalising the loss) leaves out; vocab size and seq_len come from the manifest."""
     data = make_arange_dataset(tmp_path / "d", 20, SEQ)
@@ -97,7 +96,7 @@ def test_validation_batches_have_equal_shapes_and_ignored_padding(tmp_path):
         raise AssertionError("a seq_len other than the data's must be refused")
 
 
-def test_worker_processes_read_the_same_batches(tmp_path):
+def test_worker_processes_read_the_same_batches(tmp_path, make_arange_dataset):
     """With DataLoader worker processes (the dataset is pickled without its memory maps and re-maps lazily) the
     training batches are identical to in-process loading."""
     data = make_arange_dataset(tmp_path / "d", 30, SEQ)
@@ -108,7 +107,7 @@ def test_worker_processes_read_the_same_batches(tmp_path):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
 
 
-def test_dp_layout_comes_from_the_strategy(tmp_path):
+def test_dp_layout_comes_from_the_strategy(tmp_path, make_arange_dataset):
     """Without explicit dp_rank / dp_size the DataModule takes the strategy's ``distributed_sampler_kwargs`` (where
     expert-parallel strategies report their data-parallel group), and defaults to one rank without it."""
     from types import SimpleNamespace

@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-from conftest import make_documents, write_jsonl
 
 from mula_lightning.data import DataManifest, MulaDataModule, prepare
 from mula_lightning.data.sources import discover_units, iter_documents
@@ -17,7 +16,7 @@ def _prep(inputs, out, tokenizer, **kw):
     return prepare([str(p) for p in inputs], str(out), tokenizer=str(tokenizer), workers=0, progress=False, **kw)
 
 
-def test_empty_inputs(tmp_path, tiny_tokenizer):
+def test_empty_inputs(tmp_path, tiny_tokenizer, make_documents):
     """An empty file, an empty folder and a JSONL file without documents are refused, naming the path; an empty
     file among others in a folder is no document (and no lone EOS)."""
     mixed = tmp_path / "mixed"
@@ -37,7 +36,7 @@ def test_empty_inputs(tmp_path, tiny_tokenizer):
         _prep([tmp_path / "blank.jsonl"], tmp_path / "o3", tiny_tokenizer, seq_len=4)
 
 
-def test_unreadable_and_malformed_files(tmp_path, tiny_tokenizer):
+def test_unreadable_and_malformed_files(tmp_path, tiny_tokenizer, write_jsonl):
     """A missing path, a dangling link in a folder, an unreadable file, invalid JSON and a missing text field are
     reported with the file (and line)."""
     with pytest.raises(FileNotFoundError, match=r"input '.*missing\.jsonl' does not exist"):
@@ -62,7 +61,7 @@ def test_unreadable_and_malformed_files(tmp_path, tiny_tokenizer):
         _prep([other], tmp_path / "o", tiny_tokenizer, seq_len=4)
 
 
-def test_vocabulary_overflowing_uint16(tmp_path):
+def test_vocabulary_overflowing_uint16(tmp_path, write_jsonl):
     """``dtype="uint16"`` with a vocabulary above 65,536 ids is refused naming both; unset, uint32 is chosen and
     ids above 65,535 survive the round trip."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -81,14 +80,14 @@ def test_vocabulary_overflowing_uint16(tmp_path):
     assert np.load(m.root / m.shards("train")[0]["file"]).max() == 70_001
 
 
-def test_context_larger_than_the_data(tmp_path, tiny_tokenizer):
+def test_context_larger_than_the_data(tmp_path, tiny_tokenizer, make_documents, write_jsonl):
     """A seq_len no input can fill is refused, naming every input with its token count."""
     data = write_jsonl(tmp_path / "small.jsonl", make_documents(3, seed=0))
     with pytest.raises(ValueError, match=r"seq_len \(100000\) is larger than every input.*small\.jsonl: \d+ tokens"):
         _prep([data], tmp_path / "o", tiny_tokenizer, seq_len=100_000)
 
 
-def test_manifest_that_does_not_match_its_shards(tmp_path, tiny_tokenizer):
+def test_manifest_that_does_not_match_its_shards(tmp_path, tiny_tokenizer, make_documents, write_jsonl):
     """A truncated shard, a missing shard, an edited manifest and a missing manifest are refused before any
     read, naming the file (through DataManifest and MulaDataModule alike)."""
     data = write_jsonl(tmp_path / "d.jsonl", make_documents(80, seed=0))
@@ -113,7 +112,7 @@ def test_manifest_that_does_not_match_its_shards(tmp_path, tiny_tokenizer):
         DataManifest.load(tmp_path)
 
 
-def test_bad_arguments_name_their_values(tmp_path, tiny_tokenizer):
+def test_bad_arguments_name_their_values(tmp_path, tiny_tokenizer, write_jsonl):
     """Contradictory or out-of-range arguments are refused before any work, naming the values."""
     data = write_jsonl(tmp_path / "d.jsonl", ["x"])
     with pytest.raises(ValueError, match="exactly one of tokenizer"):
@@ -126,7 +125,7 @@ def test_bad_arguments_name_their_values(tmp_path, tiny_tokenizer):
         _prep([data], tmp_path / "o", tmp_path / "nope")
 
 
-def test_optional_readers_say_what_to_install(tmp_path):
+def test_optional_readers_say_what_to_install(tmp_path, make_documents):
     """Parquet and saved `datasets` inputs work when their library is importable, else name the package."""
     docs = make_documents(5, seed=4)
     try:

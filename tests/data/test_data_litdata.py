@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_documents, write_jsonl
 
 from mula_lightning.data import open_litdata, prepare
 
 pytest.importorskip("litdata")
 
 
-def test_litdata_round_trip(tmp_path, tiny_tokenizer):
+def test_litdata_round_trip(tmp_path, tiny_tokenizer, make_documents, write_jsonl):
     """Written with litdata.optimize and read with StreamingDataset + TokensLoader, each split gives back the same
     instances, in the same permuted order, as the memory-mapped npy shards of the same settings."""
     inputs = [str(write_jsonl(tmp_path / f"p{s}.jsonl", make_documents(40, seed=s))) for s in range(2)]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_documents, write_jsonl
 
 from mula_lightning.data import DataManifest, prepare
 from mula_lightning.data.sources import stdlib_files
@@ -43,7 +42,7 @@ def _same_tree(a: Path, b: Path) -> None:
             assert filecmp.cmp(a / name, b / name, shallow=False), f"{name} differs"
 
 
-def test_decoding_gives_documents_in_order_with_eos(tmp_path, tiny_tokenizer):
+def test_decoding_gives_documents_in_order_with_eos(tmp_path, tiny_tokenizer, make_documents, write_jsonl):
     """Un-shuffled instances of each input file are its documents' tokens in order, EOS after each document;
     decoding them gives the documents' text back; only the tail shorter than seq_len is dropped per file."""
     docs = [make_documents(40, seed=s) for s in range(3)]
@@ -67,7 +66,7 @@ def test_decoding_gives_documents_in_order_with_eos(tmp_path, tiny_tokenizer):
     assert start == m.content["num_instances"] == m.num_instances("train") + m.num_instances("val")
 
 
-def test_parallel_workers_match_in_process_and_rerun_is_a_noop(tmp_path, tiny_tokenizer):
+def test_parallel_workers_match_in_process_and_rerun_is_a_noop(tmp_path, tiny_tokenizer, make_documents, write_jsonl):
     """Two worker processes write byte-identical output to in-process encoding; a re-run with the same settings
     returns the finished dataset untouched; other settings into the same folder are refused by name."""
     inputs = [str(write_jsonl(tmp_path / "in" / f"p{s}.jsonl", make_documents(60, seed=s))) for s in range(3)]
@@ -86,7 +85,7 @@ def test_parallel_workers_match_in_process_and_rerun_is_a_noop(tmp_path, tiny_to
     assert other.seq_len == 4 and not list((tmp_path / "serial").glob("*.tmp-*"))
 
 
-def test_model_side_helpers(tmp_path, tiny_tokenizer):
+def test_model_side_helpers(tmp_path, tiny_tokenizer, make_documents, write_jsonl):
     """The manifest gives the model its vocab size (refusing a too-small one) and detects a tokenizer mismatch."""
     inputs = [str(write_jsonl(tmp_path / "a.jsonl", make_documents(30, seed=1)))]
     m = prepare(inputs, str(tmp_path / "out"), seq_len=8, tokenizer=str(tiny_tokenizer), workers=0, progress=False)
@@ -131,7 +130,7 @@ def _cli(out: Path, inputs: list[str], tokenizer_vocab: int) -> list[str]:
             "--progress", "false"]  # fmt: skip
 
 
-def test_kill_mid_run_then_rerun_is_byte_identical(tmp_path):
+def test_kill_mid_run_then_rerun_is_byte_identical(tmp_path, make_documents, write_jsonl):
     """SIGKILL during tokenization and again during sharding, then re-running, gives byte-identical files to one
     uninterrupted run (tokenizer included): finished steps are reused, temporaries never look finished."""
     inputs = [str(write_jsonl(tmp_path / "in" / f"p{s:02d}.jsonl", make_documents(150, seed=s))) for s in range(24)]

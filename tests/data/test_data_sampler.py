@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_arange_dataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -37,7 +36,7 @@ def _ranks(ds, mbs: int, dp: int, gbs: int | None = None) -> list[MegatronSample
     return [MegatronSampler(ds, mbs, r, dp, global_batch_size=gbs) for r in range(dp)]
 
 
-def test_dataset_reads_rows_across_shards(tmp_path):
+def test_dataset_reads_rows_across_shards(tmp_path, make_arange_dataset):
     """Contiguous reads spanning shard boundaries return exactly the requested rows, as int64 with equal labels."""
     ds = TokenShardDataset(make_arange_dataset(tmp_path, 30, SEQ, per_shard=7))
     batch = ds.__getitems__([5, 6, 7, 8, 20, 3])
@@ -50,7 +49,7 @@ def test_dataset_reads_rows_across_shards(tmp_path):
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(8, 90), mbs=st.integers(1, 4), dp=st.integers(1, 4), accum=st.integers(1, 2))
-def test_all_ranks_cover_each_instance_once_per_epoch(tmp_path_factory, n, mbs, dp, accum):
+def test_all_ranks_cover_each_instance_once_per_epoch(tmp_path_factory, n, mbs, dp, accum, make_arange_dataset):
     """All DP ranks together see every instance of a pass exactly once, each rank a contiguous slice of each step,
     with equal shapes; only the last partial global batch is dropped; the second pass repeats the first."""
     gbs = mbs * dp * accum
@@ -75,7 +74,7 @@ def test_all_ranks_cover_each_instance_once_per_epoch(tmp_path_factory, n, mbs, 
 
 
 @pytest.mark.parametrize(("before", "after"), [((2, 3), (3, 1)), ((4, 2), (1, 3)), ((1, 1), (2, 2))])
-def test_resume_after_dp_and_micro_batch_change(tmp_path, before, after):
+def test_resume_after_dp_and_micro_batch_change(tmp_path, before, after, make_arange_dataset):
     """Changing (dp_size, micro_batch_size) mid-epoch and resuming from the saved state repeats and skips nothing:
     the instances seen before plus after are exactly the prefix of the data order up to the new step's tail."""
     n = 61
@@ -106,7 +105,7 @@ def test_resume_after_dp_and_micro_batch_change(tmp_path, before, after):
     assert _instance_ids(next(iter(loaders[0])))[0] == 0
 
 
-def test_state_refuses_another_dataset(tmp_path):
+def test_state_refuses_another_dataset(tmp_path, make_arange_dataset):
     """A position saved on one dataset is refused on another, with both fingerprints in the message."""
     a = TokenShardDataset(make_arange_dataset(tmp_path / "a", 20, SEQ))
     b = TokenShardDataset(make_arange_dataset(tmp_path / "b", 21, SEQ))
@@ -115,7 +114,7 @@ def test_state_refuses_another_dataset(tmp_path):
         MegatronSampler(b, 2).load_state_dict(state)
 
 
-def test_validation_pads_with_ignored_labels(tmp_path):
+def test_validation_pads_with_ignored_labels(tmp_path, make_arange_dataset):
     """Validation keeps every instance: the last step is padded on every rank to equal shapes, pad labels -100."""
     ds = TokenShardDataset(make_arange_dataset(tmp_path, 20, SEQ), "val")  # 5 instances
     batches = [list(_loader(ds, MegatronSampler(ds, 2, r, 2, pad=True))) for r in range(2)]
@@ -130,7 +129,7 @@ def test_validation_pads_with_ignored_labels(tmp_path):
     assert sorted(real) == [10**6 + i * SEQ for i in range(5)]
 
 
-def test_too_few_instances_for_one_global_batch(tmp_path):
+def test_too_few_instances_for_one_global_batch(tmp_path, make_arange_dataset):
     """A split smaller than one global batch is a clear error naming the sizes."""
     ds = TokenShardDataset(make_arange_dataset(tmp_path, 5, SEQ))
     with pytest.raises(ValueError, match=r"5 instances, fewer than one global batch of 8"):
