@@ -19,6 +19,7 @@ from collections.abc import Sequence
 #: command name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("mula_lightning.models.cli:main", "list the model presets with their parameter counts"),
+    "data": ("mula_lightning.data.cli:main", "prepare token shards: mula data prepare --help"),
 }
 
 

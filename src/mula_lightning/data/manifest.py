@@ -1,0 +1,231 @@
+"""The dataset manifest: what ``prepare`` wrote, checked against the shards on disk before anyone reads them.
+
+``manifest.json`` is the last file ``prepare`` writes (atomically), so its presence means the dataset is complete.
+It records the context size, dtype, vocabulary size, EOS id and tokenizer hash, the seed, the per-input file
+checksums and, per split, every shard with its instance count and SHA-256. Its ``fingerprint`` (a hash of all
+that) identifies the dataset: the sampler stores it with its position so a resume on other data fails loudly.
+
+The model side uses two helpers: :meth:`DataManifest.resolve_vocab_size` (the model's ``vocab_size`` comes from
+the manifest when the config leaves it unset, and a configured one must be large enough) and
+:meth:`DataManifest.check_tokenizer` (a tokenizer whose hash differs from the data's is refused before training).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "mula-token-shards"
+MANIFEST_VERSION = 1
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temporary name beside ``path``, flush it to disk, then rename it into place."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """:func:`atomic_write_bytes` of ``obj`` as sorted, indented JSON (byte-identical for equal content)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint_of(content: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a manifest without its ``fingerprint`` field."""
+    body = {k: v for k, v in content.items() if k != "fingerprint"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def npy_header_size(path: str | os.PathLike) -> tuple[int, tuple[int, ...], np.dtype]:
+    """(header bytes, shape, dtype) of a ``.npy`` file, read without touching its data."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        version = fmt.read_magic(f)
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        return f.tell(), shape, dtype
+
+
+@dataclass
+class DataManifest:
+    """A loaded, verified ``manifest.json``.
+
+    Args:
+        root: the dataset folder.
+        content: the parsed JSON.
+        timings: seconds per step of the ``prepare`` call that returned this manifest (empty when loaded).
+    """
+
+    root: Path
+    content: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step, set by the prepare call that wrote it
+
+    # ------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, root: str | os.PathLike, verify: bool = True, checksums: bool = False) -> DataManifest:
+        """Read ``<root>/manifest.json`` and (by default) check every shard against it.
+
+        Args:
+            root: the dataset folder written by ``prepare``.
+            verify: check that every shard exists with the expected size, shape and dtype (cheap: headers only).
+            checksums: also recompute every shard's SHA-256 (reads all data).
+
+        Raises:
+            FileNotFoundError: no manifest (an unfinished ``prepare`` leaves none) or a missing shard.
+            ValueError: an unknown format/version, a fingerprint that does not match the content, or a shard
+                that does not match the manifest (truncated, other shape or dtype, other checksum).
+        """
+        root = Path(root)
+        path = root / MANIFEST_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found: {root} is not a prepared dataset, or `mula data prepare` did not finish there"
+            )
+        content = json.loads(path.read_text())
+        if content.get("format") != MANIFEST_FORMAT or content.get("version") != MANIFEST_VERSION:
+            raise ValueError(
+                f"{path}: format {content.get('format')!r} version {content.get('version')!r} is not "
+                f"{MANIFEST_FORMAT!r} version {MANIFEST_VERSION}"
+            )
+        if fingerprint_of(content) != content.get("fingerprint"):
+            raise ValueError(f"{path}: the fingerprint does not match the content (the manifest was edited)")
+        manifest = cls(root, content)
+        if verify:
+            manifest.verify(checksums=checksums)
+        return manifest
+
+    def verify(self, checksums: bool = False) -> None:
+        """Check every shard of every split against the manifest (see :meth:`load`)."""
+        if self.storage != "npy":
+            return
+        for split in self.splits:
+            for shard in self.shards(split):
+                self._verify_shard(shard, checksums)
+
+    def _verify_shard(self, shard: dict[str, Any], checksums: bool) -> None:
+        path = self.root / shard["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"shard {path} listed in {self.root / MANIFEST_NAME} is missing")
+        expected_shape = (shard["num_instances"], self.seq_len)
+        data_bytes = shard["num_instances"] * self.seq_len * self.dtype.itemsize
+        size = path.stat().st_size
+        try:
+            header, shape, dtype = npy_header_size(path)
+        except ValueError as e:
+            raise ValueError(f"shard {path} is not a valid .npy file ({e}); re-run `mula data prepare`") from e
+        if size != header + data_bytes:
+            what = "truncated" if size < header + data_bytes else "longer than expected"
+            raise ValueError(
+                f"shard {path} is {what}: {size} bytes on disk, the manifest expects {header + data_bytes} "
+                f"({shard['num_instances']} instances x {self.seq_len} tokens x {self.dtype.itemsize} bytes "
+                f"+ {header} header bytes)"
+            )
+        if tuple(shape) != expected_shape or np.dtype(dtype) != self.dtype:
+            raise ValueError(
+                f"shard {path} holds {tuple(shape)} {np.dtype(dtype)}, the manifest says {expected_shape} {self.dtype}"
+            )
+        if checksums and sha256_file(path) != shard["sha256"]:
+            raise ValueError(f"shard {path}: SHA-256 differs from the manifest (the file is corrupt)")
+
+    # ---------------------------------------------------------------------------------------- accessors
+    @property
+    def fingerprint(self) -> str:
+        return self.content["fingerprint"]
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.content["seq_len"])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.content["dtype"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.content["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.content["eos_id"])
+
+    @property
+    def storage(self) -> str:
+        return self.content["storage"]
+
+    @property
+    def splits(self) -> list[str]:
+        return sorted(self.content["splits"])
+
+    def num_instances(self, split: str) -> int:
+        return int(self._split(split)["num_instances"])
+
+    def shards(self, split: str) -> list[dict[str, Any]]:
+        return list(self._split(split)["shards"])
+
+    def _split(self, split: str) -> dict[str, Any]:
+        if split not in self.content["splits"]:
+            raise KeyError(f"dataset {self.root} has no split {split!r} (splits: {self.splits})")
+        return self.content["splits"][split]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """The copy of the tokenizer saved beside the data."""
+        return self.root / self.content["tokenizer"]["file"]
+
+    # ------------------------------------------------------------------------------- model-side helpers
+    def resolve_vocab_size(self, configured: int | None = None, pad_to_multiple_of: int = 1) -> int:
+        """The embedding size a model trained on this data should use.
+
+        Args:
+            configured: the model config's ``vocab_size``; ``None`` takes the manifest's.
+            pad_to_multiple_of: round the manifest's size up (e.g. 64 or 128 for efficient matmuls).
+
+        Raises:
+            ValueError: ``configured`` is smaller than the data's vocabulary (ids would index past the table).
+        """
+        if configured is None:
+            return -(-self.vocab_size // pad_to_multiple_of) * pad_to_multiple_of
+        if configured < self.vocab_size:
+            raise ValueError(
+                f"model vocab_size ({configured}) is smaller than the vocabulary of the data in {self.root} "
+                f"({self.vocab_size} ids, tokenizer {self.content['tokenizer']['hash']})"
+            )
+        return configured
+
+    def check_tokenizer(self, tokenizer_or_path: Any) -> None:
+        """Refuse a tokenizer (object, ``tokenizer.json`` or folder) that differs from the one the data used.
+
+        Raises:
+            ValueError: the hashes differ (message shows both).
+        """
+        from mula_lightning.data.tokenizer import load_tokenizer, tokenizer_hash
+
+        tok = (
+            load_tokenizer(tokenizer_or_path) if isinstance(tokenizer_or_path, str | os.PathLike) else tokenizer_or_path
+        )
+        found = tokenizer_hash(tok)
+        if found != self.content["tokenizer"]["hash"]:
+            raise ValueError(
+                f"tokenizer mismatch: {tokenizer_or_path} hashes to {found}, but the data in {self.root} was "
+                f"tokenized with {self.content['tokenizer']['hash']}"
+            )
