@@ -132,7 +132,9 @@ def _context():
     method = os.environ.get("MULA_TEST_START_METHOD", "forkserver")
     if method == "forkserver" and sys.platform != "win32":
         ctx = get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "mula_lightning.testing.distributed"])
+        # torch only: preloading this package would pin it to the path it had when the server started (a worktree
+        # or another checkout would then run the wrong copy); children import it after their sys.path is set.
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
         return ctx
     return get_context("spawn")
 
