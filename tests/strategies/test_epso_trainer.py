@@ -1,0 +1,195 @@
+"""The epso strategy under ``lightning.pytorch.Trainer`` with real processes.
+
+A tiny LightningModule builds ``MulaForCausalLM`` on the meta device in ``configure_model``; the strategy makes it
+expert parallel, materialises it and shards AdamW. Training is compared with one process computing the same
+math (losses averaged over every rank's micro-batches, torch AdamW, torch's norm clipping, the same LR schedule).
+"""
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
+from mula_lightning.parallel.ledger import CommLedger
+from mula_lightning.strategies import EPSOStrategy
+from mula_lightning.testing import DistributedTestError, run_distributed_test
+
+HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+MICRO, SEQ, ACCUM, CLIP = 2, 12, 2, 0.05
+
+
+def _config():
+    return MulaConfig.from_name(
+        "mula-tiny-moe",
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=16,
+        num_experts=8,
+        top_k=2,
+        moe_impl="fast",
+    )
+
+
+def _samples(world_size):
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 128, (world_size * MICRO * ACCUM, SEQ), generator=g)  # one optimizer step per epoch
+
+
+def _schedule(step):
+    return 1.0 / (1.0 + step)
+
+
+class _TinyLM(LightningModule):
+    def __init__(self, optimizer_cls=torch.optim.AdamW):
+        super().__init__()
+        self.model = None
+        self.optimizer_cls = optimizer_cls
+
+    def configure_model(self):
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = MulaForCausalLM(_config())
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(batch, labels=batch)
+        return out.loss + out.aux_loss
+
+    def configure_optimizers(self):
+        hp = HP if self.optimizer_cls is torch.optim.AdamW else {"lr": HP["lr"]}
+        opt = self.optimizer_cls(self.parameters(), **hp)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+
+def _trainer(world_size, ep, mode="ep_aware", **kwargs):
+    return Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=EPSOStrategy(ep_size=ep, sharded_optimizer=mode),
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
+def _loader(world_size, rank):
+    """Rank r reads samples r, r + W, ... (explicitly, so the test does not depend on Lightning's sampler)."""
+    return DataLoader(_samples(world_size)[rank::world_size], batch_size=MICRO, shuffle=False)
+
+
+def _full_state(module, trainer):
+    state = gather_expert_parallel_state_dict(module.model, trainer.strategy.topology.ep_group)
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _fit(rank, world_size, ep, epochs, save=None, resume=None, mode="ep_aware"):
+    module = _TinyLM()
+    trainer = _trainer(world_size, ep, mode, max_epochs=epochs)
+    with CommLedger() as ledger:
+        trainer.fit(module, _loader(world_size, rank), ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(save)
+    reduce_scatters = len([r for r in ledger.records if r.op == "reduce_scatter" and r.tag.startswith("optimizer.")])
+    return _full_state(module, trainer), reduce_scatters, trainer.global_step
+
+
+def _reference(world_size, steps):
+    model = init_weights(MulaForCausalLM(_config()), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    data = _samples(world_size)
+    for _ in range(steps):
+        losses = []
+        for rank in range(world_size):  # rank r reads samples r, r + W, ...
+            mine = data[rank::world_size]
+            for m in range(ACCUM):
+                x = mine[m * MICRO : (m + 1) * MICRO]
+                out = model(x, labels=x)
+                losses.append(out.loss + out.aux_loss)
+        torch.stack(losses).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _assert_state_close(got, expected, what):
+    for k, v in expected.items():
+        atol = 1e-5 * v.abs().max().item()
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=atol, msg=f"{what}: {k}")
+
+
+@pytest.mark.distributed
+def test_trainer_epso_matches_one_process_with_accumulation_and_reduces_once_per_step():
+    """4 processes (DP=2 x EP=2): 3 steps with accumulation 2, clipping and an LR schedule equal one process,
+    and gradients are reduce-scattered once per optimizer step (not once per micro-batch)."""
+    results = run_distributed_test(_fit, 4, ep=2, epochs=3, timeout=300)
+    expected = _reference(4, 3)
+    for rank, (state, reduce_scatters, steps) in enumerate(results):
+        assert steps == 3
+        _assert_state_close(state, expected, f"rank {rank}")
+        assert reduce_scatters == 3 * 2  # 3 steps x (non-expert + expert family), one bucket each
+
+
+@pytest.mark.distributed
+def test_trainer_save_resume_equals_straight_run_and_reshards(tmp_path):
+    """Save after 2 steps and resume for 1 more equals 3 straight steps; the 4-rank checkpoint loads at 2 ranks."""
+    path = str(tmp_path / "step2.ckpt")
+    run_distributed_test(_fit, 4, ep=2, epochs=2, save=path, timeout=300)
+    resumed = run_distributed_test(_fit, 4, ep=2, epochs=3, resume=path, timeout=300)
+    expected = _reference(4, 3)
+    for rank, (state, _, steps) in enumerate(resumed):
+        assert steps == 3
+        _assert_state_close(state, expected, f"resumed rank {rank}")
+    at_two = run_distributed_test(_fit, 2, ep=2, epochs=2, resume=path, mode="dp", timeout=300)  # nothing left to do
+    for state, _, steps in at_two:
+        assert steps == 2
+        _assert_state_close(state, _reference(4, 2), "resharded to 2 ranks")
+
+
+def _bad(rank, world_size, case):
+    module = _TinyLM(optimizer_cls=torch.optim.SGD if case == "sgd" else torch.optim.AdamW)
+    kwargs = {}
+    if case == "mixed":
+        kwargs["precision"] = "bf16-mixed"
+    if case == "value":
+        kwargs["gradient_clip_algorithm"] = "value"
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=EPSOStrategy(ep_size=3 if case == "ep" else 2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        gradient_clip_val=0.5,
+        **kwargs,
+    )
+    trainer.fit(module, DataLoader(_samples(world_size), batch_size=MICRO))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "case,fragment",
+    [
+        ("mixed", "bf16-mixed"),
+        ("value", "gradient_clip_algorithm='value'"),
+        ("sgd", "got SGD"),
+        ("ep", r"world size \(2\) must be divisible by ep_size \(3\)"),
+    ],
+)
+def test_trainer_bad_settings_fail_clearly(case, fragment):
+    """Mixed precision, value clipping, a non-AdamW optimizer and an EP size that does not divide are named."""
+    with pytest.raises(DistributedTestError, match=fragment):
+        run_distributed_test(_bad, 2, case=case, timeout=120)
