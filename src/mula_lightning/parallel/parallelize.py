@@ -27,7 +27,7 @@ from torch import nn
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.transformer import MulaDecoderLayer, MulaForCausalLM, init_parameter
 from mula_lightning.parallel.expert_parallel import apply_expert_parallel
-from mula_lightning.parallel.sharded_optimizer import is_expert_param
+from mula_lightning.parallel.sharded_optimizer import is_expert_param, logical_name
 from mula_lightning.parallel.topology import MoETopology
 
 
@@ -116,7 +116,8 @@ def _initialise(model: nn.Module, topology: MoETopology, seed: int) -> None:
     covered: set[int] = set()
     for _, mula in _mula_models(model):
         config: MulaConfig = mula.config
-        for name, param in mula.named_parameters():
+        for wrapped_name, param in mula.named_parameters():
+            name = logical_name(wrapped_name)  # the single-device name, whatever wraps the layers
             covered.add(id(param))
             shape = param.shape
             if is_expert_param(name) and topology.ep_size > 1:

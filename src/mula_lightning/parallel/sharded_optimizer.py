@@ -86,6 +86,17 @@ def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
     return {"non_expert": non_expert, "expert": expert}
 
 
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def logical_name(name: str) -> str:
+    """A parameter name without the segments wrappers insert (activation checkpointing, compile), i.e. the
+    single-device name that checkpoints and optimizer states are keyed by."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
 def is_expert_param(name: str) -> bool:
     """Expert weights are the fused tensors under an ``experts`` module (``...mlp.experts.gate_up_proj``)."""
     return ".experts." in f".{name}"
@@ -118,12 +129,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         reduce_dtype: torch.dtype = torch.float32,
         bucket_numel: int | None = 40_000_000,
     ) -> None:
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): logical_name(n) for n, p in model.named_parameters()}
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         groups = []
         for g in param_groups:
-            params = [dict(model.named_parameters())[p] if isinstance(p, str) else p for p in g["params"]]
+            by_name = {logical_name(n): p for n, p in model.named_parameters()}
+            params = [by_name[logical_name(p)] if isinstance(p, str) else p for p in g["params"]]
             unknown = [p for p in params if id(p) not in names]
             if unknown:
                 raise ValueError(f"{len(unknown)} optimizer parameter(s) do not belong to the model")
@@ -161,8 +173,20 @@ class ShardedAdamW(torch.optim.Optimizer):
         ]
 
     @classmethod
-    def from_optimizer(cls, model: nn.Module, optimizer: torch.optim.Optimizer, topology: MoETopology, **kwargs: Any):
+    def from_optimizer(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        topology: MoETopology,
+        names_by_id: dict[int, str] | None = None,
+        **kwargs: Any,
+    ) -> ShardedAdamW:
         """Take over a user's ``torch.optim.AdamW``: same param groups and hyper-parameters, sharded states.
+
+        Args:
+            names_by_id: ``id(parameter) -> name`` recorded before the model was materialised; moving a model off
+                the meta device replaces its parameter objects, so an optimizer built on the meta model is mapped
+                to the new parameters by name.
 
         Raises:
             TypeError: for optimizers other than AdamW (the sharded update implements AdamW only).
@@ -174,12 +198,15 @@ class ShardedAdamW(torch.optim.Optimizer):
                 f"the sharded optimizer implements AdamW; got {type(optimizer).__name__}. Return torch.optim.AdamW "
                 "from configure_optimizers (its param groups and hyper-parameters are kept)"
             )
-        groups = [
-            {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay", "initial_lr")}
-            for g in optimizer.param_groups
-        ]
         if any(g.get("amsgrad") for g in optimizer.param_groups):
             raise ValueError("amsgrad=True is not supported by the sharded AdamW")
+        current = {logical_name(n): p for n, p in model.named_parameters()}
+        names_by_id = {k: logical_name(v) for k, v in (names_by_id or {}).items()}
+        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+        groups = []
+        for g in optimizer.param_groups:
+            params = [current[names_by_id[id(p)]] if id(p) in names_by_id else p for p in g["params"]]
+            groups.append({"params": params, **{k: v for k, v in g.items() if k in keep}})
         return cls(model, topology, param_groups=groups, **kwargs)
 
     # ------------------------------------------------------------------ state

@@ -102,6 +102,7 @@ class FabricEPSOStrategy(FabricDDPStrategy):
         self.topology = None
         self.sharded_optimizer: ShardedAdamW | None = None
         self._module: nn.Module | None = None
+        self._names_by_id: dict[int, str] = {}
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -115,6 +116,7 @@ class FabricEPSOStrategy(FabricDDPStrategy):
             module.to(self.root_device)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        self._names_by_id = {id(p): n for n, p in module.named_parameters()}  # before materialising replaces them
         self.topology = setup_epso_module(module, self.settings, self.root_device, self.topology)
         self._module = module
         return module
@@ -123,7 +125,11 @@ class FabricEPSOStrategy(FabricDDPStrategy):
         if self._module is None:
             raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
         self.sharded_optimizer = ShardedAdamW.from_optimizer(
-            self._module, unwrap_optimizer(optimizer), self.topology, **self.settings.optimizer_kwargs()
+            self._module,
+            unwrap_optimizer(optimizer),
+            self.topology,
+            self._names_by_id,
+            **self.settings.optimizer_kwargs(),
         )
         return self.sharded_optimizer
 
@@ -155,7 +161,9 @@ class FabricEPSOStrategy(FabricDDPStrategy):
             )
         save_sharded_checkpoint(Path(path), state, self.topology)
 
-    def load_checkpoint(self, path, state=None, strict: bool = True) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, state=None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         return load_sharded_checkpoint(Path(path), state or {}, self.topology, strict)
 
     @classmethod
