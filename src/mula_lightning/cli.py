@@ -19,6 +19,7 @@ from collections.abc import Sequence
 #: command name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("mula_lightning.models.cli:main", "list the model presets with their parameter counts"),
+    "upcycle": ("mula_lightning.models.upcycle_cli:main", "turn a dense checkpoint into an MoE"),
 }
 
 
