@@ -113,6 +113,8 @@ def upcycled_config(
             f"num_experts ({num_experts}) must be a positive multiple of granularity ({granularity}): the FFN is "
             f"copied num_experts / granularity times and each copy split into granularity experts"
         )
+    if isinstance(layers, str) and layers != "all":
+        raise ValueError(f'layers ({layers!r}) must be "all" or a list of layer indices')
     moe_layers = None if layers in (None, "all") else sorted(int(i) for i in layers)
     if granularity > 1 and moe_layers is not None and len(moe_layers) < dense.num_layers:
         raise ValueError(

@@ -25,19 +25,31 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="mula upcycle", description=__doc__)
+    parser = ArgumentParser(
+        prog="mula upcycle",
+        description="Turn a dense checkpoint (a transformers Llama directory or a Mula model-only checkpoint) into "
+        "an MoE: each FFN copied into the experts, a random router, everything else copied. Writes a Mula "
+        "model-only checkpoint and, with --hf-out, a transformers Mixtral/OLMoE directory.",
+    )
     parser.add_argument("--from", dest="source", type=str, required=True, help="dense HF Llama or Mula directory")
     parser.add_argument("--out", type=str, required=True, help="directory of the Mula model-only checkpoint")
     parser.add_argument("--experts", type=int, required=True, help="experts per MoE layer (E)")
     parser.add_argument("--top-k", type=int, required=True, help="experts per token (K)")
     parser.add_argument("--granularity", type=int, default=1, help="experts per FFN copy, each of width I/G")
-    parser.add_argument("--router", type=Literal["topk_softmax", "softmax_topk"], default="topk_softmax")
+    parser.add_argument(
+        "--router",
+        type=Literal["topk_softmax", "softmax_topk"],
+        default="topk_softmax",
+        help="topk_softmax (Mixtral) preserves the dense function; softmax_topk (ST) does not unless renormalised",
+    )
     parser.add_argument("--norm-topk-prob", type=bool, default=False, help="renormalise softmax_topk weights")
     parser.add_argument("--capacity-factor", type=float | None, default=None, help="None = dropless")
     parser.add_argument("--noise", type=float, default=0.0, help="fraction of neurons re-initialised per expert")
     parser.add_argument("--layers", type=str, default="all", help='"all" or comma-separated layer indices')
     parser.add_argument("--seed", type=int, default=0, help="seeds the router and the noise")
-    parser.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"] | None, default=None)
+    parser.add_argument(
+        "--dtype", type=Literal["float32", "bfloat16", "float16"] | None, default=None, help="default: as stored"
+    )
     parser.add_argument("--hf-out", type=str | None, default=None, help="also write a transformers directory")
     return parser
 
