@@ -167,18 +167,17 @@ def _drop_neurons(
         return gate_NH, up_NH, down_HN
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randperm(n, generator=gen)[:count]
-    out = []
-    for w, shape in ((gate_NH, (count, gate_NH.shape[1])), (up_NH, (count, up_NH.shape[1])), (down_HN, None)):
-        w32 = w.float()
-        mean, std = w32.mean().item(), w32.std(correction=0).item()
-        fresh = torch.empty(shape or (w.shape[0], count)).normal_(mean, std, generator=gen).to(w.dtype)
-        w = w.clone()
-        if shape is None:
-            w[:, idx] = fresh.to(w.device)
-        else:
-            w[idx] = fresh.to(w.device)
-        out.append(w)
-    return out[0], out[1], out[2]
+
+    def fresh_like(w: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        w32 = w.float()  # Drop-Upcycling: same mean and std as the matrix being re-initialised
+        fresh = torch.empty(shape).normal_(w32.mean().item(), w32.std(correction=0).item(), generator=gen)
+        return fresh.to(dtype=w.dtype, device=w.device)
+
+    gate, up, down = gate_NH.clone(), up_NH.clone(), down_HN.clone()
+    gate[idx] = fresh_like(gate_NH, (count, gate_NH.shape[1]))
+    up[idx] = fresh_like(up_NH, (count, up_NH.shape[1]))
+    down[:, idx] = fresh_like(down_HN, (down_HN.shape[0], count))
+    return gate, up, down
 
 
 def _upcycle_layer(
@@ -194,20 +193,23 @@ def _upcycle_layer(
         gate, up, down = (t.to(dtype=dtype or t.dtype, device=device) for t in (gate, up, down))
         root = math.sqrt(scale)
         slices[g] = (gate, (up.float() * root).to(up.dtype), (down.float() * root).to(down.dtype))
-    gate_up, downs = [], []
-    for j in range(*expert_range):
+    _, _, first_down = next(iter(slices.values()))
+    n_local, hidden = expert_range[1] - expert_range[0], config.hidden_size
+    ffn_dtype, ffn_device = first_down.dtype, first_down.device
+    # Filled in place, so that a layer never holds more than its local experts plus the slices read.
+    gate_up_EIH = torch.empty((n_local, 2 * width, hidden), dtype=ffn_dtype, device=ffn_device)
+    down_EHI = torch.empty((n_local, hidden, width), dtype=ffn_dtype, device=ffn_device)
+    for local, j in enumerate(range(*expert_range)):
         gate, up, down = slices[j % granularity]
         if noise > 0:
             gate, up, down = _drop_neurons(gate, up, down, noise, _stable_seed(seed, f"{prefix}.experts.{j}.noise"))
-        gate_up.append(torch.cat([gate, up], dim=0))
-        downs.append(down)
-    ffn_dtype = downs[0].dtype
+        gate_up_EIH[local, :width], gate_up_EIH[local, width:], down_EHI[local] = gate, up, down
     copies = config.num_experts // granularity
     router_RH = init_parameter(f"{prefix}.gate.weight", (copies, config.hidden_size), config, seed)
     return {
-        f"{prefix}.gate.weight": router_RH.repeat_interleave(granularity, dim=0).to(dtype=ffn_dtype, device=device),
-        f"{prefix}.experts.gate_up_proj": torch.stack(gate_up),  # (E_local, 2 I_e, H)
-        f"{prefix}.experts.down_proj": torch.stack(downs),  # (E_local, H, I_e)
+        f"{prefix}.gate.weight": router_RH.repeat_interleave(granularity, dim=0).to(dtype=ffn_dtype, device=ffn_device),
+        f"{prefix}.experts.gate_up_proj": gate_up_EIH,  # (E_local, 2 I_e, H)
+        f"{prefix}.experts.down_proj": down_EHI,  # (E_local, H, I_e)
     }
 
 
