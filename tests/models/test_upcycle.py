@@ -2,12 +2,6 @@
 lazy reads from sharded directories, bad input, and the ``mula upcycle`` command end to end."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -278,39 +272,33 @@ def test_expert_memory_per_rank_is_the_rank_share_of_the_full_moe(llama_dir, cap
             print(f"  EP={ep}: expert tensors {local:>8,} B (+ {read:>7,} B read) vs full MoE experts {full:>8,} B")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _upcycle_on_rank(rank: int, world_size: int, path: str, ep_size: int) -> dict:
+    """Per-rank body: build the DP x EP topology, upcycle this rank's experts from ``path`` with its EP group."""
+    from mula_lightning.parallel.topology import build_topology
+
+    topology = build_topology(ep_size=ep_size)
+    model = upcycle(path, num_experts=4, top_k=2, noise=0.1, ep_group=topology.ep_group)
+    return {"ep_rank": topology.ep_rank, "state": model.state_dict()}
 
 
 @pytest.mark.distributed
-def test_online_ranks_over_gloo_equal_offline(tmp_path):
-    """Two real processes with a gloo group: upcycle(..., ep_group=WORLD) from a Mula model-only checkpoint gives
-    each rank its half of the offline MoE, tensor for tensor."""
+@pytest.mark.parametrize("world_size,ep_size", [(2, 2), (4, 4)])
+def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path):
+    """Real gloo processes (DP x EP topology): upcycle(..., ep_group=topology.ep_group) from a Mula model-only
+    checkpoint gives each rank its EP slice of the offline MoE, tensor for tensor; DP replicas get the same slice."""
+    from mula_lightning.testing import run_distributed_test
+
     dense = _tiny_dense()
-    save_model_only(dense, tmp_path / "dense")
-    script = textwrap.dedent(f"""
-        import os, torch, torch.distributed as dist
-        from mula_lightning.models.upcycle import upcycle
-        dist.init_process_group("gloo")
-        m = upcycle({str(tmp_path / "dense")!r}, num_experts=4, top_k=2, noise=0.1, ep_group=dist.group.WORLD)
-        torch.save(m.state_dict(), {str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.pt")
-        dist.destroy_process_group()
-    """)
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = dict(os.environ, PYTHONPATH=src, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE)
-        for r in range(2)
-    ]
-    errors = [p.communicate(timeout=120)[1].decode()[-2000:] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors
+    path = str(save_model_only(dense, tmp_path / "dense"))
+    results = run_distributed_test(_upcycle_on_rank, world_size, path=path, ep_size=ep_size)
     full = upcycle(dense, num_experts=4, top_k=2, noise=0.1).state_dict()
-    for r in range(2):
-        local = torch.load(tmp_path / f"rank{r}.pt")
+    per = 4 // ep_size
+    for rank, result in enumerate(results):
+        assert result["ep_rank"] == rank % ep_size
+        start = result["ep_rank"] * per
         for key, value in full.items():
-            assert torch.equal(local[key], value[2 * r : 2 * r + 2] if ".experts." in key else value), key
+            expected = value[start : start + per] if ".experts." in key else value
+            assert torch.equal(result["state"][key], expected), (rank, key)
 
 
 # ----------------------------------------------------------------------------------------------- sources

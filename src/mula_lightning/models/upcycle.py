@@ -169,9 +169,12 @@ def _drop_neurons(
     idx = torch.randperm(n, generator=gen)[:count]
 
     def fresh_like(w: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        w32 = w.float()  # Drop-Upcycling: same mean and std as the matrix being re-initialised
-        fresh = torch.empty(shape).normal_(w32.mean().item(), w32.std(correction=0).item(), generator=gen)
-        return fresh.to(dtype=w.dtype, device=w.device)
+        # Drop-Upcycling: the mean and std of the matrix being re-initialised. A reduction's rounding depends on the
+        # thread count and device, so the statistics are taken in fp64 and rounded to 6 significant digits:
+        # every rank, offline or online, then draws bit-identical values.
+        w64 = w.double()
+        mean, std = (float(f"{v:.6g}") for v in (w64.mean().item(), w64.std(correction=0).item()))
+        return torch.empty(shape).normal_(mean, std, generator=gen).to(dtype=w.dtype, device=w.device)
 
     gate, up, down = gate_NH.clone(), up_NH.clone(), down_HN.clone()
     gate[idx] = fresh_like(gate_NH, (count, gate_NH.shape[1]))
