@@ -318,6 +318,18 @@ def test_every_source_kind_upcycles_to_the_same_model(layout, tiny_dense, tmp_pa
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
 
 
+def test_tied_llama_directory_and_dtype_cast(tmp_path):
+    """A tied-embedding Llama (no lm_head in its file) upcycles with the head re-tied and the logits kept;
+    dtype=bfloat16 casts every tensor, the router included."""
+    hf = _hf_llama(2, tie_word_embeddings=True)
+    hf.save_pretrained(str(tmp_path / "tied"))
+    moe = upcycle(str(tmp_path / "tied"), num_experts=4, top_k=2).eval()
+    assert moe.lm_head.weight is moe.model.embed_tokens.weight
+    assert _gap(_logits(moe, X), _logits(hf, X)) < 1e-5
+    half = upcycle(str(tmp_path / "tied"), num_experts=4, top_k=2, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+
 def test_model_only_checkpoint_round_trip_and_refuses_a_local_slice(tmp_path):
     """save/load_model_only restore config and tensors exactly (tied embeddings re-tied); an expert-parallel
     local model cannot be saved as a full checkpoint."""

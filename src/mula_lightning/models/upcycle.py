@@ -26,8 +26,9 @@ Construction (Komatsuzaki et al.; "Llama 3 Meets MoE", ``llama3-moe-upcycling``;
 * Noise (Drop-Upcycling, arXiv 2502.19261; OLMoE's upcycling script re-initialises random weights instead):
   for ``noise = r``, each expert re-initialises ``round(r * I_e)`` of its intermediate neurons (their gate
   and up rows and down columns) from a normal with the mean and std of the expert's own (scaled) matrix. The
-  neurons and values come from a generator seeded by (seed, layer, global expert index), so every
-  expert-parallel rank draws the same values offline and online.
+  neurons and values come from a generator seeded by (seed, layer, global expert index), and the statistics are
+  taken in fp64 and rounded to 6 significant digits (a reduction's last bits depend on thread count and device),
+  so every expert-parallel rank draws bit-identical values offline and online.
 
 Online mode (``ep_size > 1``): rank r builds only experts ``[r * E / EP, (r + 1) * E / EP)``. From a
 safetensors directory it reads each non-FFN tensor, and of each FFN only the slices its experts use, with
