@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import transformers
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models import upcycle_source as source_module
@@ -16,8 +15,10 @@ from mula_lightning.models.upcycle import expert_scale, upcycle, upcycle_state_d
 VOCAB = 211
 
 
-def _hf_llama(seed: int = 0, **kw) -> transformers.LlamaForCausalLM:
+def _hf_llama(seed: int = 0, **kw):
     """A tiny random Llama with grouped-query attention (8 query heads, 2 key/value heads)."""
+    import transformers  # imported where used: the ranks of the gloo test import this module and skip it
+
     torch.manual_seed(seed)
     cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8)
     cfg.update(num_key_value_heads=2, eos_token_id=0, bos_token_id=None, pad_token_id=None, **kw)
@@ -273,21 +274,32 @@ def test_expert_memory_per_rank_is_the_rank_share_of_the_full_moe(llama_dir, cap
 
 
 def _upcycle_on_rank(rank: int, world_size: int, path: str, ep_size: int) -> dict:
-    """Per-rank body: build the DP x EP topology, upcycle this rank's experts from ``path`` with its EP group."""
+    """Per-rank body: build the DP x EP topology, upcycle this rank's experts from ``path`` with its EP group, then
+    make the model expert parallel and run it on the same tokens as the dense model."""
+    from mula_lightning.parallel.expert_parallel import apply_expert_parallel
     from mula_lightning.parallel.topology import build_topology
 
     topology = build_topology(ep_size=ep_size)
     model = upcycle(path, num_experts=4, top_k=2, noise=0.1, ep_group=topology.ep_group)
-    return {"ep_rank": topology.ep_rank, "state": model.state_dict()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    exact = upcycle(path, num_experts=4, top_k=2, ep_group=topology.ep_group, moe_impl="fast")
+    apply_expert_parallel(exact, topology.ep_group)
+    dense = load_model_only(path).eval()
+    gap = _gap(_logits(exact.eval(), X), _logits(dense, X))
+    return {"ep_rank": topology.ep_rank, "state": state, "gap": gap}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size,ep_size", [(2, 2), (4, 4)])
-def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path):
-    """Real gloo processes (DP x EP topology): upcycle(..., ep_group=topology.ep_group) from a Mula model-only
-    checkpoint gives each rank its EP slice of the offline MoE, tensor for tensor; DP replicas get the same slice."""
+def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path, monkeypatch):
+    """Real gloo processes: upcycle(..., ep_group=topology.ep_group) from a Mula model-only checkpoint gives each
+    rank its EP slice of the offline MoE, tensor for tensor (noise included), and the local model plugs straight
+    into apply_expert_parallel, whose expert-parallel forward reproduces the dense logits within 1e-5."""
     from mula_lightning.testing import run_distributed_test
 
+    # The fork server of Python < 3.13 ignores the parent's sys.path: its ranks would import the installed
+    # mula_lightning instead of this checkout's src/. Plain spawn passes sys.path on.
+    monkeypatch.setenv("MULA_TEST_START_METHOD", "spawn")
     dense = _tiny_dense()
     path = str(save_model_only(dense, tmp_path / "dense"))
     results = run_distributed_test(_upcycle_on_rank, world_size, path=path, ep_size=ep_size)
@@ -299,6 +311,7 @@ def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path):
         for key, value in full.items():
             expected = value[start : start + per] if ".experts." in key else value
             assert torch.equal(result["state"][key], expected), (rank, key)
+        assert result["gap"] < 1e-5, (rank, result["gap"])
 
 
 # ----------------------------------------------------------------------------------------------- sources
@@ -365,6 +378,8 @@ def test_moe_checkpoints_given_as_dense_are_refused(tmp_path):
     """A MoE model, a transformers Mixtral directory, or MoE tensors under a dense config are named as MoE."""
     with pytest.raises(ValueError, match=r"is a MoE checkpoint \(num_experts=8, top_k=2\)"):
         upcycle(MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", vocab_size=97)), num_experts=8, top_k=2)
+    import transformers
+
     mixtral = transformers.MixtralConfig(
         vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -403,6 +418,8 @@ def test_missing_ffn_tensors_are_named(llama_dir, tmp_path):
 def test_cli_upcycles_a_llama_directory_into_mula_and_transformers_checkpoints(llama_dir, tmp_path, capsys):
     """``mula upcycle`` on a sharded tiny Llama writes a model-only checkpoint and a Mixtral directory; both (the
     latter loaded by transformers itself) compute the dense model's logits within 1e-5."""
+    import transformers
+
     from mula_lightning.cli import main
 
     path, hf = llama_dir
