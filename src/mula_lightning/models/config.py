@@ -2,8 +2,8 @@
 
 The architecture is OLMo / OLMoE (pre-norm decoder, RMSNorm, q/k-norm, RoPE, SwiGLU, untied embeddings,
 vocabulary 50304). A config with ``num_experts == 0`` is dense; otherwise every decoder layer's feed-forward
-is a sparse MoE block of ``num_experts`` SwiGLU experts of width ``intermediate_size``, ``top_k`` chosen per
-token.
+(or only those listed in ``moe_layers``) is a sparse MoE block of ``num_experts`` SwiGLU experts of width
+``intermediate_size``, ``top_k`` chosen per token.
 
 Presets (``MulaConfig.from_name``) reproduce Table 1 of "Scalable Pretraining of Large Mixture of Experts
 Language Models on Aurora Super Computer" (layers, hidden size, heads, head size 128, intermediate size,
@@ -36,6 +36,9 @@ class MulaConfig:
         head_dim: width of one head; ``None`` means ``hidden_size // num_heads``.
         intermediate_size: SwiGLU width of the dense FFN, or of one expert in an MoE layer.
         num_experts: experts per MoE layer; 0 makes a dense model.
+        moe_layers: indices of the decoder layers whose FFN is an MoE block; the others keep a dense SwiGLU
+            FFN of width ``intermediate_size`` (partially upcycled models). ``None`` means every layer.
+            Stored sorted; needs ``num_experts > 0``.
         top_k: experts chosen per token.
         router_kind: ``"softmax_topk"`` (OLMoE, "ST": softmax over all experts, then top-k) or
             ``"topk_softmax"`` (Mixtral: top-k logits, then softmax over those k).
@@ -70,6 +73,7 @@ class MulaConfig:
     head_dim: int | None = None
     intermediate_size: int = 1024
     num_experts: int = 0
+    moe_layers: list[int] | None = None
     top_k: int = 0
     router_kind: RouterKind = "softmax_topk"
     norm_topk_prob: bool = False
@@ -121,6 +125,17 @@ class MulaConfig:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.num_experts < 0:
             raise ValueError(f"num_experts ({self.num_experts}) must be >= 0 (0 = dense)")
+        if self.moe_layers is not None:
+            layers = list(self.moe_layers)
+            if self.num_experts == 0:
+                raise ValueError(f"moe_layers ({layers}) needs num_experts > 0 (the config is dense)")
+            bad_layers = [i for i in layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+            if not layers or bad_layers or len(set(layers)) != len(layers):
+                raise ValueError(
+                    f"moe_layers ({layers}) must be distinct, non-empty layer indices in [0, num_layers "
+                    f"({self.num_layers})); offending: {bad_layers or 'duplicates or empty'}"
+                )
+            self.moe_layers = sorted(layers)
         if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
         if self.router_kind not in ROUTER_KINDS:
@@ -136,6 +151,16 @@ class MulaConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has an MoE FFN (``moe_layers``; all layers when it is None)."""
+        return self.is_moe and (self.moe_layers is None or layer_idx in self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        if not self.is_moe:
+            return 0
+        return self.num_layers if self.moe_layers is None else len(self.moe_layers)
 
     @property
     def q_dim(self) -> int:
@@ -181,14 +206,12 @@ class MulaConfig:
         if self.qk_norm:
             attn += self.q_dim + self.kv_dim
         expert = 3 * h * self.intermediate_size
-        if self.is_moe:
-            used = self.top_k if active else self.num_experts
-            ffn = self.num_experts * h + used * expert
-        else:
-            ffn = expert
-        layer = attn + ffn + 2 * h
+        used = self.top_k if active else self.num_experts
+        moe_ffn = self.num_experts * h + used * expert
+        n_moe = self.num_moe_layers
+        ffn = n_moe * moe_ffn + (self.num_layers - n_moe) * expert
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * layer + h
+        return embeddings + self.num_layers * (attn + 2 * h) + ffn + h
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward): 6 * active non-embedding-input params + attention.

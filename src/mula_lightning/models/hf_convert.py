@@ -112,6 +112,12 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MulaConfig:
 
 def hf_family(config: MulaConfig) -> str:
     """Which transformers family exports ``config`` exactly (see the module docstring)."""
+    if config.is_moe and config.num_moe_layers < config.num_layers:
+        raise ValueError(
+            f"moe_layers ({config.moe_layers}) makes {config.num_layers - config.num_moe_layers} of "
+            f"{config.num_layers} layers dense; transformers' OLMoE and Mixtral need every layer to be MoE, so this "
+            "mixed dense/MoE model has no transformers equivalent"
+        )
     if not config.is_moe:
         return "olmoe" if config.qk_norm else "llama"
     if config.qk_norm:

@@ -141,12 +141,14 @@ class MulaMLP(nn.Module):
 
 
 class MulaDecoderLayer(nn.Module):
-    def __init__(self, config: MulaConfig) -> None:
+    """One pre-norm decoder layer; its FFN is an MoE block when ``config.is_moe_layer(layer_idx)``."""
+
+    def __init__(self, config: MulaConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MulaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = build_moe_block(config) if config.is_moe else MulaMLP(config)
+        self.mlp = build_moe_block(config) if config.is_moe_layer(layer_idx) else MulaMLP(config)
 
     def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, MoEAux | None]:
         x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin)
@@ -165,7 +167,7 @@ class MulaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MulaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(MulaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
