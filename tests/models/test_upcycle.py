@@ -291,15 +291,12 @@ def _upcycle_on_rank(rank: int, world_size: int, path: str, ep_size: int) -> dic
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size,ep_size", [(2, 2), (4, 4)])
-def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path, monkeypatch):
+def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path):
     """Real gloo processes: upcycle(..., ep_group=topology.ep_group) from a Mula model-only checkpoint gives each
     rank its EP slice of the offline MoE, tensor for tensor (noise included), and the local model plugs straight
     into apply_expert_parallel, whose expert-parallel forward reproduces the dense logits within 1e-5."""
     from mula_lightning.testing import run_distributed_test
 
-    # The fork server of Python < 3.13 ignores the parent's sys.path: its ranks would import the installed
-    # mula_lightning instead of this checkout's src/. Plain spawn passes sys.path on.
-    monkeypatch.setenv("MULA_TEST_START_METHOD", "spawn")
     dense = _tiny_dense()
     path = str(save_model_only(dense, tmp_path / "dense"))
     results = run_distributed_test(_upcycle_on_rank, world_size, path=path, ep_size=ep_size)
