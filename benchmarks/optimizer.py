@@ -1,0 +1,128 @@
+"""EPSO vs SO vs replicated AdamW: optimizer-state bytes per rank and shard-update time, side by side.
+
+Run: ``.venv/bin/python benchmarks/optimizer.py`` (CPU, gloo; 4 processes DP=2 x EP=2, then 8 processes
+DP=2 x EP=4). Add ``--total 24e6`` to change the model size (elements of the full model).
+
+The model is synthetic on purpose: a non-expert family of P_ne elements (replicated on every rank) and an expert
+family of P_e elements (split over EP), in the proportions of Mula-20B-A2B (non-expert share f = 3.7%) and at
+f = 0.25, scaled so that one update takes milliseconds. For each mode the benchmark prints
+
+* optimizer-state bytes per rank, measured (``ShardedAdamW.state_bytes``) and from the closed form
+  (8 bytes of AdamW moments per owned element, padding included; fp32 parameters, so no master copy):
+  none: P_ne + P_e/EP; dp (SO): P_ne/DP + P_e/(DP*EP); ep_aware (EPSO): P_ne/(DP*EP) + P_e/(DP*EP);
+* the time of the shard update alone (the AdamW arithmetic on the owned elements, between barriers; the
+  slowest rank, median of repetitions), and the EPSO speed-up over SO next to the prediction
+  1 + (EP - 1) * f.
+
+On CPU the ranks share two cores, so absolute times are those of a loaded machine; the ratios are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mula_lightning.models import MulaConfig
+from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
+from mula_lightning.parallel.topology import build_topology
+from mula_lightning.testing import run_distributed_test
+
+
+def non_expert_share(name: str) -> float:
+    """f = non-expert parameters / all parameters of a preset."""
+    c = MulaConfig.from_name(name)
+    experts = c.num_layers * c.num_experts * 3 * c.hidden_size * c.intermediate_size
+    return 1 - experts / c.num_params()
+
+
+class Synthetic(nn.Module):
+    """One non-expert tensor and this rank's slice of one expert tensor (names as the optimizer classifies)."""
+
+    def __init__(self, p_ne: int, p_e_local: int) -> None:
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.weight = nn.Parameter(torch.randn(p_ne) * 0.02)
+        self.mlp = nn.Module()
+        self.mlp.experts = nn.Module()
+        self.mlp.experts.weight = nn.Parameter(torch.randn(p_e_local) * 0.02)
+
+
+def _measure(rank: int, world_size: int, ep: int, p_ne: int, p_e: int, reps: int) -> dict:
+    torch.set_num_threads(1)
+    topo = build_topology(ep)
+    optimizers = {}
+    for mode in MODES:
+        opt = ShardedAdamW(Synthetic(p_ne, p_e // ep), topo, mode, bucket_numel=None, lr=1e-4)
+        for buf in opt.buffers.values():
+            buf.grads.normal_()
+        opt._step = 1  # as inside step(): the update uses the bias corrections of step 1
+        optimizers[mode] = opt
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for rep in range(reps + 1):  # repetition 0 warms up (first touch of the moment buffers) and is dropped
+        order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]  # interleaved, rotating order
+        for mode in order:
+            opt = optimizers[mode]
+            dist.barrier()
+            start = time.perf_counter()
+            for fam, buf in opt.buffers.items():
+                opt._adamw_update(fam, buf)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+            if rep:
+                times[mode].append(elapsed.item())
+    return {mode: (optimizers[mode].state_bytes(), statistics.median(times[mode])) for mode in MODES}
+
+
+def closed_form_bytes(mode: str, p_ne: int, p_e: int, dp: int, ep: int) -> int:
+    def ceil(a: int, b: int) -> int:
+        return -(-a // b)
+
+    p_e_local = p_e // ep
+    owned = {
+        "none": p_ne + p_e_local,
+        "dp": ceil(p_ne, dp) * 1 + ceil(p_e_local, dp),
+        "ep_aware": ceil(p_ne, dp * ep) + ceil(p_e_local, dp),
+    }[mode]
+    return 8 * owned
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total", type=float, default=24e6, help="elements of the full synthetic model")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    total = int(args.total)
+    cases = [("Mula-20B-A2B proportions", non_expert_share("mula-20b-a2b")), ("f = 0.25", 0.25)]
+    print(f"torch {torch.__version__}, gloo on CPU, {total / 1e6:.0f}M elements, median of {args.reps} repetitions")
+    header = (
+        f"| {'layout':<13} | {'model':<34} | {'mode':<8} | {'state MiB/rank':>14} | {'closed form':>11} | "
+        f"{'update ms':>9} | {'EPSO vs SO':>10} | {'predicted':>9} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for world, ep in ((4, 2), (8, 4)):
+        dp = world // ep
+        for label, f in cases:
+            p_ne = int(total * f)
+            p_e = (total - p_ne) // ep * ep
+            results = run_distributed_test(_measure, world, ep=ep, p_ne=p_ne, p_e=p_e, reps=args.reps, timeout=600)[0]
+            so, epso = results["dp"][1], results["ep_aware"][1]
+            for mode in MODES:
+                nbytes, seconds = results[mode]
+                expected = closed_form_bytes(mode, p_ne, p_e, dp, ep)
+                mark = "=" if nbytes == expected else "!="
+                speed = f"{so / epso:.2f}x" if mode == "ep_aware" else ""
+                pred = f"{1 + (ep - 1) * f:.2f}x" if mode == "ep_aware" else ""
+                print(
+                    f"| DP={dp} x EP={ep:<3} | {label + f' (f={f:.3f})':<34} | {mode:<8} | {nbytes / 2**20:>14.2f} | "
+                    f"{mark} {expected / 2**20:>9.2f} | {seconds * 1e3:>9.2f} | {speed:>10} | {pred:>9} |"
+                )
+
+
+if __name__ == "__main__":
+    main()
