@@ -52,25 +52,28 @@ def _fabric_train(rank, world_size, ep, modes, dispatcher="allgather"):
             model = MulaForCausalLM(_config())
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), **HP))
-        losses = []
+        losses, first_grads = [], None
         for step in range(STEPS):
             x = _batch(step, rank)
             out = model(x, labels=x)
             loss = out.loss + out.aux_loss
             fabric.backward(loss)
+            if step == 0:  # the reduced gradients themselves, before clipping and the update
+                strategy.sharded_optimizer.finish_grad_sync()
+                first_grads = strategy.sharded_optimizer.owned_gradient_segments()
             fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
         full = gather_expert_parallel_state_dict(model.module, strategy.topology.ep_group)
-        results[mode] = (losses, {k: v.clone() for k, v in full.items()})
+        results[mode] = (losses, {k: v.clone() for k, v in full.items()}, first_grads)
     return results
 
 
 def _reference(world_size):
     model = init_weights(MulaForCausalLM(_config()), seed=0)
     opt = torch.optim.AdamW(model.parameters(), **HP)
-    losses = []
+    losses, first_grads = [], None
     for step in range(STEPS):
         per_rank = []
         for rank in range(world_size):
@@ -79,17 +82,26 @@ def _reference(world_size):
             per_rank.append(out.loss + out.aux_loss)
         total = torch.stack(per_rank).mean()
         total.backward()
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone().reshape(-1) for n, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
         losses.append([p.item() for p in per_rank])
-    return losses, model.state_dict()
+    return losses, model.state_dict(), first_grads
 
 
 def _compare(results, ref, world_size):
-    ref_losses, ref_state = ref
+    ref_losses, ref_state, ref_grads = ref
     for rank, per_mode in enumerate(results):
-        for mode, (losses, state) in per_mode.items():
+        for mode, (losses, state, grads) in per_mode.items():
+            covered = 0
+            for name, offset, values in grads:
+                expected = ref_grads[name][offset : offset + values.numel()]
+                scale = ref_grads[name].abs().max().item()
+                torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-6 * scale, msg=f"{mode} grad {name}")
+                covered += values.numel()
+            assert covered > 0
             got = torch.tensor(losses)
             expected = torch.tensor([step[rank] for step in ref_losses])
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"{mode} rank {rank} losses")
@@ -100,14 +112,17 @@ def _compare(results, ref, world_size):
 
 @pytest.mark.distributed
 def test_fabric_epso_matches_one_process_dp2_ep2_every_mode():
-    """4 processes (DP=2 x EP=2), modes ep_aware / dp / none: 10 clipped AdamW steps equal one process."""
+    """4 processes (DP=2 x EP=2), modes ep_aware / dp / none: the reduced gradients of the first step and 10 clipped
+    AdamW steps (losses, final parameters) equal one process."""
     modes = ("ep_aware", "dp", "none")
     results = run_distributed_test(_fabric_train, 4, ep=2, modes=modes, timeout=300)
     _compare(results, _reference(4), 4)
 
 
 @pytest.mark.distributed
-def test_fabric_epso_matches_one_process_dp2_ep4_alltoall():
-    """8 processes (DP=2 x EP=4), EPSO with the all-to-all dispatcher: 10 clipped AdamW steps equal one process."""
-    results = run_distributed_test(_fabric_train, 8, ep=4, modes=("ep_aware",), dispatcher="alltoall", timeout=300)
+def test_fabric_epso_matches_one_process_dp2_ep4_alltoall_every_mode():
+    """8 processes (DP=2 x EP=4), every mode with the all-to-all dispatcher: 10 clipped AdamW steps and the reduced
+    gradients of the first step equal one process."""
+    modes = ("ep_aware", "dp", "none")
+    results = run_distributed_test(_fabric_train, 8, ep=4, modes=modes, dispatcher="alltoall", timeout=400)
     _compare(results, _reference(8), 8)

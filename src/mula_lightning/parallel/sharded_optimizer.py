@@ -201,11 +201,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         if any(g.get("amsgrad") for g in optimizer.param_groups):
             raise ValueError("amsgrad=True is not supported by the sharded AdamW")
         current = {logical_name(n): p for n, p in model.named_parameters()}
+        live = {id(p) for p in current.values()}
         names_by_id = {k: logical_name(v) for k, v in (names_by_id or {}).items()}
         keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
         groups = []
         for g in optimizer.param_groups:
-            params = [current[names_by_id[id(p)]] if id(p) in names_by_id else p for p in g["params"]]
+            # a parameter of the model stays itself (an id of a freed meta parameter may have been reused)
+            params = [
+                p if id(p) in live or id(p) not in names_by_id else current[names_by_id[id(p)]] for p in g["params"]
+            ]
             groups.append({"params": params, **{k: v for k, v in g.items() if k in keep}})
         return cls(model, topology, param_groups=groups, **kwargs)
 
@@ -279,6 +283,21 @@ class ShardedAdamW(torch.optim.Optimizer):
                 elif out is not None and out is not buf.grads[b.start : b.start + b.numel]:
                     buf.grads[lo:hi].copy_(out)
         self._ready.clear()
+
+    def owned_gradient_segments(self) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's reduced gradient pieces as (logical name, offset in the full flattened parameter, values).
+
+        For checking and debugging: together, the ranks' segments cover every element of the unsharded model
+        (replicated shards appear once per replica). Call after :meth:`finish_grad_sync`.
+        """
+        out = []
+        ep_rank, ep_size = self.topology.ep_rank, self.topology.ep_size
+        for buf in self.buffers.values():
+            for seg in buf.segments:
+                base = seg.slot.numel * ep_rank if is_expert_param(seg.slot.name) and ep_size > 1 else 0
+                values = buf.grads[seg.buffer_start : seg.buffer_end].detach().clone()
+                out.append((seg.slot.name, base + seg.param_start, values))
+        return out
 
     def owned_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, every element of the model counted exactly once."""
