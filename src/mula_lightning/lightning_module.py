@@ -113,7 +113,7 @@ class MulaLM(LightningModule):
         self.config = MulaConfig.from_name(model, **overrides)
         self.model: MulaForCausalLM | None = None
         self.peak_tflops = peak_tflops
-        self.flops_per_batch: float | None = None  # read by ThroughputMonitor for MFU
+        self.flops_per_batch: float | None = None  # model FLOPs of the step over all ranks, for MFU
         self.last_moe_aux: list[MoEAux] = []  # the last training micro-batch's MoE statistics, for MoEStats
         self.val_loss = MeanMetric()
 
@@ -160,7 +160,8 @@ class MulaLM(LightningModule):
         input_ids = batch["input_ids"]
         out = self.model(input_ids, labels=batch["labels"])
         loss = out.loss + out.aux_loss
-        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel()
+        world = self.trainer.world_size if self._trainer is not None else 1  # ThroughputMonitor wants all ranks'
+        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * world
         self.last_moe_aux = [_detach(a) for a in out.moe_aux]
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lm_loss", out.loss)
@@ -189,7 +190,7 @@ class MulaLM(LightningModule):
 
     def _log_perplexity(self, prefix: str) -> None:
         loss = self.val_loss.compute()  # all-reduced token-weighted mean; the metric is reset by Lightning
-        self.log(f"{prefix}/perplexity", torch.exp(loss.float()), on_step=False, on_epoch=True)
+        self.log(f"{prefix}/perplexity", torch.exp(loss.float()), on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> dict[str, Any]:
