@@ -70,8 +70,9 @@ class MulaCLI(LightningCLI):
         parser.add_lightning_class_args(MulaThroughput, "throughput")
 
 
-def build_cli(args: Sequence[str], run: bool = True) -> MulaCLI:
-    """Parse ``args`` (``["fit", "--config", ...]`` when ``run``; only options otherwise) into a :class:`MulaCLI`.
+def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True) -> MulaCLI:
+    """Parse ``args`` into a :class:`MulaCLI`: ``["fit", "--config", ...]`` when ``run``, else only options (a list
+    of flags, or a config dict as the YAML would hold it).
 
     With ``run=False`` the classes are instantiated but nothing runs (``cli.trainer``, ``cli.model``,
     ``cli.datamodule``), which the tests use to check every shipped YAML.
@@ -83,7 +84,7 @@ def build_cli(args: Sequence[str], run: bool = True) -> MulaCLI:
     return MulaCLI(
         MulaLM,
         MulaDataModule,
-        args=list(args),
+        args=dict(args) if isinstance(args, dict) else list(args),
         run=run,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"logger": default_loggers(), "default_root_dir": RUNS_DIR},

@@ -143,6 +143,7 @@ def plot_expert_load(columns: dict, out: Path) -> bool:
     left.set_title("share of routed tokens per expert (last quarter of steps)")
     left.set_xlabel("expert")
     left.set_ylabel("layer")
+    left.set_yticks(range(len(matrix)))
     fig.colorbar(image, ax=left)
     for key in sorted(k for k in columns if _IMBALANCE_KEY.match(k)):
         right.plot(*_series(columns, key), label=key.split("/")[1], linewidth=1)
