@@ -144,9 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     gap = entropy - val_loss
     print("\n== mula-tiny-moe demo ==")
-    print(
-        f"layout            : {args.devices} CPU processes, DP={args.devices // args.ep_size} x EP={args.ep_size} (epso)"
-    )
+    dp = args.devices // args.ep_size
+    print(f"layout            : {args.devices} CPU processes, DP={dp} x EP={args.ep_size} (epso)")
     print(f"steps             : {trainer.global_step}  (prepare {prepared_s:.0f} s, train+eval {train_s:.0f} s)")
     print(f"unigram entropy   : {entropy:.3f} nats/token (training split)")
     print(f"validation loss   : {val_loss:.3f} nats/token  (perplexity {math.exp(val_loss):.1f})")
