@@ -116,5 +116,6 @@ def test_mula_fit_then_report_then_validate(tiny_config, tmp_path):
 def _last(csv_path: Path, key: str) -> float:
     import csv
 
-    values = [float(r[key]) for r in csv.DictReader(open(csv_path)) if r.get(key)]
+    with open(csv_path, newline="") as f:
+        values = [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
     return values[-1]
