@@ -111,6 +111,10 @@ def build_config(args: Any, out: Path) -> dict[str, Any]:
         loggers.append({"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": init})
     trainer["logger"] = loggers
     config["model"]["warmup_steps"] = min(config["model"]["warmup_steps"], max(1, args.steps // 10))
+    # short runs (tests) still log often enough for every plot: rates need a full throughput window
+    trainer["log_every_n_steps"] = min(trainer.get("log_every_n_steps", 50), max(1, args.steps // 6))
+    throughput = config.setdefault("throughput", {})
+    throughput["window_size"] = min(throughput.get("window_size", 20), max(2, args.steps // 3))
     return config
 
 
