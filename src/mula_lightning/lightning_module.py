@@ -127,6 +127,8 @@ class MulaLM(LightningModule):
             if vocab != self.config.vocab_size:
                 rank_zero_info(f"MulaLM: vocab_size {vocab} from the data in {manifest.root}")
                 self.config = MulaConfig(**{**self.config.to_dict(), "vocab_size": vocab})
+        if datamodule is not None and getattr(datamodule, "global_batch_size", None):
+            self._check_accumulation(datamodule)
         strategy = self.trainer.strategy if self._trainer is not None else None
         ep_size = getattr(getattr(strategy, "settings", None), "ep_size", 1)
         if ep_size > 1:
@@ -134,6 +136,19 @@ class MulaLM(LightningModule):
                 raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {self.config.name} is dense")
             check_divisible(self.config.num_experts, ep_size, f"num_experts of {self.config.name}", "ep_size")
             check_divisible(self.trainer.world_size, ep_size, "the number of processes (devices x nodes)", "ep_size")
+
+    def _check_accumulation(self, datamodule: Any) -> None:
+        """The DataModule's global batch must equal micro-batch x data-parallel ranks x the Trainer's accumulation."""
+        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
+        dp = datamodule.dp_size or int(kwargs.get("num_replicas", 1))
+        per_step = datamodule.micro_batch_size * dp
+        need, accumulate = datamodule.global_batch_size // per_step, self.trainer.accumulate_grad_batches
+        if datamodule.global_batch_size % per_step == 0 and need != accumulate:
+            raise ValueError(
+                f"data.global_batch_size ({datamodule.global_batch_size}) = micro_batch_size "
+                f"({datamodule.micro_batch_size}) x data-parallel ranks ({dp}) x {need} accumulated micro-batches, "
+                f"but trainer.accumulate_grad_batches is {accumulate}; set it to {need}"
+            )
 
     def configure_model(self) -> None:
         """Build the model: on the meta device under ``epso`` (the strategy materialises it), else for real."""

@@ -110,3 +110,14 @@ def test_unknown_model_override_is_refused():
     """A misspelt MulaConfig field in model_overrides names the field."""
     with pytest.raises(ValueError, match="num_expert"):
         MulaLM(model="mula-tiny-moe", model_overrides={"num_expert": 4})
+
+
+def test_global_batch_must_match_the_trainers_accumulation(tiny_data, tmp_path):
+    """global_batch_size 8 with micro-batch 2 on one rank needs 4 accumulated micro-batches; the Trainer's 1 is
+    refused in setup with the value to set."""
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY)
+    dm = MulaDataModule(str(tiny_data), micro_batch_size=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches is 1; set it to 4"):
+        _trainer(tmp_path, max_steps=1).fit(lm, dm)
+    assert lm.model is None
+    _trainer(tmp_path, max_steps=1, accumulate_grad_batches=4, limit_val_batches=0).fit(lm, dm)
