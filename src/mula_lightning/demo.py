@@ -92,7 +92,7 @@ def unigram_entropy(data_dir: Path) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def build_config(args: Any, out: Path) -> dict[str, Any]:
+def build_config(args: Any, out: Path, data_dir: Path) -> dict[str, Any]:
     """The shipped YAML with the demo's paths, steps and layout filled in."""
     import yaml
 
@@ -100,7 +100,7 @@ def build_config(args: Any, out: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{args.config} not found: run the demo from a clone of the repository")
     config = yaml.safe_load(Path(args.config).read_text())
     runs = str(out / "runs")
-    config["data"]["data_dir"] = str(out / "data")
+    config["data"]["data_dir"] = str(data_dir)
     trainer = config["trainer"]
     trainer.update(devices=args.devices, max_steps=args.steps, default_root_dir=runs)
     trainer["val_check_interval"] = min(args.val_every, args.steps)
@@ -125,14 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # 4 processes share the cores; more threads per process only contend
     out = Path(args.output).resolve()
-    data_dir = out / "data"
+    data_dir = out / f"data-{args.max_bytes}B-seq{args.seq_len}-bpe{args.vocab}"  # other settings, other folder
     start = time.perf_counter()
     prepare_data(args, data_dir)
     prepared_s = time.perf_counter() - start
 
     from mula_lightning.lightning_cli import build_cli
 
-    cli = build_cli(build_config(args, out), run=False)
+    cli = build_cli(build_config(args, out, data_dir), run=False)
     trainer = cli.trainer
     trainer.fit(cli.model, cli.datamodule)
     if trainer.global_rank != 0:

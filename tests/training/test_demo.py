@@ -36,7 +36,7 @@ def test_short_demo_end_to_end(tmp_path):
     val_loss = float(re.search(r"validation loss\s*: ([\d.]+)", proc.stdout)[1])
     assert 3.0 < entropy < 6.3 and 0.0 < val_loss < 7.0  # ln(512) = 6.24 bounds the entropy
     run = out / "runs" / "demo" / "version_0"
-    assert (out / "data" / "manifest.json").is_file()
+    assert (out / "data-200000B-seq32-bpe512" / "manifest.json").is_file()
     assert (run / "metrics.csv").is_file()
     (ckpt,) = (run / "checkpoints").glob("*.ckpt")
     assert (ckpt / ".metadata").is_file()  # epso writes a torch.distributed.checkpoint directory

@@ -119,3 +119,25 @@ def _last(csv_path: Path, key: str) -> float:
     with open(csv_path, newline="") as f:
         values = [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
     return values[-1]
+
+
+def test_wandb_is_offline_unless_a_key_is_configured(tmp_path, monkeypatch):
+    """No WANDB_MODE, no key, no ~/.netrc entry: offline; an API key or a netrc login: online; WANDB_MODE wins."""
+    from mula_lightning.lightning_cli import default_loggers, wandb_offline
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    assert wandb_offline()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert not wandb_offline()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_offline()
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert not wandb_offline()
+    wandb_spec = default_loggers()[1]
+    assert wandb_spec["class_path"].endswith("WandbLogger") and wandb_spec["init_args"]["offline"] is False
