@@ -57,7 +57,9 @@ class MulaLM(LightningModule):
     """Pretrain a Mula decoder with AdamW, warm-up + cosine schedule and MoE auxiliary losses.
 
     Args:
-        model: preset name (``mula lightning models`` lists them), e.g. ``"mula-7b-a1b"`` or ``"mula-tiny-moe"``.
+        model: preset name (``mula models`` lists them), e.g. ``"mula-7b-a1b"`` or ``"mula-tiny-moe"``, or a
+            :class:`~mula_lightning.models.MulaConfig` (in YAML: a mapping of its fields), e.g. from
+            ``MulaConfig.from_hf_config``.
         model_overrides: :class:`~mula_lightning.models.MulaConfig` fields to change, e.g.
             ``{"capacity_factor": 1.25, "num_layers": 2}``; unknown names are refused.
         vocab_size: embedding rows; ``None`` takes the vocabulary of the DataModule's prepared data (or the
@@ -83,7 +85,7 @@ class MulaLM(LightningModule):
 
     def __init__(
         self,
-        model: str = "mula-tiny-moe",
+        model: str | MulaConfig = "mula-tiny-moe",
         model_overrides: dict[str, Any] | None = None,
         vocab_size: int | None = None,
         moe_impl: str = "fast",
@@ -110,7 +112,13 @@ class MulaLM(LightningModule):
         overrides.setdefault("moe_impl", moe_impl)
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
-        self.config = MulaConfig.from_name(model, **overrides)
+        if isinstance(model, MulaConfig):
+            unknown = set(overrides) - set(model.to_dict())
+            if unknown:
+                raise ValueError(f"unknown MulaConfig fields {sorted(unknown)} in model_overrides")
+            self.config = MulaConfig(**{**model.to_dict(), **overrides})
+        else:
+            self.config = MulaConfig.from_name(model, **overrides)
         self.model: MulaForCausalLM | None = None
         self.peak_tflops = peak_tflops
         self.flops_per_batch: float | None = None  # model FLOPs of the step over all ranks, for MFU

@@ -121,3 +121,14 @@ def test_global_batch_must_match_the_trainers_accumulation(tiny_data, tmp_path):
         _trainer(tmp_path, max_steps=1).fit(lm, dm)
     assert lm.model is None
     _trainer(tmp_path, max_steps=1, accumulate_grad_batches=4, limit_val_batches=0).fit(lm, dm)
+
+
+def test_model_may_be_a_config_object():
+    """A MulaConfig (e.g. converted from HF) is accepted; overrides and moe_impl apply on top of it."""
+    from mula_lightning.models import MulaConfig
+
+    base = MulaConfig.from_name("mula-tiny-moe", **TINY)
+    lm = MulaLM(model=base, model_overrides={"top_k": 1})
+    assert lm.config.top_k == 1 and lm.config.moe_impl == "fast" and lm.config.hidden_size == 32
+    with pytest.raises(ValueError, match="topk"):
+        MulaLM(model=base, model_overrides={"topk": 1})
