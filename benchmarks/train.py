@@ -5,6 +5,7 @@ Run::
 
     python benchmarks/train.py                      # CPU, 2 processes per contender (gloo)
     python benchmarks/train.py --steps 20 --repeats 3 --hidden 512
+    python benchmarks/train.py --accelerator cuda --procs 2 --hidden 2048 --experts 64 --top-k 8 --expert-size 1024
 
 Contenders (each a Lightning ``Trainer(devices=N)`` on N fresh processes started by
 :func:`mula_lightning.testing.run_distributed_test`, each rank a torchrun-style process Lightning attaches to):
@@ -31,6 +32,8 @@ import platform
 import time
 
 import torch
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # Lightning accelerator -> process-group backend
 
 
 def _config(args):
@@ -97,6 +100,7 @@ def _run(rank, world_size, contender: str, args) -> dict:
     import mula_lightning.strategies  # noqa: F401
     from mula_lightning.lightning_module import MulaLM
     from mula_lightning.strategies import EPSOStrategy
+    from mula_lightning.utils import synchronize
 
     torch.set_num_threads(args.threads)
     config = _config(args)
@@ -120,12 +124,13 @@ def _run(rank, world_size, contender: str, args) -> dict:
 
     class _Clock(Callback):
         def on_train_batch_end(self, trainer, *_):
+            synchronize(trainer.strategy.root_device)  # accelerator work of the step finished
             stamps.append(time.perf_counter())
 
     rows = (args.warmup + args.steps) * args.batch * world_size
     loader = torch.utils.data.DataLoader(_Batches(rows, args.seq_len, args.vocab), batch_size=args.batch)
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=world_size,
         strategy=strategy,
         max_steps=args.warmup + args.steps,
@@ -145,7 +150,8 @@ def _run(rank, world_size, contender: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--procs", type=int, default=2, help="processes (devices) per contender")
+    parser.add_argument("--accelerator", choices=sorted(BACKENDS), default="cpu", help="one process per device")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=3)
@@ -169,7 +175,9 @@ def main() -> None:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name in contenders:  # interleaved: a slow phase of a shared machine hits every contender alike
-            result = run_distributed_test(_run, args.procs, timeout=1800, contender=name, args=args)[0]
+            result = run_distributed_test(
+                _run, args.procs, backend=BACKENDS[args.accelerator], timeout=1800, contender=name, args=args
+            )[0]
             if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = result
     config = _config(args)
