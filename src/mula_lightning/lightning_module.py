@@ -135,7 +135,7 @@ class MulaLM(LightningModule):
             if vocab != self.config.vocab_size:
                 rank_zero_info(f"MulaLM: vocab_size {vocab} from the data in {manifest.root}")
                 self.config = MulaConfig(**{**self.config.to_dict(), "vocab_size": vocab})
-        if datamodule is not None and getattr(datamodule, "global_batch_size", None):
+        if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
             self._check_accumulation(datamodule)
         strategy = self.trainer.strategy if self._trainer is not None else None
         ep_size = getattr(getattr(strategy, "settings", None), "ep_size", 1)

@@ -95,13 +95,21 @@ def test_vocab_size_comes_from_the_data_and_a_small_one_is_refused(tiny_data, tm
     assert small.model is None
 
 
-def test_ep_size_that_does_not_divide_the_experts_fails_before_building(tiny_data, tmp_path):
-    """epso with ep_size=3 on a 4-expert model: a ValueError naming both values, and no model was built."""
+@pytest.mark.parametrize(
+    "ep_size, message",
+    [
+        (3, r"num_experts of mula-tiny-moe \(4\) must be divisible by ep_size \(3\)"),
+        (2, r"number of processes \(devices x nodes\) \(1\) must be divisible by ep_size \(2\)"),
+    ],
+)
+def test_ep_size_that_does_not_fit_fails_before_building(tiny_data, tmp_path, ep_size, message):
+    """epso with ep_size 3 (does not divide 4 experts) or 2 (does not divide 1 process): a ValueError naming the
+    values, and no model was built."""
     from mula_lightning.strategies import EPSOStrategy
 
     lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY)
-    trainer = _trainer(tmp_path, max_steps=1, strategy=EPSOStrategy(ep_size=3))
-    with pytest.raises(ValueError, match=r"num_experts of mula-tiny-moe \(4\) must be divisible by ep_size \(3\)"):
+    trainer = _trainer(tmp_path, max_steps=1, strategy=EPSOStrategy(ep_size=ep_size))
+    with pytest.raises(ValueError, match=message):
         trainer.fit(lm, MulaDataModule(str(tiny_data), micro_batch_size=2))
     assert lm.model is None
 
