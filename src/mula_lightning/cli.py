@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("mula_lightning.models.cli:main", "list the model presets with their parameter counts"),
     "data": ("mula_lightning.data.cli:main", "prepare token shards: mula data prepare --help"),
     "upcycle": ("mula_lightning.models.upcycle_cli:main", "turn a dense checkpoint into an MoE"),
+    "fit": ("mula_lightning.lightning_cli:fit", "train with LightningCLI: mula fit --config examples/configs/..."),
+    "validate": ("mula_lightning.lightning_cli:validate", "validation loss and perplexity of a checkpoint"),
+    "test": ("mula_lightning.lightning_cli:test", "evaluate a checkpoint on the held-out split"),
+    "report": ("mula_lightning.report:main", "PNG plots (loss, lr, tokens/s, expert load) of a run's CSV log"),
 }
 
 

@@ -163,6 +163,10 @@ class MulaDataModule(LightningDataModule):
         sampler = MegatronSampler(self.val_dataset, self.val_micro_batch_size, rank, size, pad=True)
         return self._loader(self.val_dataset, sampler, self.val_micro_batch_size)
 
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out split for ``trainer.test`` / ``mula test`` (``prepare`` writes train and val only)."""
+        return self.val_dataloader()
+
     # ------------------------------------------------------------------------------------- exact resume
     def mark_consumed(self, num_micro_batches: int = 1) -> None:
         """Advance the training position by ``num_micro_batches`` micro-batches (for Fabric loops)."""

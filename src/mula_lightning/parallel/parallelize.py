@@ -97,7 +97,7 @@ def materialize_and_broadcast(
     """
     was_meta = any(p.is_meta for p in model.parameters())
     if was_meta:
-        model.to_empty(device=device)
+        _to_empty_meta_only(model, device)
         if topology.dp_rank == 0:
             _initialise(model, topology, seed)
     else:
@@ -110,6 +110,18 @@ def materialize_and_broadcast(
             else:
                 dist.broadcast(tensor, src=0)
     return model
+
+
+def _to_empty_meta_only(model: nn.Module, device: torch.device) -> None:
+    """Allocate the meta tensors of ``model`` on ``device``; move real ones there with their values.
+
+    ``model.to_empty`` would also replace the *real* tensors of the module tree with uninitialised memory: a
+    LightningModule's torchmetrics states (and their reset defaults) or any buffer built outside the meta context.
+    """
+    for module in model.modules():
+        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+            module.to_empty(device=device, recurse=False)
+    model.to(device)  # everything is real now: this moves the rest, values kept (torchmetrics handles its states)
 
 
 def _initialise(model: nn.Module, topology: MoETopology, seed: int) -> None:

@@ -1,0 +1,157 @@
+"""Pretrain a Mula model with Lightning Fabric and the ``epso`` strategy: the same recipe as ``mula fit``, as a loop.
+
+Why a Fabric script beside the LightningCLI path: the whole step is visible in one place (gradient accumulation to
+the global batch, clipping after the warm-up, the sharded optimizer step), which is where people start when they
+want to change it. The recipe and defaults are :class:`~mula_lightning.lightning_module.MulaLM`'s (the Aurora
+paper's Section 2.1); the data loader is :class:`~mula_lightning.data.MulaDataModule`'s (exactly resumable).
+
+Launch::
+
+    # CPU, 4 processes started by Fabric itself (DP=2 x EP=2), on data from `mula data prepare`
+    python examples/fabric_pretrain.py --data_dir data/stdlib --devices 4 --ep_size 2 --max_steps 300 \\
+        --lr 3e-3 --min_lr 3e-4 --warmup_steps 30
+
+    # one node of 8 GPUs with torchrun (Fabric attaches to the torchrun processes)
+    torchrun --nproc-per-node 8 examples/fabric_pretrain.py --model mula-20b-a2b --data_dir data/pretrain \\
+        --accelerator cuda --devices 8 --ep_size 8 --precision bf16-true --micro_batch_size 1 --global_batch_size 3072
+
+    # SLURM: 256 nodes x 12 tiles, EP=12 within each node (the paper's Mula-20B-A2B layout)
+    srun --nodes 256 --ntasks-per-node 12 python examples/fabric_pretrain.py --model mula-20b-a2b \\
+        --data_dir data/pretrain --devices 12 --num_nodes 256 --ep_size 12 --precision bf16-true \\
+        --micro_batch_size 1 --global_batch_size 3072
+
+Outputs go to ``--out_dir`` (default ``runs/fabric``): ``metrics.csv`` (``mula report`` plots it) and
+``checkpoint/`` (a sharded ``torch.distributed.checkpoint`` directory with model, optimizer and data position).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+
+from mula_lightning.data.datamodule import MulaDataModule
+from mula_lightning.lightning_module import warmup_cosine
+from mula_lightning.models import MulaConfig, MulaForCausalLM
+from mula_lightning.strategies import FabricEPSOStrategy
+
+
+def evaluate(fabric: Fabric, model: torch.nn.Module, loader) -> float:
+    """Mean next-token loss over the real tokens of the validation split, summed over all ranks."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=fabric.device)
+    with torch.no_grad():
+        for batch in loader:
+            batch = fabric.to_device(batch)
+            out = model(batch["input_ids"], labels=batch["labels"], loss_reduction="sum")
+            total += torch.stack([out.loss.double(), MulaDataModule.real_token_count(batch).double()])
+    model.train()
+    total = fabric.all_reduce(total, reduce_op="sum")
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def main(
+    data_dir: str,
+    model: str = "mula-tiny-moe",
+    vocab_size: int | None = None,
+    out_dir: str = "runs/fabric",
+    accelerator: str = "auto",
+    devices: int = 1,
+    num_nodes: int = 1,
+    ep_size: int = 1,
+    precision: str = "32-true",
+    micro_batch_size: int = 8,
+    global_batch_size: int | None = None,
+    max_steps: int = 300,
+    lr: float = 4e-4,
+    min_lr: float = 4e-5,
+    warmup_steps: int = 2500,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    val_every: int = 100,
+    log_every: int = 10,
+    seed: int = 0,
+) -> None:
+    """Train ``model`` on the prepared data in ``data_dir`` (arguments as in ``MulaLM`` / ``MulaDataModule``)."""
+    strategy = FabricEPSOStrategy(ep_size=ep_size, seed=seed)
+    run_dir = Path(out_dir)
+    fabric = Fabric(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,
+        loggers=CSVLogger(str(run_dir), name="", version=""),
+    )
+    fabric.launch()
+    fabric.seed_everything(seed)
+
+    data = MulaDataModule(
+        data_dir, micro_batch_size, global_batch_size, dp_rank=fabric.global_rank, dp_size=fabric.world_size
+    )
+    data.setup("fit")  # every rank reads its own slice of each global batch (EP ranks too: they route their tokens)
+    vocab = data.manifest.resolve_vocab_size(vocab_size)  # the data's vocabulary unless a (larger) one is given
+    config = MulaConfig.from_name(model, vocab_size=vocab, moe_impl="fast")
+    with fabric.init_module(empty_init=True):  # meta device: the strategy materialises and shards it
+        net = MulaForCausalLM(config)
+    net = fabric.setup_module(net)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    optimizer = fabric.setup_optimizers(optimizer)
+    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+    accumulate = data.train_sampler.global_batch_size // data.train_sampler.step  # micro-batches per optimizer step
+    flops_per_token = config.flops_per_token(data.manifest.seq_len)
+
+    step, micro, tokens, start = 0, 0, 0, time.perf_counter()
+    iterator = iter(train_loader)
+    while step < max_steps:
+        batch = fabric.to_device(next(iterator))
+        micro += 1
+        is_accumulating = micro % accumulate != 0
+        with fabric.no_backward_sync(net, enabled=is_accumulating):
+            out = net(batch["input_ids"], labels=batch["labels"])
+            loss = out.loss + out.aux_loss
+            fabric.backward(loss / accumulate)
+        data.mark_consumed(1)
+        tokens += batch["input_ids"].numel() * fabric.world_size
+        if is_accumulating:
+            continue
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_cosine(step, warmup_steps, max_steps, lr, min_lr)
+        grad_norm = None
+        if grad_clip > 0 and step >= warmup_steps:  # the paper clips only after the warm-up
+            grad_norm = fabric.clip_gradients(net, optimizer, max_norm=grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step % log_every == 0 or step == max_steps:
+            elapsed = time.perf_counter() - start
+            metrics = {
+                "train/loss": loss.item(),
+                "train/lm_loss": out.loss.item(),
+                "train/aux_loss": out.aux_loss.item(),
+                "train/lr": optimizer.param_groups[0]["lr"],
+                "train/items_per_sec": tokens / elapsed,
+                "train/flops_per_sec": tokens * flops_per_token / elapsed,
+            }
+            if grad_norm is not None:
+                metrics["train/grad_norm"] = float(grad_norm)
+            fabric.log_dict(metrics, step=step)
+            fabric.print(f"step {step}: loss {loss.item():.3f}, {metrics['train/items_per_sec']:.0f} tokens/s")
+            tokens, start = 0, time.perf_counter()
+        if step % val_every == 0 or step == max_steps:
+            val_loss = evaluate(fabric, net, val_loader)
+            fabric.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 50.0))}, step=step)
+            fabric.print(f"step {step}: val loss {val_loss:.3f} (perplexity {math.exp(min(val_loss, 50.0)):.1f})")
+    fabric.save(run_dir / "checkpoint", {"model": net, "optimizer": optimizer, "step": step, "data": data.state_dict()})
+    fabric.logger.finalize("success")
+    fabric.print(f"checkpoint: {run_dir / 'checkpoint'}; log: {run_dir / 'metrics.csv'} (plots: mula report {run_dir})")
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main, as_positional=False)

@@ -1,0 +1,121 @@
+"""``MoEStats``: per-layer expert load, imbalance, drops and router losses of every logged training step.
+
+Why a callback: the numbers come for free from the forward pass (every MoE block returns a
+:class:`~mula_lightning.moe.reference.MoEAux`; :class:`~mula_lightning.lightning_module.MulaLM` keeps the last
+micro-batch's, detached, in ``last_moe_aux``), but turning them into global figures costs one collective, so it
+runs only on the steps the Trainer logs (``log_every_n_steps``), on every rank alike.
+
+Per MoE layer ``i`` and logged step, over all ranks (each rank routes its own tokens; counts are summed, losses
+averaged):
+
+* ``moe/layer_{i}/imbalance``: max / mean of the (token, k) pairs per expert (1.0 = perfectly balanced);
+* ``moe/layer_{i}/dropped_frac``: pairs dropped by the capacity factor / pairs routed (0 when dropless);
+* ``moe/layer_{i}/load_balance_loss`` and ``moe/layer_{i}/z_loss``: the unweighted router losses;
+* ``moe/layer_{i}/expert_{e}``: share of the layer's pairs that expert ``e`` received (for the report's heatmap;
+  only while layers x experts <= ``max_expert_scalars``, so 64 x 240 experts do not flood a CSV);
+* ``moe/imbalance_max`` and ``moe/dropped_frac``: the worst layer's imbalance, the overall drop fraction.
+
+With a :class:`~lightning.pytorch.loggers.WandbLogger` it also sends, every ``wandb_every_n_steps`` steps, a
+layers x experts heatmap image of the load shares and one histogram per layer (W&B is offline unless an API
+key is configured; see :func:`mula_lightning.lightning_cli.default_loggers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import WandbLogger
+
+
+class MoEStats(Callback):
+    """Log expert load and router statistics of a Mula MoE run (see the module docstring for the keys).
+
+    Args:
+        max_expert_scalars: log per-expert shares as scalars only while layers x experts is at most this.
+        wandb_every_n_steps: steps between W&B heatmaps / histograms (0 disables them).
+    """
+
+    def __init__(self, max_expert_scalars: int = 1024, wandb_every_n_steps: int = 100) -> None:
+        super().__init__()
+        self.max_expert_scalars = max_expert_scalars
+        self.wandb_every_n_steps = wandb_every_n_steps
+        self.last_load: torch.Tensor | None = None  # (L, E) shares of the last logged step, for inspection
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        aux = getattr(pl_module, "last_moe_aux", None)
+        if not aux or not trainer._logger_connector.should_update_logs:
+            return
+        stats = self.global_stats(trainer, aux)
+        load, imbalance, dropped_frac = stats["load"], stats["imbalance"], stats["dropped_frac"]
+        self.last_load = load.cpu()
+        log = dict(on_step=True, on_epoch=False, sync_dist=False)
+        num_layers, num_experts = load.shape
+        for i in range(num_layers):
+            pl_module.log(f"moe/layer_{i}/imbalance", imbalance[i], **log)
+            pl_module.log(f"moe/layer_{i}/dropped_frac", dropped_frac[i], **log)
+            pl_module.log(f"moe/layer_{i}/load_balance_loss", stats["load_balance_loss"][i], **log)
+            pl_module.log(f"moe/layer_{i}/z_loss", stats["z_loss"][i], **log)
+            if num_layers * num_experts <= self.max_expert_scalars:
+                for e in range(num_experts):
+                    pl_module.log(f"moe/layer_{i}/expert_{e}", load[i, e], **log)
+        pl_module.log("moe/imbalance_max", imbalance.max(), **log)
+        pl_module.log("moe/dropped_frac", stats["dropped"].sum() / stats["routed"].sum().clamp(min=1), **log)
+        step = trainer.global_step
+        if self.wandb_every_n_steps and step % self.wandb_every_n_steps == 0 and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    self._to_wandb(logger, self.last_load, step)
+
+    @staticmethod
+    def global_stats(trainer: Any, aux: list[Any]) -> dict[str, torch.Tensor]:
+        """Sum the counts and average the losses of every layer over all ranks (one all-reduce).
+
+        Returns:
+            ``tokens`` (L, E) pairs per expert (after drops), ``load`` (L, E) shares, ``imbalance`` (L,),
+            ``dropped`` / ``routed`` / ``dropped_frac`` (L,), ``load_balance_loss`` and ``z_loss`` (L,).
+        """
+        tokens = torch.stack([a.tokens_per_expert.float() for a in aux])  # (L, E)
+        scalars = torch.stack(
+            [torch.stack([a.num_dropped.float(), a.load_balance_loss.float(), a.z_loss.float()]) for a in aux]
+        )  # (L, 3)
+        packed = torch.cat([tokens, scalars], dim=1)
+        packed = trainer.strategy.reduce(packed, reduce_op="sum")
+        world = max(1, trainer.world_size)
+        tokens, dropped = packed[:, :-3], packed[:, -3]
+        kept = tokens.sum(dim=1)
+        routed = kept + dropped
+        mean = kept / tokens.shape[1]
+        return {
+            "tokens": tokens,
+            "load": tokens / kept.clamp(min=1).unsqueeze(1),
+            "imbalance": tokens.max(dim=1).values / mean.clamp(min=1e-9),
+            "dropped": dropped,
+            "routed": routed,
+            "dropped_frac": dropped / routed.clamp(min=1),
+            "load_balance_loss": packed[:, -2] / world,
+            "z_loss": packed[:, -1] / world,
+        }
+
+    @staticmethod
+    def _to_wandb(logger: WandbLogger, load: torch.Tensor, step: int) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+        import wandb
+
+        fig, ax = plt.subplots(figsize=(max(4.0, load.shape[1] * 0.25), max(2.5, load.shape[0] * 0.3)))
+        image = ax.imshow(load.numpy(), aspect="auto", cmap="viridis")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_title(f"share of routed tokens, step {step}")
+        fig.colorbar(image, ax=ax)
+        entries: dict[str, Any] = {"moe/expert_load": wandb.Image(fig), "trainer/global_step": step}
+        plt.close(fig)
+        edges = np.arange(load.shape[1] + 1)
+        for i, row in enumerate(load.numpy()):
+            entries[f"moe/layer_{i}/load_histogram"] = wandb.Histogram(np_histogram=(row, edges))
+        logger.experiment.log(entries)

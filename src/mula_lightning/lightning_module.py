@@ -1,0 +1,267 @@
+"""``MulaLM``: the LightningModule that pretrains a Mula model (the Aurora paper's Section 2.1 recipe).
+
+What it owns, and why each piece is here rather than elsewhere:
+
+* **Model construction** in :meth:`MulaLM.configure_model`. Under the ``epso`` strategy the model is built on
+  the meta device (no memory, even for the 220B preset) and the strategy materialises, expert-shards and
+  broadcasts it from ``(seed, parameter name)``. Under any other strategy (``ddp``, one device, ...) this module
+  materialises it itself with :func:`~mula_lightning.models.init_weights` and the same seed, so both start
+  bit-identical.
+* **Vocabulary** from the data: ``vocab_size=None`` takes the prepared dataset's vocabulary (read from the
+  DataModule's manifest in :meth:`setup`, which Lightning runs before ``configure_model``); a configured size
+  is checked to be large enough. A DataModule given a ``tokenizer`` refuses data prepared with another one in
+  the same call, so a mismatch fails before any weight is allocated.
+* **The recipe**: AdamW (peak 4e-4, betas (0.9, 0.99), eps 1e-8, weight decay 0.1 on all parameters), linear
+  warm-up for 2500 steps, cosine decay to 4e-5, gradient clipping at 1.0 only after the warm-up. Clipping goes
+  through :meth:`configure_gradient_clipping` -> :meth:`clip_gradients`, i.e. through the precision plugin the
+  strategy controls, so the sharded strategies clip their sharded gradients by the global norm.
+* **Metrics**: training loss = LM loss + weighted MoE auxiliary losses; validation loss is the mean over real
+  tokens (validation padding rows carry labels -100), all-reduced over ranks by torchmetrics, and perplexity
+  is its exponential. ``flops_per_batch`` (model FLOPs from the active parameter count) feeds the throughput
+  callback's MFU, which is logged only when ``peak_tflops`` is given.
+
+The module deliberately does not override ``on_before_batch_transfer``: :class:`MulaDataModule` counts consumed
+training samples there for exact resume.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import MeanMetric
+
+from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.moe.reference import MoEAux
+from mula_lightning.parallel.topology import check_divisible
+
+
+def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, minimum: float) -> float:
+    """Learning rate at optimizer step ``step``: linear warm-up to ``peak``, cosine decay to ``minimum``.
+
+    Step 0 uses ``peak / warmup_steps`` (never zero, so the first update is not wasted); the rate reaches ``peak``
+    at ``step == warmup_steps``, follows half a cosine to ``minimum`` at ``decay_steps`` and stays there.
+    """
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    if step >= decay_steps:
+        return minimum
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return minimum + 0.5 * (peak - minimum) * (1.0 + math.cos(math.pi * progress))
+
+
+class MulaLM(LightningModule):
+    """Pretrain a Mula decoder with AdamW, warm-up + cosine schedule and MoE auxiliary losses.
+
+    Args:
+        model: preset name (``mula models`` lists them), e.g. ``"mula-7b-a1b"`` or ``"mula-tiny-moe"``, or a
+            :class:`~mula_lightning.models.MulaConfig` (in YAML: a mapping of its fields), e.g. from
+            ``MulaConfig.from_hf_config``.
+        model_overrides: :class:`~mula_lightning.models.MulaConfig` fields to change, e.g.
+            ``{"capacity_factor": 1.25, "num_layers": 2}``; unknown names are refused.
+        vocab_size: embedding rows; ``None`` takes the vocabulary of the DataModule's prepared data (or the
+            preset's without a DataModule). A given size must cover the data's vocabulary.
+        moe_impl: MoE block implementation (``"fast"``: FastSparseMoE; ``"reference"``: the plain loop).
+        lr: peak learning rate (after warm-up).
+        min_lr: final learning rate of the cosine decay.
+        warmup_steps: optimizer steps of linear warm-up.
+        decay_steps: optimizer step at which the cosine reaches ``min_lr``; ``None`` uses the Trainer's
+            ``max_steps`` (or its estimated total steps).
+        weight_decay: AdamW weight decay (applied to all parameters, as in the paper).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: clip the global gradient norm to this value (0 disables); the Trainer's
+            ``gradient_clip_val``, when set, takes precedence.
+        clip_during_warmup: also clip during the warm-up (the paper clips only after it).
+        log_grad_norm: log the global gradient norm before clipping (one extra scalar all-reduce per step under
+            the sharded strategies).
+        peak_tflops: peak dense TFLOP/s of one device in the training precision; when given, MFU is logged.
+        seed: initialisation seed (weights are a function of (seed, parameter name), so every layout and strategy
+            starts from the same model). Under ``epso`` it replaces the strategy's ``seed``.
+    """
+
+    def __init__(
+        self,
+        model: str | MulaConfig = "mula-tiny-moe",
+        model_overrides: dict[str, Any] | None = None,
+        vocab_size: int | None = None,
+        moe_impl: str = "fast",
+        lr: float = 4e-4,
+        min_lr: float = 4e-5,
+        warmup_steps: int = 2500,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        eps: float = 1e-8,
+        grad_clip: float = 1.0,
+        clip_during_warmup: bool = False,
+        log_grad_norm: bool = True,
+        peak_tflops: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if not 0 <= min_lr <= lr:
+            raise ValueError(f"min_lr ({min_lr}) must be in [0, lr ({lr})]")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps ({warmup_steps}) must be >= 0")
+        overrides = dict(model_overrides or {})
+        overrides.setdefault("moe_impl", moe_impl)
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        if isinstance(model, MulaConfig):
+            unknown = set(overrides) - set(model.to_dict())
+            if unknown:
+                raise ValueError(f"unknown MulaConfig fields {sorted(unknown)} in model_overrides")
+            self.config = MulaConfig(**{**model.to_dict(), **overrides})
+        else:
+            self.config = MulaConfig.from_name(model, **overrides)
+        self.model: MulaForCausalLM | None = None
+        self.peak_tflops = peak_tflops
+        self.flops_per_batch: float | None = None  # model FLOPs of the step over all ranks, for MFU
+        self.last_moe_aux: list[MoEAux] = []  # the last training micro-batch's MoE statistics, for MoEStats
+        self.val_loss = MeanMetric()
+
+    # ------------------------------------------------------------------------------------------ building
+    def setup(self, stage: str) -> None:
+        """Resolve the vocabulary from the data and check the layout fits the model (before any allocation)."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        manifest = getattr(datamodule, "manifest", None) if datamodule is not None else None  # checks tokenizer
+        if manifest is not None:
+            vocab = manifest.resolve_vocab_size(self.hparams.vocab_size)
+            if vocab != self.config.vocab_size:
+                rank_zero_info(f"MulaLM: vocab_size {vocab} from the data in {manifest.root}")
+                self.config = MulaConfig(**{**self.config.to_dict(), "vocab_size": vocab})
+        if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
+            self._check_accumulation(datamodule)
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        ep_size = getattr(getattr(strategy, "settings", None), "ep_size", 1)
+        if ep_size > 1:
+            if not self.config.is_moe:
+                raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {self.config.name} is dense")
+            check_divisible(self.config.num_experts, ep_size, f"num_experts of {self.config.name}", "ep_size")
+            check_divisible(self.trainer.world_size, ep_size, "the number of processes (devices x nodes)", "ep_size")
+
+    def _check_accumulation(self, datamodule: Any) -> None:
+        """The DataModule's global batch must equal micro-batch x data-parallel ranks x the Trainer's accumulation."""
+        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
+        dp = datamodule.dp_size or int(kwargs.get("num_replicas", 1))
+        per_step = datamodule.micro_batch_size * dp
+        need, accumulate = datamodule.global_batch_size // per_step, self.trainer.accumulate_grad_batches
+        if datamodule.global_batch_size % per_step == 0 and need != accumulate:
+            raise ValueError(
+                f"data.global_batch_size ({datamodule.global_batch_size}) = micro_batch_size "
+                f"({datamodule.micro_batch_size}) x data-parallel ranks ({dp}) x {need} accumulated micro-batches, "
+                f"but trainer.accumulate_grad_batches is {accumulate}; set it to {need}"
+            )
+
+    def configure_model(self) -> None:
+        """Build the model: on the meta device under ``epso`` (the strategy materialises it), else for real."""
+        if self.model is not None:
+            return
+        settings = getattr(self.trainer.strategy, "settings", None) if self._trainer is not None else None
+        if settings is not None and hasattr(settings, "seed"):  # a sharded strategy materialises from the meta device
+            settings.seed = self.hparams.seed
+            with torch.device("meta"):
+                self.model = MulaForCausalLM(self.config)
+            return
+        with torch.device("meta"):
+            model = MulaForCausalLM(self.config)
+        device = torch.empty(0).device  # the context's device (the Trainer builds under the root device)
+        dtype = torch.get_default_dtype()  # bf16-true sets it to bfloat16 here
+        model.to_empty(device=device)
+        self.model = init_weights(model.to(dtype), seed=self.hparams.seed)
+
+    # -------------------------------------------------------------------------------------------- steps
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        return self.model(input_ids, labels=labels)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        out = self.model(input_ids, labels=batch["labels"])
+        loss = out.loss + out.aux_loss
+        world = self.trainer.world_size if self._trainer is not None else 1  # ThroughputMonitor wants all ranks'
+        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * world
+        self.last_moe_aux = [_detach(a) for a in out.moe_aux]
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lm_loss", out.loss)
+        self.log("train/aux_loss", out.aux_loss)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"] if self._trainer is not None else 0.0)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], prefix: str) -> None:
+        # Every rank runs the forward (expert-parallel layers need all EP ranks), padding rows included.
+        out = self.model(batch["input_ids"], labels=batch["labels"], loss_reduction="sum")
+        tokens = (batch["labels"][:, 1:] != -100).sum()  # MulaDataModule.real_token_count
+        self.val_loss.update(out.loss / tokens.clamp(min=1), weight=tokens)  # token-weighted, synced over ranks
+        self.log(f"{prefix}/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_perplexity("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_perplexity("test")
+
+    def _log_perplexity(self, prefix: str) -> None:
+        loss = self.val_loss.compute()  # all-reduced token-weighted mean; the metric is reset by Lightning
+        self.log(f"{prefix}/perplexity", torch.exp(loss.float()), on_step=False, on_epoch=True, sync_dist=True)
+
+    # ------------------------------------------------------------------------------------- optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW on every parameter (a sharded strategy turns it into its sharded AdamW) with warm-up + cosine."""
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
+        )
+        decay = hp.decay_steps
+        if decay is None:
+            max_steps = self.trainer.max_steps if self._trainer is not None else -1
+            decay = max_steps if max_steps and max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        decay = max(decay, hp.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, decay, hp.lr, hp.min_lr) / hp.lr
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Log the global gradient norm, then clip by norm after the warm-up (through the strategy's plugin)."""
+        if self.hparams.log_grad_norm:
+            self.log("train/grad_norm", self._grad_norm(optimizer))
+        max_norm = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
+        in_warmup = self.trainer.global_step < self.hparams.warmup_steps
+        if max_norm and max_norm > 0 and (self.hparams.clip_during_warmup or not in_warmup):
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+    def _grad_norm(self, optimizer: Any) -> torch.Tensor:
+        """The global L2 norm of the (reduced) gradients, under any strategy."""
+        inner = optimizer
+        while hasattr(inner, "_optimizer"):
+            inner = inner._optimizer
+        if hasattr(inner, "owned_grad_norm"):  # ShardedAdamW: reduce the buckets, then norm of the owned shards
+            inner.finish_grad_sync()
+            return inner.owned_grad_norm()
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(grads)
+
+
+def _detach(aux: MoEAux) -> MoEAux:
+    return MoEAux(
+        aux_loss=aux.aux_loss.detach(),
+        load_balance_loss=aux.load_balance_loss.detach(),
+        z_loss=aux.z_loss.detach(),
+        tokens_per_expert=aux.tokens_per_expert.detach(),
+        num_dropped=aux.num_dropped.detach(),
+    )

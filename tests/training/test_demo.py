@@ -1,0 +1,46 @@
+"""A shortened `make demo` end to end: prepare -> 4-process DP2xEP2 epso training via Lightning's own launcher ->
+validation -> plots, with every file it promises on disk and both numbers of the bar printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_short_demo_end_to_end(tmp_path):
+    """`python -m mula_lightning.demo` with 6 steps on 200 kB: exit code 0, a sharded (DCP) checkpoint, the CSV log,
+    the 4 plots, an offline W&B run, and the unigram entropy and validation loss printed."""
+    out = tmp_path / "demo"
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "WANDB_MODE": "offline"}
+    args = ["--output", str(out), "--steps", "6", "--val-every", "3", "--max-bytes", "200000", "--seq-len", "32"]
+    args += ["--vocab", "512", "--min-gap=-100"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mula_lightning.demo", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entropy = float(re.search(r"unigram entropy\s*: ([\d.]+)", proc.stdout)[1])
+    val_loss = float(re.search(r"validation loss\s*: ([\d.]+)", proc.stdout)[1])
+    assert 3.0 < entropy < 6.3 and 0.0 < val_loss < 7.0  # ln(512) = 6.24 bounds the entropy
+    run = out / "runs" / "demo" / "version_0"
+    assert (out / "data-200000B-seq32-bpe512" / "manifest.json").is_file()
+    assert (run / "metrics.csv").is_file()
+    (ckpt,) = (run / "checkpoints").glob("*.ckpt")
+    assert (ckpt / ".metadata").is_file()  # epso writes a torch.distributed.checkpoint directory
+    for name in ("loss.png", "lr.png", "throughput.png", "expert_load.png"):
+        assert (run / "plots" / name).is_file(), name
+    assert list((out / "runs" / "wandb").glob("offline-run-*"))
+    assert str(ckpt) in proc.stdout and str(run / "plots" / "loss.png") in proc.stdout

@@ -1,0 +1,143 @@
+"""`mula fit | validate` through LightningCLI: every shipped YAML parses, an end-to-end run logs what `mula report`
+plots, and bad input (unknown key, tokenizer of other data) fails before training with a message naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mula_lightning import cli as mula_cli
+from mula_lightning.lightning_cli import MulaCLI, build_cli
+from mula_lightning.models import MulaConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
+
+
+class _ParseOnly(MulaCLI):
+    """Parse and validate the config (class paths, argument names and types) without instantiating anything."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def _write(config: dict, path: Path) -> str:
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_examples_ship_every_preset():
+    """One YAML per paper preset plus the CPU one."""
+    names = {p.stem for p in CONFIGS}
+    assert names == {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_yaml_parses_and_fits_its_model(path):
+    """jsonargparse accepts every key of the YAML; its ep_size divides the preset's experts and devices x nodes,
+    and the paper presets keep context 2048 and a 6.3M-token global batch."""
+    import mula_lightning.strategies  # noqa: F401
+
+    cli = _ParseOnly(run=False, args=["--config", str(path)], **_cli_classes())
+    config = cli.config
+    strategy = config.trainer.strategy
+    ep_size = strategy.init_args.ep_size
+    model = MulaConfig.from_name(config.model.model)
+    world = config.trainer.devices * config.trainer.num_nodes
+    assert world % ep_size == 0
+    assert model.num_experts % ep_size == 0 if model.is_moe else ep_size == 1
+    if path.stem != "mula-tiny-moe":
+        assert config.data.seq_len == 2048
+        assert abs(config.data.global_batch_size * config.data.seq_len - 6.3e6) < 0.05e6
+        assert config.model.lr == 4e-4 and config.model.min_lr == 4e-5 and config.model.warmup_steps == 2500
+
+
+def _cli_classes():
+    from mula_lightning.data.datamodule import MulaDataModule
+    from mula_lightning.lightning_module import MulaLM
+
+    return dict(model_class=MulaLM, datamodule_class=MulaDataModule)
+
+
+def test_unknown_yaml_key_is_rejected_with_its_name(tiny_config, tmp_path, capsys):
+    """A misspelt key (model.warmup_step) stops `mula fit` with exit code 2 and an error naming the key."""
+    tiny_config["model"]["warmup_step"] = 10
+    with pytest.raises(SystemExit) as exc:
+        mula_cli.main(["fit", "--config", _write(tiny_config, tmp_path / "bad.yaml")])
+    assert exc.value.code == 2
+    assert "warmup_step" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_data_of_another_tokenizer_fails_before_training(tiny_config, other_tokenizer_data, tmp_path):
+    """data.tokenizer pointing at another BPE than the data's: ValueError naming both hashes, no step, no model."""
+    tiny_config["data"]["tokenizer"] = str(other_tokenizer_data / "tokenizer.json")
+    cli = build_cli(tiny_config, run=False)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.model.model is None and cli.trainer.global_step == 0
+
+
+def test_mula_fit_then_report_then_validate(tiny_config, tmp_path):
+    """`mula fit` trains and logs losses, lr, grad norm, MoE statistics and tokens/s to CSV; `mula report` turns
+    them into the 4 PNGs; `mula validate` on the saved checkpoint gives the same validation loss as the fit."""
+    config_path = _write(tiny_config, tmp_path / "tiny.yaml")
+    assert mula_cli.main(["fit", "--config", config_path]) == 0
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    for key in (
+        "train/loss",
+        "train/lm_loss",
+        "train/aux_loss",
+        "train/lr",
+        "train/grad_norm",
+        "val/loss",
+        "val/perplexity",
+        "moe/layer_1/imbalance",
+        "moe/layer_0/expert_3",
+        "moe/dropped_frac",
+        "train/device/items_per_sec",
+    ):
+        assert key in header, key
+    assert mula_cli.main(["report", str(tmp_path / "runs")]) == 0
+    for name in ("loss.png", "lr.png", "throughput.png", "expert_load.png"):
+        assert (run / "plots" / name).stat().st_size > 1000, name
+
+    (ckpt,) = (run / "checkpoints").glob("*.ckpt")
+    fit_val = _last(run / "metrics.csv", "val/loss")
+    tiny_config["trainer"]["logger"][0]["init_args"]["name"] = "validate"
+    assert (
+        mula_cli.main(["validate", "--config", _write(tiny_config, tmp_path / "v.yaml"), "--ckpt_path", str(ckpt)]) == 0
+    )
+    assert _last(tmp_path / "runs" / "validate" / "version_0" / "metrics.csv", "val/loss") == pytest.approx(fit_val)
+
+
+def _last(csv_path: Path, key: str) -> float:
+    import csv
+
+    with open(csv_path, newline="") as f:
+        values = [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+    return values[-1]
+
+
+def test_wandb_is_offline_unless_a_key_is_configured(tmp_path, monkeypatch):
+    """No WANDB_MODE, no key, no ~/.netrc entry: offline; an API key or a netrc login: online; WANDB_MODE wins."""
+    from mula_lightning.lightning_cli import default_loggers, wandb_offline
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    assert wandb_offline()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert not wandb_offline()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_offline()
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert not wandb_offline()
+    wandb_spec = default_loggers()[1]
+    assert wandb_spec["class_path"].endswith("WandbLogger") and wandb_spec["init_args"]["offline"] is False

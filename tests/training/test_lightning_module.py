@@ -1,0 +1,142 @@
+"""MulaLM on one CPU process: the schedule, clipping after warm-up only, token-weighted validation, vocab and
+layout checks that fail before any weight is allocated."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from mula_lightning.data import MulaDataModule
+from mula_lightning.lightning_module import MulaLM, warmup_cosine
+from mula_lightning.models import MulaForCausalLM, init_weights
+
+TINY = dict(num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32, num_experts=4, top_k=2)
+
+
+def _trainer(tmp_path, **kwargs):
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+    )
+    return Trainer(**{**defaults, **kwargs})
+
+
+def test_warmup_cosine_follows_the_paper_schedule():
+    """Linear warm-up to the peak at step `warmup`, half a cosine to the minimum at `decay`, flat after."""
+    peak, low = 4e-4, 4e-5
+    assert warmup_cosine(0, 2500, 10000, peak, low) == pytest.approx(peak / 2500)
+    assert warmup_cosine(1249, 2500, 10000, peak, low) == pytest.approx(peak / 2)
+    assert warmup_cosine(2500, 2500, 10000, peak, low) == pytest.approx(peak)
+    assert warmup_cosine(6250, 2500, 10000, peak, low) == pytest.approx((peak + low) / 2)
+    assert warmup_cosine(10000, 2500, 10000, peak, low) == pytest.approx(low)
+    assert warmup_cosine(50000, 2500, 10000, peak, low) == pytest.approx(low)
+    rates = [warmup_cosine(s, 100, 1000, peak, low) for s in range(1000)]
+    assert all(a <= b for a, b in zip(rates[:100], rates[1:101])) and all(
+        a >= b for a, b in zip(rates[100:], rates[101:])
+    )
+
+
+class _RecordingLM(MulaLM):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.clipped_at: list[int] = []
+
+    def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clipped_at.append(self.trainer.global_step)
+        super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def test_clipping_only_after_warmup_and_lr_schedule_is_applied(tiny_data, tmp_path):
+    """With warmup_steps=3 the norm clip runs at optimizer steps 3, 4, 5 only; the logged lr follows the schedule."""
+    lm = _RecordingLM(model="mula-tiny-moe", model_overrides=TINY, warmup_steps=3, decay_steps=6, lr=1e-3, min_lr=1e-4)
+    trainer = _trainer(tmp_path, max_steps=6, limit_val_batches=0)
+    trainer.fit(lm, MulaDataModule(str(tiny_data), micro_batch_size=2))
+    assert lm.clipped_at == [3, 4, 5]
+    last_lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    assert last_lr == pytest.approx(warmup_cosine(6, 3, 6, 1e-3, 1e-4))
+
+
+def test_validation_loss_is_the_mean_over_real_tokens(tiny_data, tmp_path):
+    """Validation loss = sum of next-token NLL over the val split / its token count, padding rows excluded, and
+    perplexity = exp(loss): checked against a direct computation with the same initial weights."""
+    dm = MulaDataModule(str(tiny_data), micro_batch_size=2, val_micro_batch_size=5)  # 5 does not divide the split
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY, seed=7)
+    (result,) = _trainer(tmp_path).validate(lm, dm)
+
+    dm2 = MulaDataModule(str(tiny_data))
+    dm2.setup("validate")
+    ref = init_weights(MulaForCausalLM(lm.config), seed=7).eval()
+    tokens = torch.as_tensor(dm2.val_dataset.read(0, len(dm2.val_dataset)).astype("int64"))
+    with torch.no_grad():
+        nll = ref(tokens, labels=tokens, loss_reduction="sum").loss
+    expected = (nll / (tokens.shape[0] * (tokens.shape[1] - 1))).item()
+    assert result["val/loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["val/perplexity"] == pytest.approx(math.exp(expected), rel=1e-4)
+
+
+def test_vocab_size_comes_from_the_data_and_a_small_one_is_refused(tiny_data, tmp_path):
+    """vocab_size=None takes the manifest's 512; an explicit 100 (< 512) fails in setup, before configure_model."""
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY)
+    _trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(lm, MulaDataModule(str(tiny_data), micro_batch_size=2))
+    assert lm.config.vocab_size == 512 and lm.model.lm_head.weight.shape[0] == 512
+
+    small = MulaLM(model="mula-tiny-moe", model_overrides=TINY, vocab_size=100)
+    with pytest.raises(ValueError, match=r"vocab_size \(100\) is smaller than the vocabulary"):
+        _trainer(tmp_path, max_steps=1).fit(small, MulaDataModule(str(tiny_data), micro_batch_size=2))
+    assert small.model is None
+
+
+@pytest.mark.parametrize(
+    "ep_size, message",
+    [
+        (3, r"num_experts of mula-tiny-moe \(4\) must be divisible by ep_size \(3\)"),
+        (2, r"number of processes \(devices x nodes\) \(1\) must be divisible by ep_size \(2\)"),
+    ],
+)
+def test_ep_size_that_does_not_fit_fails_before_building(tiny_data, tmp_path, ep_size, message):
+    """epso with ep_size 3 (does not divide 4 experts) or 2 (does not divide 1 process): a ValueError naming the
+    values, and no model was built."""
+    from mula_lightning.strategies import EPSOStrategy
+
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY)
+    trainer = _trainer(tmp_path, max_steps=1, strategy=EPSOStrategy(ep_size=ep_size))
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(lm, MulaDataModule(str(tiny_data), micro_batch_size=2))
+    assert lm.model is None
+
+
+def test_unknown_model_override_is_refused():
+    """A misspelt MulaConfig field in model_overrides names the field."""
+    with pytest.raises(ValueError, match="num_expert"):
+        MulaLM(model="mula-tiny-moe", model_overrides={"num_expert": 4})
+
+
+def test_global_batch_must_match_the_trainers_accumulation(tiny_data, tmp_path):
+    """global_batch_size 8 with micro-batch 2 on one rank needs 4 accumulated micro-batches; the Trainer's 1 is
+    refused in setup with the value to set."""
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY)
+    dm = MulaDataModule(str(tiny_data), micro_batch_size=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches is 1; set it to 4"):
+        _trainer(tmp_path, max_steps=1).fit(lm, dm)
+    assert lm.model is None
+    _trainer(tmp_path, max_steps=1, accumulate_grad_batches=4, limit_val_batches=0).fit(lm, dm)
+
+
+def test_model_may_be_a_config_object():
+    """A MulaConfig (e.g. converted from HF) is accepted; overrides and moe_impl apply on top of it."""
+    from mula_lightning.models import MulaConfig
+
+    base = MulaConfig.from_name("mula-tiny-moe", **TINY)
+    lm = MulaLM(model=base, model_overrides={"top_k": 1})
+    assert lm.config.top_k == 1 and lm.config.moe_impl == "fast" and lm.config.hidden_size == 32
+    with pytest.raises(ValueError, match="topk"):
+        MulaLM(model=base, model_overrides={"topk": 1})
