@@ -14,7 +14,9 @@ f = 0.25, scaled so that one update takes milliseconds. For each mode the benchm
   slowest rank, median of repetitions), and the EPSO speed-up over SO next to the prediction
   1 + (EP - 1) * f.
 
-On CPU the ranks share two cores, so absolute times are those of a loaded machine; the ratios are the point.
+The ranks take turns (barrier, one rank updates, barrier): on a CPU with fewer cores than ranks, concurrent updates
+would measure core sharing, not the work each rank owns; in turns, each rank's update runs as it would on its own
+device. The ratios are the point; absolute times are those of one CPU core.
 """
 
 from __future__ import annotations
@@ -67,11 +69,14 @@ def _measure(rank: int, world_size: int, ep: int, p_ne: int, p_e: int, reps: int
         order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]  # interleaved, rotating order
         for mode in order:
             opt = optimizers[mode]
-            dist.barrier()
-            start = time.perf_counter()
-            for fam, buf in opt.buffers.items():
-                opt._adamw_update(fam, buf)
-            elapsed = torch.tensor([time.perf_counter() - start])
+            elapsed = torch.zeros(1)
+            for turn in range(world_size):  # one rank at a time: each gets a core, as each would get a device
+                dist.barrier()
+                if rank == turn:
+                    start = time.perf_counter()
+                    for fam, buf in opt.buffers.items():
+                        opt._adamw_update(fam, buf)
+                    elapsed[0] = time.perf_counter() - start
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
             if rep:
                 times[mode].append(elapsed.item())
