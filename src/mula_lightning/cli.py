@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("mula_lightning.models.cli:main", "list the model presets with their parameter counts"),
     "data": ("mula_lightning.data.cli:main", "prepare token shards: mula data prepare --help"),
     "upcycle": ("mula_lightning.models.upcycle_cli:main", "turn a dense checkpoint into an MoE"),
+    "export": ("mula_lightning.callbacks.export:main", "any checkpoint (full or model-only) to a HF directory"),
 }
 
 
