@@ -74,6 +74,10 @@ class NaNDetector(Callback):
             ``report_dir/failed_hosts.txt``).
         exit_code: the exit status of every rank after a detection (default :data:`NAN_EXIT_CODE`).
         max_tensors: how many offending tensors the report names per rank (first seen first).
+
+    The check runs in ``on_before_optimizer_step``, i.e. with automatic optimization; a LightningModule that
+    steps its optimizers itself (manual optimization) calls ``detector.on_before_optimizer_step(trainer, self,
+    optimizer)`` before each ``optimizer.step()``.
     """
 
     def __init__(
