@@ -43,7 +43,10 @@ from mula_lightning.callbacks.slots import (
 
 
 def _layout(strategy: Any) -> dict[str, Any]:
-    layout: dict[str, Any] = {"strategy": type(strategy).__name__, "world_size": int(getattr(strategy, "world_size", 1))}
+    layout: dict[str, Any] = {
+        "strategy": type(strategy).__name__,
+        "world_size": int(getattr(strategy, "world_size", 1)),
+    }
     topology = getattr(strategy, "topology", None)
     if topology is not None:
         layout.update(dp_size=topology.dp_size, ep_size=topology.ep_size)
