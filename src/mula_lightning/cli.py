@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("mula_lightning.lightning_cli:validate", "validation loss and perplexity of a checkpoint"),
     "test": ("mula_lightning.lightning_cli:test", "evaluate a checkpoint on the held-out split"),
     "report": ("mula_lightning.report:main", "PNG plots (loss, lr, tokens/s, expert load) of a run's CSV log"),
+    "export": ("mula_lightning.callbacks.export:main", "any checkpoint (full or model-only) to a HF directory"),
 }
 
 

@@ -1,6 +1,28 @@
-"""Lightning callbacks: MoE statistics and throughput (more reliability callbacks join them)."""
+"""Lightning callbacks: reliability (Aurora paper, Section 4: dual checkpoints, persistent model-only checkpoints,
+NaN detection) and monitoring (MoE statistics, throughput).
 
-from mula_lightning.callbacks.moe_stats import MoEStats
-from mula_lightning.callbacks.throughput import MulaThroughput
+The classes are imported lazily (PEP 562), so that code which only needs the checkpoint protocol
+(:mod:`mula_lightning.callbacks.slots`, no Lightning dependency) does not pay for importing Lightning.
+"""
 
-__all__ = ["MoEStats", "MulaThroughput"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DualCheckpoint": "mula_lightning.callbacks.dual_checkpoint",
+    "ModelOnlyCheckpoint": "mula_lightning.callbacks.model_only_checkpoint",
+    "NaNDetector": "mula_lightning.callbacks.nan_detector",
+    "NAN_EXIT_CODE": "mula_lightning.callbacks.nan_detector",
+    "MoEStats": "mula_lightning.callbacks.moe_stats",
+    "MulaThroughput": "mula_lightning.callbacks.throughput",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

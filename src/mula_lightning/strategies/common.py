@@ -18,6 +18,7 @@ from torch import nn
 from mula_lightning.parallel.checkpoint import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.expert_parallel import DISPATCHERS
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
+from mula_lightning.parallel.scattered_checkpoint import DPScatteredSavePlanner, broadcast_model, load_model_once
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
 from mula_lightning.parallel.topology import MoETopology, build_topology
 
@@ -133,7 +134,8 @@ def save_sharded_checkpoint(
             extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
     tensors[METADATA_KEY] = pickle.dumps(extra)
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=str(path))
+    # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
+    dcp.save(tensors, checkpoint_id=str(path), planner=DPScatteredSavePlanner(topology.dp_size, topology.ep_size))
 
 
 def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopology, strict: bool = True):
@@ -147,6 +149,7 @@ def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopo
         raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
     saved_keys = {k.split(".")[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
     targets: dict[str, Any] = {}
+    modules: list[nn.Module] = []
     for key, value in state.items():
         saveable = _to_saveable(value, topology)
         if saveable is None:
@@ -155,15 +158,22 @@ def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopo
             if strict:
                 raise KeyError(f"{path}: the checkpoint has no {key!r} (it holds {sorted(saved_keys)})")
             continue
-        targets[key] = saveable
+        if isinstance(value, nn.Module):  # weights: one reader per shard, broadcast to the replicas after the load
+            modules.append(value)
+            saveable = load_model_once(saveable, topology)
+            if not saveable:
+                continue
+        targets[key] = saveable  # optimizer shards: read by their owners
     targets[METADATA_KEY] = b""
     dcp.load(targets, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    for module in modules:
+        broadcast_model(module, topology)
     for key, value in state.items():
         if key in targets and isinstance(unwrap_optimizer(value), ShardedAdamW):
             apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
     metadata = pickle.loads(targets[METADATA_KEY])
     for key in list(state):
-        if key in targets or key not in metadata:
+        if key in targets or key not in metadata or isinstance(state[key], nn.Module):
             continue
         if hasattr(state[key], "load_state_dict"):
             state[key].load_state_dict(metadata.pop(key))

@@ -1,0 +1,241 @@
+"""``DualCheckpoint``: full training state in two alternating slots, crash-safe, for the Trainer and for Fabric.
+
+Why: Lightning's ``ModelCheckpoint`` overwrites ``last.ckpt`` (and a sharded checkpoint directory) in place, so a
+job killed during that save has nothing to resume from; the Aurora paper keeps two checkpoints and overwrites the
+older one. The write and resume protocol lives in :mod:`mula_lightning.callbacks.slots`; this module maps it onto
+Lightning:
+
+* Trainer: every ``every_n_train_steps`` optimizer steps (at the end of the batch that completed the step, never
+  in the middle of a gradient-accumulation window) ``trainer.save_checkpoint`` writes the state into the older
+  slot: with the ``epso`` strategy a DCP directory (model, optimizer shards by their owners), with Lightning's
+  own strategies the usual file. The Trainer's checkpoint holds the model, the optimizers, the LR schedulers,
+  the loops (step counters) and, for data loaders with ``state_dict`` / ``load_state_dict`` (``MulaDataModule``),
+  the data position; the protocol adds every rank's RNG states (Python, NumPy, torch, accelerator).
+* ``trainer.fit(..., ckpt_path="last")`` resumes: the callback is a ``ModelCheckpoint`` subclass so that
+  Lightning asks it for the last checkpoint. Lightning resolves ``"last"`` before the process group exists, so
+  the callback answers with the newest marker and, when the strategy loads it (process group up, model built),
+  re-resolves collectively: the newest slot every rank sees as complete, with its checksums and the model's
+  signature checked; the other slot is used when the newest one is damaged or from another model config.
+  The RNG states are restored right before the first batch after the resume.
+* Fabric: :meth:`DualCheckpoint.save_fabric` / :meth:`DualCheckpoint.load_fabric` (or :func:`resolve_last` for a
+  path to pass to ``fabric.load``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from mula_lightning.callbacks.slots import (
+    MARKER_NAME,
+    SLOT_NAMES,
+    STATE_NAME,
+    load_rng,
+    model_signature,
+    read_marker,
+    resolve_last,
+    save_slot,
+)
+
+
+def _layout(strategy: Any) -> dict[str, Any]:
+    layout: dict[str, Any] = {
+        "strategy": type(strategy).__name__,
+        "world_size": int(getattr(strategy, "world_size", 1)),
+    }
+    topology = getattr(strategy, "topology", None)
+    if topology is not None:
+        layout.update(dp_size=topology.dp_size, ep_size=topology.ep_size)
+    return layout
+
+
+def _module_signature(strategy: Any, module: nn.Module) -> dict[str, list[int]]:
+    """Logical key -> full shape of a (possibly expert-parallel) module, as the strategy would save it."""
+    module = getattr(module, "module", module)  # Fabric's wrapper
+    topology = getattr(strategy, "topology", None)
+    if topology is not None:
+        from mula_lightning.parallel.checkpoint import model_state_dict
+
+        return model_signature(model_state_dict(module, topology))
+    return model_signature(module.state_dict())
+
+
+def _inside(path: str | Path, directory: str | Path) -> bool:
+    path, directory = Path(path).resolve(), Path(directory).resolve()
+    return path == directory or directory in path.parents
+
+
+class DualCheckpoint(ModelCheckpoint):
+    """Full checkpoints every ``every_n_train_steps`` steps into two alternating slots of ``dirpath``.
+
+    Args:
+        dirpath: directory of the two slots (``slot_a``, ``slot_b``; each holds ``state.ckpt``, the per-rank RNG
+            files and, once complete, ``COMPLETE.json``).
+        every_n_train_steps: optimizer steps between checkpoints.
+        verify_checksums: on resume, check every file's CRC32 (split over the ranks; each file is read once).
+        phase_hook: called with each protocol phase name during a save (fault injection in tests).
+
+    Resume with ``trainer.fit(model, ckpt_path="last")`` (Trainer) or :meth:`load_fabric` (Fabric).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path,
+        every_n_train_steps: int,
+        verify_checksums: bool = True,
+        phase_hook: Any = None,
+    ) -> None:
+        if int(every_n_train_steps) < 1:
+            raise ValueError(f"every_n_train_steps ({every_n_train_steps}) must be >= 1")
+        super().__init__(dirpath=str(dirpath), save_top_k=0, save_last=False, enable_version_counter=False)
+        self.dirpath = str(dirpath)
+        self.every = int(every_n_train_steps)
+        self.verify_checksums = verify_checksums
+        self.phase_hook = phase_hook
+        self.last_saved_step = -1
+        self.resumed_from: Path | None = None
+        self._restore_rng_pending = False
+
+    # ------------------------------------------------------------------ Trainer hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy, "_dual_checkpoint_load", None) is not None:
+            return
+        original = strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            if checkpoint_path is not None and _inside(checkpoint_path, self.dirpath):
+                checkpoint_path = self._agreed_slot(_module_signature(strategy, strategy.model)) / STATE_NAME
+            return original(checkpoint_path, *args, **kwargs)
+
+        strategy._dual_checkpoint_load = load_checkpoint
+        strategy.load_checkpoint = load_checkpoint  # instance attribute: only this trainer's strategy is affected
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._restore_rng_pending:
+            self._restore_rng_pending = False
+            self._restore_rng(trainer.world_size)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.every or step == self.last_saved_step:
+            return
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # the step in progress is not finished
+            return
+        self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": self.dirpath, "every_n_train_steps": self.every, "last_saved_step": self.last_saved_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_saved_step = int(state_dict.get("last_saved_step", -1))
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """Lightning's ``ckpt_path="last"`` lookup: the newest marker (re-checked collectively when loading)."""
+        best, best_step = None, -1
+        for name in SLOT_NAMES:
+            try:
+                marker = read_marker(Path(self.dirpath) / name)
+            except ValueError:
+                marker = None
+            if marker is not None and int(marker["step"]) > best_step:
+                best, best_step = Path(self.dirpath) / name / STATE_NAME, int(marker["step"])
+        if best is None:  # a damaged marker still means a resume was intended: let the collective check explain
+            damaged = [Path(self.dirpath) / n for n in SLOT_NAMES if (Path(self.dirpath) / n / MARKER_NAME).exists()]
+            return {str(damaged[0])} if damaged else set()
+        return {str(best)}
+
+    # ------------------------------------------------------------------ saving / resuming
+    def save(self, trainer: Any) -> Path:
+        """Write the Trainer's full state into the older slot now (collective)."""
+        step = trainer.global_step
+        self.last_saved_step = step  # before the save, so the checkpoint's own copy of this callback says so
+        signature = model_signature(trainer.strategy.lightning_module_state_dict())
+        return save_slot(
+            self.dirpath,
+            step,
+            lambda path: trainer.save_checkpoint(path),
+            layout=_layout(trainer.strategy),
+            signature=signature,
+            phase_hook=self.phase_hook,
+        )
+
+    def _agreed_slot(self, signature: dict[str, list[int]] | None) -> Path:
+        slot = resolve_last(self.dirpath, signature, self.verify_checksums)
+        if slot is None:
+            raise FileNotFoundError(f"{self.dirpath}: no complete checkpoint slot to resume from")
+        self.resumed_from = slot
+        self._restore_rng_pending = True
+        return slot
+
+    def _restore_rng(self, world_size: int) -> None:
+        marker = read_marker(self.resumed_from) or {}
+        if int(marker.get("world_size", -1)) != world_size:
+            warnings.warn(
+                f"{self.resumed_from}: saved by {marker.get('world_size')} ranks, resumed on {world_size}; the RNG "
+                "states are not restored (random streams will differ from an uninterrupted run)",
+                stacklevel=2,
+            )
+            return
+        load_rng(self.resumed_from)
+
+    # ------------------------------------------------------------------ Fabric
+    def should_save(self, step: int) -> bool:
+        """Whether a Fabric loop should call :meth:`save_fabric` after optimizer step ``step``."""
+        return step > 0 and step % self.every == 0
+
+    def save_fabric(self, fabric: Any, state: dict[str, Any], step: int) -> Path:
+        """Save Fabric ``state`` (modules, optimizers, schedulers, plain values) as step ``step`` (collective)."""
+        modules = [v for v in state.values() if isinstance(v, nn.Module)]
+        signature = _module_signature(fabric.strategy, modules[0]) if modules else None
+        return save_slot(
+            self.dirpath,
+            step,
+            lambda path: fabric.save(path, state),
+            layout=_layout(fabric.strategy),
+            signature=signature,
+            phase_hook=self.phase_hook,
+        )
+
+    def load_fabric(self, fabric: Any, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Restore ``state`` in place from the newest slot every rank sees as complete, and the RNG states.
+
+        Returns:
+            ``fabric.load``'s remainder (the entries not in ``state``), or ``None`` when no slot exists yet.
+        """
+        modules = [v for v in state.values() if isinstance(v, nn.Module)]
+        signature = _module_signature(fabric.strategy, modules[0]) if modules else None
+        slot = resolve_last(self.dirpath, signature, self.verify_checksums)
+        if slot is None:
+            return None
+        self.resumed_from = slot
+        remainder = fabric.load(slot / STATE_NAME, state)
+        self._restore_rng(fabric.world_size)
+        return remainder
+
+
+def resolve_last_checkpoint(dirpath: str | Path, module: nn.Module | None = None, strategy: Any = None) -> Path | None:
+    """Path of the ``state.ckpt`` of the newest slot every rank sees as complete (for ``fabric.load``), or None.
+
+    Collective when a process group is initialised. With ``module`` (and the strategy, for expert-parallel
+    layouts) slots saved from another model config are skipped.
+    """
+    signature = _module_signature(strategy, module) if module is not None else None
+    slot = resolve_last(dirpath, signature)
+    return None if slot is None else slot / STATE_NAME
+
+
+__all__ = ["DualCheckpoint", "resolve_last_checkpoint"]

@@ -1,0 +1,161 @@
+"""``mula export CKPT --to hf DIR``: any of our checkpoints to a transformers directory, for evaluation tools.
+
+Example::
+
+    mula export /ckpt/run1/dual --to hf /eval/run1-hf                     # newest complete dual slot
+    mula export /ckpt/run1/weights/step-00010000 --to hf /eval/step10k    # a model-only checkpoint
+    mula export /ckpt/run1/dual/slot_a/state.ckpt --to hf /eval/a --config /ckpt/run1/weights/step-00010000
+
+``CKPT`` may be a Mula model-only checkpoint (``config.json`` + ``model.safetensors``: the config comes with
+it), a :class:`~mula_lightning.callbacks.DualCheckpoint` directory (its newest complete slot is used, checksums
+verified), one slot, a DCP directory written by the ``epso`` strategy (any DP x EP layout: DCP reassembles the
+full tensors; only the model's tensors are read, not the optimizer states) or a Lightning ``.ckpt`` file. Full
+checkpoints carry no model config: ``--config`` names a preset, a ``config.json`` or a model-only directory,
+unless the checkpoint's ``hyper_parameters`` hold a ``MulaConfig``. The HF family (OLMoE, Mixtral, Llama) follows
+from the config (:func:`mula_lightning.models.hf_convert.save_hf`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import ArgumentParser
+
+from mula_lightning.callbacks.slots import STATE_NAME, resolve_last
+
+_ANCHOR = "model.embed_tokens.weight"
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mula export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=str, help="model-only dir, DualCheckpoint dir, slot, DCP dir or .ckpt")
+    parser.add_argument("--to", type=str, choices=["hf"], required=True, help="output format")
+    parser.add_argument("out", type=str, help="output directory")
+    parser.add_argument("--config", type=str, default=None, help="preset name, config.json or model-only dir")
+    return parser
+
+
+def _config_from(value: Any) -> Any:
+    from mula_lightning.models import MulaConfig
+    from mula_lightning.models.checkpoint_io import load_config
+
+    if isinstance(value, MulaConfig):
+        return value
+    if isinstance(value, dict):
+        return MulaConfig(**value)
+    path = Path(str(value))
+    if path.is_dir():
+        return load_config(path)
+    if path.is_file():
+        values = json.loads(path.read_text())
+        if "model_type" in values:
+            raise ValueError(f"{path}: a transformers config; --config needs a Mula config.json or a preset name")
+        return MulaConfig(**values)
+    return MulaConfig.from_name(str(value))
+
+
+def _full_checkpoint_path(path: Path) -> Path:
+    """A DualCheckpoint directory or slot -> its ``state.ckpt``; anything else unchanged."""
+    if (path / "slot_a").is_dir() or (path / "slot_b").is_dir():
+        slot = resolve_last(path)
+        if slot is None:
+            raise FileNotFoundError(f"{path}: no complete checkpoint slot")
+        return slot / STATE_NAME
+    if (path / STATE_NAME).exists():
+        return path / STATE_NAME
+    return path
+
+
+def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(flat tensors, extra entries) of a DCP directory (model tensors only) or a Lightning ``.ckpt`` file."""
+    if path.is_file():
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        state = ckpt.get("state_dict", ckpt)
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, ckpt
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint (no model-only files, slots, .metadata or .ckpt file)")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if not k.startswith(("optimizer", "metadata"))}
+    tensors = _load_state_dict_from_keys(model_keys, checkpoint_id=str(path))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", tensors)
+    extra: dict[str, Any] = {}
+    if "metadata" in keys:
+        raw = _load_state_dict_from_keys({"metadata"}, checkpoint_id=str(path))["metadata"]
+        extra = pickle.loads(raw.getvalue() if hasattr(raw, "getvalue") else raw)
+    return flat, extra
+
+
+def _strip_prefix(flat: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    anchors = [k for k in flat if k.endswith(_ANCHOR)]
+    if not anchors:
+        raise KeyError(f"{path}: no Mula model tensors (no key ending in {_ANCHOR!r}) among {sorted(flat)[:6]}")
+    prefix = anchors[0][: -len(_ANCHOR)]
+    return {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+
+
+def load_any(checkpoint: str | Path, config: Any = None) -> Any:
+    """A ``MulaForCausalLM`` with the full weights of any of our checkpoints (see the module docstring)."""
+    from mula_lightning.models import MulaForCausalLM
+    from mula_lightning.models.checkpoint_io import is_model_only_dir, load_model_only
+
+    path = Path(checkpoint)
+    if is_model_only_dir(path):
+        return load_model_only(path)
+    path = _full_checkpoint_path(path)
+    flat, extra = _read_full(path)
+    if config is None:
+        hparams = extra.get("hyper_parameters") or {}
+        config = hparams.get("config") if isinstance(hparams, dict) else None
+    if config is None:
+        raise ValueError(f"{path}: a full checkpoint holds no model config; pass --config (preset, config.json)")
+    config = _config_from(config)
+    state = _strip_prefix(flat, path)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = MulaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != expected:
+        wrong = {
+            k: (got.get(k), expected.get(k)) for k in sorted(set(got) | set(expected)) if got.get(k) != expected.get(k)
+        }
+        raise ValueError(
+            f"{path}: does not match config {config.name!r}: (checkpoint, config) {dict(list(wrong.items())[:4])}"
+        )
+    model.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mula export``."""
+    from mula_lightning.models.hf_convert import save_hf
+
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    model = load_any(args.checkpoint, args.config)
+    out = save_hf(model, args.out)
+    print(
+        f"mula export: {args.checkpoint} -> {out} ({args.to}, {sum(p.numel() for p in model.parameters())} parameters)"
+    )
+    return 0

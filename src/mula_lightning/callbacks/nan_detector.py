@@ -1,0 +1,190 @@
+"""``NaNDetector``: find the rank whose loss or gradients went non-finite, stop every rank together, name the host.
+
+Why (Aurora paper, Section 4, "Soft node failure handling"): a failing accelerator can keep running and produce
+NaN/Inf locally. Once gradients are reduced the NaN is on every rank and nobody knows where it came from; one
+optimizer step later the weights are NaN, and the next checkpoint is poisoned. Lightning's own
+``check_finite_loss`` is never called by the Trainer and only looks at the loss.
+
+What runs, per rank:
+
+* before backward: ``isfinite(loss)`` (one small device op, no host sync);
+* during backward: a gradient hook on every parameter (``Tensor.register_hook`` runs *before* the gradient is
+  accumulated, i.e. before DDP's or :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW`'s bucket
+  hooks add it to a reduction) records, on the device, the order in which each tensor was first seen
+  non-finite: the flags describe this rank's local values, never reduced ones;
+* once per optimizer step, before the update (``on_before_optimizer_step``, which Lightning calls before
+  clipping and before the optimizer's update): one all-reduce of one int per rank (the fused "this rank saw a
+  non-finite value" flag), i.e. one collective and one host sync per step.
+
+On detection every rank knows the offending ranks from that single all-reduce, so all leave together (nobody is
+left waiting in a collective): the offending ranks' details are gathered, rank 0 writes the JSON report and
+appends the offending hosts to the failed-hosts file (read by the relaunch logic to swap in buffer nodes), and
+every rank exits with :data:`NAN_EXIT_CODE` without running the optimizer step, so the weights and every later
+checkpoint stay clean (no hook of any other callback runs after the event). Hosts are named by
+``MULA_NODE_NAME`` when set (simulated nodes), else the hostname.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from mula_lightning.callbacks.slots import _all_gather_object, _flag_device, atomic_write_text
+
+#: Exit code of every rank after a non-finite loss or gradient (distinct from 1, signals and SLURM's codes).
+NAN_EXIT_CODE = 86
+REPORT_NAME = "nan_report.json"
+FAILED_HOSTS_NAME = "failed_hosts.txt"
+
+log = logging.getLogger(__name__)
+
+
+def host_name() -> str:
+    """The node name used in reports: ``MULA_NODE_NAME`` (simulated nodes, launchers) or the hostname."""
+    return os.environ.get("MULA_NODE_NAME") or socket.gethostname()
+
+
+def _append_line(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class NaNDetector(Callback):
+    """Stop the run on the first non-finite local loss or gradient; report the rank, host and tensors.
+
+    Args:
+        report_dir: directory of ``nan_report.json`` (and of the failed-hosts file by default).
+        failed_hosts_file: file the offending hosts are appended to, one per line (default
+            ``report_dir/failed_hosts.txt``).
+        exit_code: the exit status of every rank after a detection (default :data:`NAN_EXIT_CODE`).
+        max_tensors: how many offending tensors the report names per rank (first seen first).
+
+    The check runs in ``on_before_optimizer_step``, i.e. with automatic optimization; a LightningModule that
+    steps its optimizers itself (manual optimization) calls ``detector.on_before_optimizer_step(trainer, self,
+    optimizer)`` before each ``optimizer.step()``.
+    """
+
+    def __init__(
+        self,
+        report_dir: str | Path,
+        failed_hosts_file: str | Path | None = None,
+        exit_code: int = NAN_EXIT_CODE,
+        max_tensors: int = 8,
+    ) -> None:
+        self.report_dir = Path(report_dir)
+        self.failed_hosts_file = Path(failed_hosts_file) if failed_hosts_file else self.report_dir / FAILED_HOSTS_NAME
+        self.exit_code = int(exit_code)
+        self.max_tensors = max_tensors
+        self._names: list[str] = []
+        self._first: torch.Tensor | None = None  # [0]: loss, [i + 1]: parameter i; 0 = finite so far
+        self._seq = 0
+        self._handles: list[Any] = []
+        self._loss: torch.Tensor | None = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Hook every trainable parameter; called after the strategy set the model up (parameters are final)."""
+        for handle in self._handles:
+            handle.remove()
+        params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in params]
+        self._first = torch.zeros(len(params) + 1, dtype=torch.int64, device=pl_module.device)
+        self._handles = [p.register_hook(partial(self._on_grad, i + 1)) for i, (_, p) in enumerate(params)]
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _mark(self, index: int, value: torch.Tensor) -> None:
+        self._seq += 1
+        first = self._first[index]
+        self._first[index] = torch.where(~torch.isfinite(value).all() & (first == 0), self._seq, first)
+
+    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
+        self._mark(index, grad.detach())
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        self._loss = loss.detach()
+        self._mark(0, self._loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """The per-step check: one all-reduce of one flag per rank; exit on every rank when any flag is set."""
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        device = _flag_device() if distributed else self._first.device
+        flags = torch.zeros(world, dtype=torch.int32, device=device)
+        flags[rank] = (self._first > 0).any().to(device)
+        if distributed:
+            dist.all_reduce(flags)
+        bad_ranks = flags.nonzero().flatten().tolist()  # the one host sync of the step
+        if bad_ranks:
+            self._stop(trainer, pl_module, bad_ranks)
+        self._first.zero_()
+        self._seq = 0
+
+    def _local_report(self, trainer: Any, pl_module: Any, rank: int) -> dict[str, Any]:
+        first = self._first.tolist()
+        order = sorted((seq, i) for i, seq in enumerate(first) if seq > 0)
+        tensors = [("loss" if i == 0 else self._names[i - 1]) for _, i in order]
+        return {
+            "rank": rank,
+            "host": host_name(),
+            "device": str(pl_module.device),
+            "local_rank": trainer.local_rank,
+            "loss": None if self._loss is None else float(self._loss.float().item()),
+            "loss_finite": first[0] == 0,
+            "first_offending_tensors": [t for t in tensors if t != "loss"][: self.max_tensors],
+        }
+
+    def _stop(self, trainer: Any, pl_module: Any, bad_ranks: list[int]) -> None:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = dist.get_rank() if distributed else 0
+        mine = self._local_report(trainer, pl_module, rank) if rank in bad_ranks else None
+        offenders = [r for r in _all_gather_object(mine) if r is not None]
+        report = {
+            "event": "non_finite",
+            "step": trainer.global_step,  # optimizer steps completed before the one that was skipped
+            "time": time.time(),
+            "world_size": dist.get_world_size() if distributed else 1,
+            "bad_ranks": bad_ranks,
+            "ranks": offenders,
+            "exit_code": self.exit_code,
+            "failed_hosts_file": str(self.failed_hosts_file),
+        }
+        if rank == 0:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.report_dir / REPORT_NAME, json.dumps(report, indent=1))
+            for host in dict.fromkeys(r["host"] for r in offenders):
+                _append_line(self.failed_hosts_file, host)
+        if distributed:
+            dist.barrier()  # the report is on disk before anyone leaves
+        where = ", ".join(
+            f"rank {r['rank']} on {r['host']} ({r['first_offending_tensors'][:2] or 'loss'})" for r in offenders
+        )
+        message = (
+            f"NaNDetector: non-finite values at step {trainer.global_step} from {where}; step skipped, exiting "
+            f"with code {self.exit_code} (report: {self.report_dir / REPORT_NAME})"
+        )
+        log.error(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)  # now, on every rank: no later hook (checkpoint, logger) may run after the event
+
+
+__all__ = ["FAILED_HOSTS_NAME", "NAN_EXIT_CODE", "REPORT_NAME", "NaNDetector", "host_name"]

@@ -1,0 +1,380 @@
+"""The dual-slot checkpoint protocol: crash-safe writes, agreed completion, and resume from the newest good slot.
+
+Why (Aurora paper, Section 4, "Dual checkpointing"): a job killed while it overwrites its only checkpoint has
+nothing left to resume from. Two slots are used alternately, so the slot being written is never the newest
+complete one. What makes a slot *complete* is a marker file written last; the protocol orders every write so
+that a crash at any instant (SIGKILL included) leaves at least one slot whose marker describes exactly the bytes
+on disk:
+
+1. All ranks agree which slot to overwrite (rank 0 picks the one without a marker, else the older step, and
+   broadcasts the choice).
+2. Rank 0 removes the slot's marker and fsyncs the slot directory, *then* deletes the old payload. From here on
+   the slot reads as incomplete, even after a power loss. A barrier keeps every rank from writing earlier.
+3. Every rank writes its part (``write(path)``: a DCP save, ``trainer.save_checkpoint``, ...) and its RNG states
+   (``rng_rank{r}.pt``), then fsyncs and checksums (CRC32) the files it owns: DCP names them ``__{rank}_*``; other
+   files (``.metadata``, a single ``torch.save`` file) belong to rank 0.
+4. Ranks agree that every part succeeded: one all-reduce (MIN) of a success flag. If any rank failed, every rank
+   raises :class:`CheckpointWriteError` and no marker is written (the other slot stays the newest complete one).
+5. Rank 0 gathers the checksums, fsyncs the slot's directories and writes the marker atomically (temporary file,
+   fsync, rename, fsync of the directory). The marker holds the step, the layout, every file's size and CRC32,
+   and the model's signature (logical key -> shape).
+
+Resume (:func:`resolve_last`) checks each slot on every rank (marker readable, every listed file present with
+its size; the CRC32s are split over the ranks so each file is read by one rank only; the model signature, when
+given) and all-reduces the verdicts: the newest slot that every rank sees as complete wins. When markers exist
+but no slot is valid, :class:`CheckpointIntegrityError` names each slot's problem.
+
+This module has no Lightning dependency, so it serves the Trainer callback, Fabric scripts and plain loops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MARKER_NAME = "COMPLETE.json"
+SLOT_NAMES = ("slot_a", "slot_b")
+STATE_NAME = "state.ckpt"
+RNG_NAME = "rng_rank{rank}.pt"
+FORMAT_VERSION = 1
+_RANK_FILE = re.compile(r"^(?:__(\d+)_|rng_rank(\d+)\.pt$)")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A rank failed to write its part of a slot; no marker was written, the other slot is untouched."""
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """Checkpoint slots exist but none is complete and valid on every rank (the message names each problem)."""
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _dist() else (0, 1)
+
+
+def _flag_device() -> torch.device:
+    """Where a collective's tensor must live for the default group's backend (CPU for gloo)."""
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "xccl":
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every rank iff ``ok`` is true on every rank (one all-reduce of one element)."""
+    if not _dist():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_flag_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _broadcast_object(value: Any) -> Any:
+    if not _dist():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather_object(value: Any) -> list[Any]:
+    if not _dist():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (creations, renames, removals) durable."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old file, or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def file_crc32(path: Path, chunk: int = 1 << 22) -> int:
+    """CRC32 of a file, streamed in 4 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def owner_rank(relpath: str) -> int:
+    """The rank that writes (and fsyncs) a file of a slot: ``__{r}_*`` (DCP) and ``rng_rank{r}.pt`` are rank r's."""
+    match = _RANK_FILE.match(Path(relpath).name)
+    if match is None:
+        return 0
+    return int(match.group(1) or match.group(2))
+
+
+def _payload_files(slot: Path) -> list[str]:
+    files = [p.relative_to(slot).as_posix() for p in slot.rglob("*") if p.is_file()]
+    return sorted(f for f in files if f != MARKER_NAME and not Path(f).name.startswith(".COMPLETE"))
+
+
+def model_signature(state_dict: dict[str, Any]) -> dict[str, list[int]]:
+    """Logical key -> full shape (a DTensor's global shape), to tell a checkpoint of another model config apart."""
+    return {k: list(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+
+
+def read_marker(slot: Path) -> dict[str, Any] | None:
+    """The marker of a slot, ``None`` if there is none; ``ValueError`` if it is unreadable."""
+    path = slot / MARKER_NAME
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+        int(marker["step"]), dict(marker["files"])  # noqa: B018 - validates the fields
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable marker ({err})") from err
+    return marker
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: Python, NumPy, torch CPU and the accelerator's (all devices)."""
+    import numpy as np
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    for name in ("cuda", "xpu"):
+        module = getattr(torch, name, None)
+        if module is not None and module.is_available():
+            state[name] = module.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    for name in ("cuda", "xpu"):
+        if name in state and getattr(torch, name).is_available():
+            getattr(torch, name).set_rng_state_all(state[name])
+
+
+def load_rng(slot: str | Path) -> bool:
+    """Restore this rank's RNG states from a slot; False (nothing changed) when the slot has none for this rank."""
+    path = Path(slot) / RNG_NAME.format(rank=_rank_world()[0])
+    if not path.is_file():
+        return False
+    set_rng_state(torch.load(path, weights_only=False))
+    return True
+
+
+def choose_slot(dirpath: Path) -> Path:
+    """The slot to overwrite next (agreed: rank 0 decides): one without a valid marker, else the older step."""
+    choice = None
+    if _rank_world()[0] == 0:
+        steps = {}
+        for name in SLOT_NAMES:
+            try:
+                marker = read_marker(dirpath / name)
+            except ValueError:
+                marker = None
+            steps[name] = -1 if marker is None else int(marker["step"])
+        choice = min(SLOT_NAMES, key=lambda n: (steps[n], n))
+    return dirpath / _broadcast_object(choice)
+
+
+def save_slot(
+    dirpath: str | Path,
+    step: int,
+    write: Callable[[Path], None],
+    layout: dict[str, Any] | None = None,
+    signature: dict[str, list[int]] | None = None,
+    phase_hook: Callable[[str], None] | None = None,
+) -> Path:
+    """Write one checkpoint into the older slot of ``dirpath`` with the protocol of the module docstring.
+
+    Collective: every rank calls it with the same ``step``.
+
+    Args:
+        dirpath: the directory holding the two slots.
+        step: the training step the state belongs to (the newest step wins on resume).
+        write: called on every rank with ``slot / "state.ckpt"``; writes this rank's part (collective writers
+            such as DCP or ``trainer.save_checkpoint`` are fine: every rank calls it).
+        layout: JSON-able description of the run (world size, strategy, DP x EP) stored in the marker.
+        signature: :func:`model_signature` of the model, stored in the marker and checked on resume.
+        phase_hook: called with ``"begin"``, ``"cleared"``, ``"written"``, ``"agreed"``, ``"done"``; for fault
+            injection in tests (a sleep or a kill between the protocol's steps).
+
+    Returns:
+        The slot directory.
+
+    Raises:
+        CheckpointWriteError: on every rank, when any rank failed to write its part.
+    """
+    hook = phase_hook or (lambda phase: None)
+    rank, world = _rank_world()
+    dirpath = Path(dirpath)
+    if rank == 0:
+        dirpath.mkdir(parents=True, exist_ok=True)
+    slot = choose_slot(dirpath)
+    hook("begin")
+    if rank == 0:
+        slot.mkdir(parents=True, exist_ok=True)
+        (slot / MARKER_NAME).unlink(missing_ok=True)
+        fsync_dir(slot)  # the slot now reads as incomplete, durably, before any byte of it changes
+        for entry in slot.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        fsync_dir(slot)
+    if _dist():
+        dist.barrier()
+    hook("cleared")
+    sums: dict[str, dict[str, int]] = {}
+    error = ""
+    try:
+        write(slot / STATE_NAME)
+        torch.save(rng_state(), slot / RNG_NAME.format(rank=rank))
+        for rel in _payload_files(slot):
+            if owner_rank(rel) != rank:
+                continue
+            with open(slot / rel, "rb") as f:
+                os.fsync(f.fileno())
+            sums[rel] = {"size": (slot / rel).stat().st_size, "crc32": file_crc32(slot / rel)}
+    except Exception as err:  # reported to every rank below; the previous slot stays valid
+        error = f"{type(err).__name__}: {err}"
+    hook("written")
+    ok = _all_ok(not error)
+    reports = _all_gather_object((rank, error, sums))
+    if not ok:
+        failed = "; ".join(f"rank {r}: {e}" for r, e, _ in reports if e)
+        raise CheckpointWriteError(f"{slot}: checkpoint of step {step} not completed ({failed}); no marker written")
+    hook("agreed")
+    if rank == 0:
+        files = {rel: info for _, _, part in reports for rel, info in part.items()}
+        for sub in sorted({(slot / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
+            fsync_dir(sub)
+        marker = {
+            "format_version": FORMAT_VERSION,
+            "step": int(step),
+            "time": time.time(),
+            "world_size": world,
+            "layout": layout or {},
+            "files": files,
+            "model": signature,
+        }
+        atomic_write_text(slot / MARKER_NAME, json.dumps(marker, indent=1, sort_keys=True))
+    if _dist():
+        dist.barrier()
+    hook("done")
+    return slot
+
+
+def _signature_problem(saved: dict[str, list[int]] | None, expected: dict[str, list[int]] | None) -> str:
+    if saved is None or expected is None or saved == expected:
+        return ""
+    missing = sorted(set(expected) - set(saved))[:3]
+    extra = sorted(set(saved) - set(expected))[:3]
+    shapes = {k: (saved[k], expected[k]) for k in sorted(set(saved) & set(expected)) if saved[k] != expected[k]}
+    return (
+        f"saved by another model config: keys missing {missing}, unexpected {extra}, "
+        f"shape (saved, expected) {dict(list(shapes.items())[:3])}"
+    )
+
+
+def check_slot(
+    slot: Path, signature: dict[str, list[int]] | None = None, verify_checksums: bool = True
+) -> tuple[int | None, str]:
+    """This rank's view of a slot: ``(step, "")`` when complete and valid, else ``(None, problem)``.
+
+    Checksums are split over the ranks: rank r reads the files whose sorted index is r modulo the world size.
+    """
+    rank, world = _rank_world()
+    try:
+        marker = read_marker(slot)
+    except ValueError as err:
+        return None, str(err)
+    if marker is None:
+        return None, f"{slot}: no {MARKER_NAME} (never completed or being written when the job stopped)"
+    problem = _signature_problem(marker.get("model"), signature)
+    if problem:
+        return None, f"{slot}: {problem}"
+    for i, (rel, info) in enumerate(sorted(marker["files"].items())):
+        path = slot / rel
+        if not path.is_file():
+            return None, f"{path}: listed in the marker but missing"
+        size = path.stat().st_size
+        if size != info["size"]:
+            return None, f"{path}: {size} bytes, the marker says {info['size']} (truncated or replaced)"
+        if verify_checksums and i % world == rank:
+            crc = file_crc32(path)
+            if crc != info["crc32"]:
+                return None, f"{path}: CRC32 {crc:#010x}, the marker says {info['crc32']:#010x} (corrupt)"
+    return int(marker["step"]), ""
+
+
+def resolve_last(
+    dirpath: str | Path, signature: dict[str, list[int]] | None = None, verify_checksums: bool = True
+) -> Path | None:
+    """The newest slot of ``dirpath`` that every rank sees as complete and valid (collective when distributed).
+
+    Returns:
+        The slot directory (its ``state.ckpt`` is the checkpoint), or ``None`` when no slot was ever completed.
+
+    Raises:
+        CheckpointIntegrityError: when some slot has a marker but none is valid; the message names each problem.
+    """
+    dirpath = Path(dirpath)
+    views = [check_slot(dirpath / name, signature, verify_checksums) for name in SLOT_NAMES]
+    gathered = _all_gather_object(views)
+    best, best_step, problems, any_marker = None, -1, [], False
+    for i, name in enumerate(SLOT_NAMES):
+        steps = {view[i][0] for view in gathered}
+        reasons = sorted({view[i][1] for view in gathered if view[i][1]})
+        any_marker |= (dirpath / name / MARKER_NAME).exists()
+        if None in steps or len(steps) != 1:
+            problems += reasons or [f"{dirpath / name}: ranks disagree on its step ({sorted(map(str, steps))})"]
+            continue
+        step = steps.pop()
+        if step > best_step:
+            best, best_step = dirpath / name, step
+    if best is None and any_marker:
+        raise CheckpointIntegrityError(f"{dirpath}: no complete, valid checkpoint slot: " + " | ".join(problems))
+    return best
+
+
+def slot_step(slot: str | Path) -> int:
+    """The step recorded in a complete slot's marker."""
+    marker = read_marker(Path(slot))
+    if marker is None:
+        raise FileNotFoundError(f"{slot}: no {MARKER_NAME}")
+    return int(marker["step"])

@@ -1,0 +1,113 @@
+"""DP-scattered checkpoint writes and load-once-and-broadcast reads for DP x EP runs (Aurora paper, Section 4).
+
+Writes: every replicated item of a checkpoint (a non-expert weight held by all ranks, an expert slice held by
+its DP replicas) must be written by exactly one of its holders. DCP's default planner gives each such item to
+the least-loaded holder, which in practice concentrates the model on the first ranks (the first node). The paper
+writes model-parallel shard ``m`` from data-parallel index ``m % DP``, so shards are written from different
+nodes. :class:`DPScatteredSavePlanner` does that for our layout (rank = dp_rank * EP + ep_rank):
+
+* expert slice of EP rank ``m`` (a DTensor chunk at dim-0 offset ``m * E/EP``): written by DP index ``m % DP``,
+  i.e. global rank ``(m % DP) * EP + m``;
+* a non-expert tensor (or any other item every rank holds): assigned to the model-parallel shard
+  ``m = crc32(key) % EP`` (so the non-expert weights are split over the shards too), then written by DP index
+  ``m % DP`` like that shard;
+* anything else replicated (an unexpected holder set): the holder ``crc32(key) % len(holders)``.
+
+Optimizer shards are written by their owners and are never replicated in the plans, so they are untouched.
+
+Reads (:func:`load_model_once`): only one rank per model shard reads weights from storage - global rank 0 for
+non-expert tensors, the ``dp_rank == 0`` rank of each EP group for expert slices - and the replicas receive them
+by broadcast (the paper's "model broadcasting": N ranks reading one file in parallel can hang a shared
+filesystem). Each owner still reads its own optimizer shard, which nobody else holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+
+from mula_lightning.parallel.sharded_optimizer import is_expert_param
+from mula_lightning.parallel.topology import MoETopology
+
+
+def _shard_index(fqn: str, offsets: Any, sizes: Any, ep_size: int) -> int:
+    """The model-parallel (EP) shard an item belongs to: an expert slice's EP rank, else a hash of its key."""
+    if offsets and sizes and sizes[0] and ".experts." in f".{fqn}":
+        return int(offsets[0]) // int(sizes[0]) % ep_size  # expert slices are dim-0 chunks, one per EP rank
+    return zlib.crc32(fqn.encode()) % ep_size
+
+
+class DPScatteredSavePlanner(DefaultSavePlanner):
+    """A DCP save planner that writes model-parallel shard ``m`` from DP index ``m % DP`` (see module docstring).
+
+    Args:
+        dp_size: data-parallel degree.
+        ep_size: expert-parallel (model-parallel) degree; ranks are ``dp_rank * ep_size + ep_rank``.
+    """
+
+    def __init__(self, dp_size: int, ep_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dp_size, self.ep_size = int(dp_size), int(ep_size)
+
+    def writer_of(self, fqn: str, holders: list[int], offsets: Any = None, sizes: Any = None) -> int:
+        """The rank (among ``holders``) that writes an item replicated on ``holders``."""
+        if len(holders) == 1:
+            return holders[0]
+        m = _shard_index(fqn, offsets, sizes, self.ep_size)
+        rank = (m % self.dp_size) * self.ep_size + m
+        if rank in holders:
+            return rank
+        return holders[zlib.crc32(fqn.encode()) % len(holders)]
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        holders: dict[Any, list[int]] = {}
+        items: dict[Any, Any] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                holders.setdefault(item.index, []).append(rank)
+                items[item.index] = item
+        keep: dict[Any, int] = {}
+        for index, ranks in holders.items():
+            chunk = getattr(items[index].tensor_data, "chunk", None)
+            offsets = None if chunk is None else list(chunk.offsets)
+            sizes = None if chunk is None else list(chunk.sizes)
+            keep[index] = self.writer_of(index.fqn, sorted(ranks), offsets, sizes)
+        return [
+            dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == rank])
+            for rank, plan in enumerate(all_plans)
+        ]
+
+
+def reads_model_key(name: str, topology: MoETopology) -> bool:
+    """Whether this rank reads model tensor ``name`` from storage (else it receives it by broadcast)."""
+    if is_expert_param(name) and topology.ep_size > 1:
+        return topology.dp_rank == 0
+    return topology.rank == 0
+
+
+def broadcast_model(model: nn.Module, topology: MoETopology) -> None:
+    """Send every model tensor from its reader (see :func:`reads_model_key`) to its replicas, in place."""
+    if not (dist.is_available() and dist.is_initialized()) or topology.world_size == 1:
+        return
+    for name, tensor in model.state_dict().items():
+        if is_expert_param(name) and topology.ep_size > 1:
+            if topology.dp_size > 1:
+                dist.broadcast(tensor, src=topology.ep_rank, group=topology.dp_group)
+        else:
+            dist.broadcast(tensor, src=0)
+
+
+def load_model_once(model_state: dict[str, Any], topology: MoETopology) -> dict[str, Any]:
+    """The part of a logical model state dict this rank must read; call :func:`broadcast_model` after the load."""
+    if not (dist.is_available() and dist.is_initialized()) or topology.world_size == 1:
+        return model_state
+    return {k: v for k, v in model_state.items() if reads_model_key(k, topology)}
+
+
+__all__ = ["DPScatteredSavePlanner", "broadcast_model", "load_model_once", "reads_model_key"]
