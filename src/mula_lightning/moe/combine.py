@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mula_lightning.moe.dispatch import DispatchPlan, gather_token_rows, row_chunks
+from mula_lightning.moe.dispatch import DispatchPlan, reduce_rows_to_tokens, row_chunks
 
 
 class CombineExpertOutputs(torch.autograd.Function):
@@ -29,7 +29,7 @@ class CombineExpertOutputs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mlp_out_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        out_SH = gather_token_rows(mlp_out_RH, plan.slot_row_SK, plan.all_routed, weights_SK)
+        out_SH = reduce_rows_to_tokens(mlp_out_RH, plan, weights_SK)
         ctx.save_for_backward(mlp_out_RH, weights_SK)
         ctx.plan = plan
         return out_SH.to(mlp_out_RH.dtype)
