@@ -82,7 +82,7 @@ def test_grouped_experts_fp64_gradcheck():
     def f(x_, w1, w2):
         from mula_lightning.moe.experts import GroupedSwiGLU
 
-        return GroupedSwiGLU.apply(x_, w1, w2, offs, counts, True)
+        return GroupedSwiGLU.apply(x_, w1, w2, offs, counts, True, False)
 
     w1 = experts.gate_up_proj.detach().requires_grad_()
     w2 = experts.down_proj.detach().requires_grad_()

@@ -49,10 +49,17 @@ class FastSparseMoEBlock(nn.Module):
         device: where to allocate the parameters.
         use_grouped_mm: use ``torch._grouped_mm`` where the operands allow it; ``False`` runs one GEMM per
             expert (same results, for checking and for devices without a grouped kernel).
+        reuse_dead_activations: backward writes gradients into the storage of the block's internal activations
+            once they are dead (less memory and, on CPU, fewer page faults); the block's graph can then be
+            backpropagated only once (a second ``backward`` with ``retain_graph=True`` raises). ``False`` lifts that.
     """
 
     def __init__(
-        self, config: MulaConfig, device: torch.device | str | None = None, use_grouped_mm: bool = True
+        self,
+        config: MulaConfig,
+        device: torch.device | str | None = None,
+        use_grouped_mm: bool = True,
+        reuse_dead_activations: bool = True,
     ) -> None:
         super().__init__()
         if not config.is_moe:
@@ -78,6 +85,7 @@ class FastSparseMoEBlock(nn.Module):
             config.intermediate_size,
             device=device,
             use_grouped_mm=use_grouped_mm,
+            reuse_dead_activations=reuse_dead_activations,
         )
 
     @property
@@ -87,6 +95,14 @@ class FastSparseMoEBlock(nn.Module):
     @use_grouped_mm.setter
     def use_grouped_mm(self, value: bool) -> None:
         self.experts.use_grouped_mm = value
+
+    @property
+    def reuse_dead_activations(self) -> bool:
+        return self.experts.reuse_dead_activations
+
+    @reuse_dead_activations.setter
+    def reuse_dead_activations(self, value: bool) -> None:
+        self.experts.reuse_dead_activations = value
 
     # ------------------------------------------------------------------ stages
     def route(self, x_SH: torch.Tensor) -> RouterOutput:
@@ -127,7 +143,7 @@ class FastSparseMoEBlock(nn.Module):
         )
         x_RH = dispatch_tokens(x_SH, plan)
         y_RH = self.experts(x_RH, plan.offs, plan.token_counts.tolist())
-        out_SH = combine_expert_outputs(y_RH, routed.weights_SK, plan)
+        out_SH = combine_expert_outputs(y_RH, routed.weights_SK, plan, self.reuse_dead_activations)
         aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
         return out_SH.to(x_BTH.dtype).reshape(shape), aux
 

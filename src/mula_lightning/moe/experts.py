@@ -11,7 +11,8 @@ expert's gate rows above its up rows, ``down_proj`` (NR, H, I) every down projec
 (rather than letting autograd chain three GEMMs, a chunk and two element-wise ops) lets it
 
 * save only ``x`` and ``gate_up`` (the SwiGLU output is recomputed in backward), less than autograd keeps;
-* write the gate and up gradients straight into one (RT, 2I) buffer (no ``cat``);
+* write the gate and up gradients straight into the storage of the dead ``gate_up`` activation (no ``cat``,
+  no new (RT, 2I) buffer);
 * hand ``torch._grouped_mm`` a contiguous incoming gradient (a non-contiguous one, e.g. the expanded gradient
   of a ``sum``, makes the kernel fail);
 * zero the weight gradients of experts without tokens (some grouped kernels leave them uninitialised).
@@ -102,7 +103,7 @@ class GroupedSwiGLU(torch.autograd.Function):
     """``y = down_e(silu(gate_e x) * up_e x)`` for every row of every local expert, forward and backward."""
 
     @staticmethod
-    def forward(ctx, x_RH, gate_up_proj, down_proj, offs, counts, use_grouped):
+    def forward(ctx, x_RH, gate_up_proj, down_proj, offs, counts, use_grouped, reuse_dead_activations):
         intermediate = down_proj.shape[-1]
         gate_up_RO = grouped_mm(x_RH, gate_up_proj.transpose(1, 2), offs, counts, use_grouped)  # (RT, 2I)
         gate_RI, up_RI = gate_up_RO[:, :intermediate], gate_up_RO[:, intermediate:]
@@ -111,6 +112,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         ctx.save_for_backward(x_RH, gate_up_RO, gate_up_proj, down_proj, offs)
         ctx.counts = counts
         ctx.use_grouped = use_grouped
+        ctx.reuse = reuse_dead_activations
         return y_RH
 
     @staticmethod
@@ -125,20 +127,23 @@ class GroupedSwiGLU(torch.autograd.Function):
         silu_RI = F.silu(gate_RI)
         h_RI = silu_RI * up_RI
         grad_down = grouped_mm(grad_y_RH.t(), h_RI, offs, counts, use_grouped)  # (NR, H, I)
-        del h_RI
 
-        grad_gate_up_RO = torch.empty_like(gate_up_RO)
-        torch.mul(grad_h_RI, silu_RI, out=grad_gate_up_RO[:, intermediate:])
-        del silu_RI
-        grad_h_RI.mul_(up_RI)
-        torch.ops.aten.silu_backward.grad_input(grad_h_RI, gate_RI, grad_input=grad_gate_up_RO[:, :intermediate])
-        del grad_h_RI
+        # gate_up is dead after this point: its storage can receive the gradient (saves an (RT, 2I) allocation; a
+        # second backward through the same graph then fails loudly on autograd's version check).
+        reuse = ctx.reuse and not torch.is_grad_enabled()
+        grad_gate_up_RO = gate_up_RO if reuse else torch.empty_like(gate_up_RO)
+        grad_gate_RI, grad_up_RI = grad_gate_up_RO[:, :intermediate], grad_gate_up_RO[:, intermediate:]
+        grad_h_up_RI = torch.mul(grad_h_RI, up_RI, out=h_RI)  # h is no longer needed
+        torch.mul(grad_h_RI, silu_RI, out=grad_up_RI)
+        del silu_RI, grad_h_RI
+        torch.ops.aten.silu_backward.grad_input(grad_h_up_RI, gate_RI, grad_input=grad_gate_RI)
+        del grad_h_up_RI, h_RI
 
         grad_x_RH = None
         if ctx.needs_input_grad[0]:
             grad_x_RH = grouped_mm(grad_gate_up_RO, gate_up_proj, offs, counts, use_grouped)  # (RT, H)
         grad_gate_up = grouped_mm(grad_gate_up_RO.t(), x_RH, offs, counts, use_grouped)  # (NR, 2I, H)
-        return grad_x_RH, grad_gate_up, grad_down, None, None, None
+        return grad_x_RH, grad_gate_up, grad_down, None, None, None, None
 
 
 class GroupedExperts(ExpertWeights):
@@ -150,11 +155,16 @@ class GroupedExperts(ExpertWeights):
     Args:
         use_grouped_mm: use ``torch._grouped_mm`` when the operands allow it (``False`` always takes the
             per-expert fallback; tests compare the two).
+        reuse_dead_activations: let the backward write gradients into the storage of activations it no longer
+            needs (less memory, fewer page faults on CPU). The price: the graph can be backpropagated once only
+            (``retain_graph=True`` + a second backward raises autograd's in-place error). Set ``False`` for
+            ``gradcheck`` or repeated backward passes.
     """
 
-    def __init__(self, *args, use_grouped_mm: bool = True, **kwargs) -> None:
+    def __init__(self, *args, use_grouped_mm: bool = True, reuse_dead_activations: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.use_grouped_mm = use_grouped_mm
+        self.reuse_dead_activations = reuse_dead_activations
 
     def forward(self, x_RH: torch.Tensor, offs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows ``[cum_counts[e], cum_counts[e+1])`` go through local expert e.
@@ -169,4 +179,6 @@ class GroupedExperts(ExpertWeights):
             x_RH = x_RH.to(gate_up_proj.dtype)
         if x_RH.shape[0] == 0:  # no rows: keep the weights in the graph with zero gradients
             return x_RH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum())
-        return GroupedSwiGLU.apply(x_RH, gate_up_proj, down_proj, offs, counts, self.use_grouped_mm)
+        return GroupedSwiGLU.apply(
+            x_RH, gate_up_proj, down_proj, offs, counts, self.use_grouped_mm, self.reuse_dead_activations
+        )
