@@ -19,8 +19,8 @@ the kernel and yields exactly the same layout), so they run on any device. The e
 so that expert parallelism can gather every rank's tokens and indices and build the plan of its own experts
 only; pairs outside the range (and pairs dropped by capacity, index -1) are simply not routed here.
 
-:class:`DispatchTokens` is Stage 4's ``mlp_in = input[input_indices]`` as an autograd function whose backward
-sums the K row gradients of each token in a fixed order (deterministic on every device, fp32 accumulation).
+:func:`reduce_rows_to_tokens` is the deterministic fp32 sum of routed rows back into their tokens, shared by the
+combine (Stage 5) and by the backward of the token gather (Stage 4).
 """
 
 from __future__ import annotations
@@ -253,24 +253,3 @@ def reduce_rows_to_tokens(
             w_C1K = weights_SK[c].to(acc_dtype).unsqueeze(1)
             torch.bmm(w_C1K, rows_CKH, out=out_SH[c].unsqueeze(1))
     return out_SH
-
-
-class DispatchTokens(torch.autograd.Function):
-    """Stage 4 input: ``x_RH = x_SH[input_indices]``; backward sums each token's row gradients (deterministic)."""
-
-    @staticmethod
-    def forward(ctx, x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        ctx.plan = plan
-        ctx.x_dtype = x_SH.dtype
-        return x_SH.index_select(0, plan.input_indices)
-
-    @staticmethod
-    def backward(ctx, grad_RH: torch.Tensor) -> tuple[torch.Tensor, None]:
-        plan: DispatchPlan = ctx.plan
-        grad_SH = reduce_rows_to_tokens(grad_RH.contiguous(), plan)
-        return grad_SH.to(ctx.x_dtype), None
-
-
-def dispatch_tokens(x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """(S, H) tokens -> (RT, H) routed rows in expert order (see :class:`DispatchTokens`)."""
-    return DispatchTokens.apply(x_SH, plan)
