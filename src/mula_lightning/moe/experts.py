@@ -131,29 +131,33 @@ class GroupedSwiGLU(torch.autograd.Function):
         grad_y_RH = grad_y_RH.contiguous()  # the grouped kernel rejects e.g. the expanded gradient of a sum
         gate_RI, up_RI = gate_up_RO[:, :intermediate], gate_up_RO[:, intermediate:]
 
-        silu_RI = F.silu(gate_RI)
-        h_RI = silu_RI * up_RI
+        # Recompute h = silu(gate) * up in one buffer (silu itself is recomputed again below: one more pass, one
+        # (RT, I) buffer less alive at the backward's peak).
+        h_RI = torch.ops.aten.silu.out(gate_RI, out=torch.empty_like(up_RI)).mul_(up_RI)
         grad_down = grouped_mm(grad_y_RH.t(), h_RI, offs, counts, use_grouped)  # (NR, H, I)
         grad_h_RI = grouped_mm(grad_y_RH, down_proj, offs, counts, use_grouped)  # (RT, I)
 
-        # gate_up is dead after this point: its storage can receive the gradient (saves an (RT, 2I) allocation; a
-        # second backward through the same graph then fails loudly on autograd's version check).
+        # gate_up is dead after this point: with reuse its storage receives the gradient (saves an (RT, 2I)
+        # allocation; a second backward through the same graph then fails loudly on autograd's version check).
         reuse = ctx.reuse and not torch.is_grad_enabled()
         grad_gate_up_RO = gate_up_RO if reuse else torch.empty_like(gate_up_RO)
         grad_gate_RI, grad_up_RI = grad_gate_up_RO[:, :intermediate], grad_gate_up_RO[:, intermediate:]
-        grad_h_up_RI = torch.mul(grad_h_RI, up_RI, out=h_RI)  # h is no longer needed
-        torch.mul(grad_h_RI, silu_RI, out=grad_up_RI)
-        del silu_RI, grad_h_RI
+        grad_h_up_RI = torch.mul(grad_h_RI, up_RI, out=h_RI)  # h is no longer needed: d(silu(gate))
+        torch.ops.aten.silu.out(gate_RI, out=grad_up_RI).mul_(grad_h_RI)  # d(up) = dh * silu(gate)
+        del grad_h_RI
         torch.ops.aten.silu_backward.grad_input(grad_h_up_RI, gate_RI, grad_input=grad_gate_RI)
         del grad_h_up_RI, h_RI
 
-        x_RH = x_SH.index_select(0, plan.input_indices)  # recomputed: cheaper than keeping it
-        grad_gate_up = grouped_mm(grad_gate_up_RO.t(), x_RH, offs, counts, use_grouped)  # (NR, 2I, H)
-        del x_RH
         grad_x_SH = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # before the weight gradient, so that the two (RT, H) buffers never coexist
             grad_x_RH = grouped_mm(grad_gate_up_RO, gate_up_proj, offs, counts, use_grouped)  # (RT, H)
             grad_x_SH = reduce_rows_to_tokens(grad_x_RH, plan).to(x_SH.dtype)
+            del grad_x_RH
+        # The gathered rows are recomputed (cheaper than keeping them); with reuse they go into the incoming
+        # gradient's storage, dead by now and of the same shape.
+        x_RH = grad_y_RH if reuse and grad_y_RH.dtype == x_SH.dtype else None
+        x_RH = torch.index_select(x_SH, 0, plan.input_indices, out=x_RH)
+        grad_gate_up = grouped_mm(grad_gate_up_RO.t(), x_RH, offs, counts, use_grouped)  # (NR, 2I, H)
         return grad_x_SH, grad_gate_up, grad_down, None, None, None, None
 
 
@@ -166,13 +170,14 @@ class GroupedExperts(ExpertWeights):
     Args:
         use_grouped_mm: use ``torch._grouped_mm`` when the operands allow it (``False`` always takes the
             per-expert fallback; tests compare the two).
-        reuse_dead_activations: let the backward write gradients into the storage of activations it no longer
-            needs (less memory, fewer page faults on CPU). The price: the graph can be backpropagated once only
-            (``retain_graph=True`` + a second backward raises autograd's in-place error). Set ``False`` for
-            ``gradcheck`` or repeated backward passes.
+        reuse_dead_activations: let the backward write into the storage of tensors it no longer needs: the saved
+            ``gate_up`` activation and the incoming gradient (less memory, fewer page faults on CPU). Only for a
+            caller that owns that gradient, as :class:`~mula_lightning.moe.block.FastSparseMoEBlock` does (it comes
+            from its combine); the graph can then be backpropagated once only (a second backward raises
+            autograd's in-place error).
     """
 
-    def __init__(self, *args, use_grouped_mm: bool = True, reuse_dead_activations: bool = True, **kwargs) -> None:
+    def __init__(self, *args, use_grouped_mm: bool = True, reuse_dead_activations: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.use_grouped_mm = use_grouped_mm
         self.reuse_dead_activations = reuse_dead_activations
