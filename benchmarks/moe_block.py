@@ -15,11 +15,13 @@ experts), and ``fast`` = ``FastSparseMoEBlock.from_hf(hf_block)``, the drop-in t
 Targets (issue 3): fast >= 3x hf_eager at the Mula-7B-A1B layer; fast >= 1.1x hf_grouped_mm at H=512, I=256,
 E=64, K=8, 2048 tokens; >= 0.97x hf_grouped_mm at the Mula-7B-A1B layer; peak memory <= hf_grouped_mm.
 
-Run (about 5-8 minutes on 2 cores)::
+Run (10-15 minutes on 2 otherwise idle cores, most of it hf_eager at the Mula shapes)::
 
     python benchmarks/moe_block.py --threads 2
 
-``--shapes small`` / ``--dtypes float32`` / ``--no-memory`` make it shorter.
+``--shapes small`` / ``--dtypes float32`` / ``--no-memory`` make it shorter. hf_eager runs once at the Mula shapes
+(one forward + backward takes about a minute there) and its memory is measured at the small shape only unless
+``--eager-memory-everywhere``.
 """
 
 from __future__ import annotations
@@ -136,9 +138,9 @@ def memory_child(shape_key: str, dtype_name: str, contender: str) -> None:
     print(json.dumps({"peak_increase_mib": (peak - base) / 1024.0}))
 
 
-def measure_memory(shape_key: str, dtype_name: str, threads: int) -> dict[str, float]:
+def measure_memory(shape_key: str, dtype_name: str, threads: int, contenders=CONTENDERS) -> dict[str, float]:
     out = {}
-    for contender in CONTENDERS:
+    for contender in contenders:
         cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", shape_key, dtype_name, contender]
         cmd += ["--threads", str(threads)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -151,9 +153,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions of the fast contenders")
-    parser.add_argument("--eager-reps", type=int, default=3, help="timed repetitions of hf_eager (slow)")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions at the small shape")
+    parser.add_argument("--big-reps", type=int, default=5, help="timed repetitions at the Mula layer shapes")
+    parser.add_argument("--eager-reps", type=int, default=3, help="hf_eager repetitions at the small shape")
+    parser.add_argument("--big-eager-reps", type=int, default=1, help="hf_eager repetitions at the Mula shapes")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument(
+        "--eager-memory-everywhere",
+        action="store_true",
+        help="also measure hf_eager's memory at the Mula shapes (one F+B there takes minutes on 2 cores)",
+    )
     parser.add_argument("--memory-child", nargs=3, metavar=("SHAPE", "DTYPE", "CONTENDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,9 +179,12 @@ def main() -> None:
     for shape_key in args.shapes:
         shape = SHAPES[shape_key]
         for dtype_name in args.dtypes:
-            t = time_contenders(shape, getattr(torch, dtype_name), args.reps, args.eager_reps)
-            mem = None if args.no_memory else measure_memory(shape_key, dtype_name, args.threads)
-            mem_cell = "n/a" if mem is None else " / ".join(f"{mem[c]:.0f}" for c in CONTENDERS)
+            small = shape_key == "small"
+            reps, eager_reps = (args.reps, args.eager_reps) if small else (args.big_reps, args.big_eager_reps)
+            t = time_contenders(shape, getattr(torch, dtype_name), reps, eager_reps)
+            mem_contenders = CONTENDERS if small or args.eager_memory_everywhere else CONTENDERS[1:]
+            mem = {} if args.no_memory else measure_memory(shape_key, dtype_name, args.threads, mem_contenders)
+            mem_cell = " / ".join(f"{mem[c]:.0f}" if c in mem else "-" for c in CONTENDERS)
             rows.append(
                 f"| {shape.name} | {dtype_name} | {shape.tokens} | {t['hf_eager']:.3f} | {t['hf_grouped_mm']:.3f} |"
                 f" {t['fast']:.3f} | {t['hf_eager'] / t['fast']:.2f}x | {t['hf_grouped_mm'] / t['fast']:.2f}x |"
