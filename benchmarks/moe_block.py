@@ -5,8 +5,9 @@ What it measures, per shape and dtype, on one device (CPU by default):
 * forward + backward wall time of one MoE block, all contenders on the same weights (the parameters are shared
   objects), the same input and the same output cotangent, repetitions interleaved (the order rotates every
   repetition) so load from elsewhere hits every contender alike; the median is reported;
-* peak memory: the increase of ``ru_maxrss`` over one forward + backward in a fresh subprocess per contender
-  (weights, input and imports are in the baseline; what is left is activations, gradients and temporaries).
+* peak memory: the increase of the peak RSS (``ru_maxrss``; read as ``VmHWM``, see :func:`peak_rss_kib`) over
+  one forward + backward in a fresh subprocess per contender (weights, input and imports are in the baseline; what
+  is left is activations, gradients and temporaries).
 
 The contenders: ``hf_eager`` (the per-expert Python loop), ``hf_grouped_mm`` (transformers' grouped-GEMM
 experts), and ``fast`` = ``FastSparseMoEBlock.from_hf(hf_block)``, the drop-in that ``patch_hf_moe`` installs
@@ -120,8 +121,25 @@ def time_contenders(shape: Shape, dtype: torch.dtype, reps: int, eager_reps: int
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def peak_rss_kib() -> int:
+    """This process's own resident-set high-water mark in KiB.
+
+    That is ``ru_maxrss`` on Linux, except that ``getrusage`` also carries over the parent's peak across
+    fork + exec (the benchmark parent is large), so the per-process ``VmHWM`` is read where available; it is reset
+    to the current RSS by writing 5 to ``/proc/self/clear_refs``.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def memory_child(shape_key: str, dtype_name: str, contender: str) -> None:
-    """Runs in a fresh process: print the ``ru_maxrss`` increase (MiB) of one forward + backward."""
+    """Runs in a fresh process: print the peak-RSS increase (MiB) over one forward + backward."""
     shape, dtype = SHAPES[shape_key], getattr(torch, dtype_name)
     blocks, params, x, g = build(shape, dtype)
     keep = blocks[contender]
@@ -132,9 +150,9 @@ def memory_child(shape_key: str, dtype_name: str, contender: str) -> None:
             f.write("5")
     except OSError:
         pass
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_kib()
     step(keep, params, x, g)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_rss_kib()
     print(json.dumps({"peak_increase_mib": (peak - base) / 1024.0}))
 
 

@@ -187,16 +187,17 @@ def build_dispatch_plan(
 
 
 def row_chunks(num_rows: int, row_bytes: int, device: torch.device) -> list[slice]:
-    """Slices of rows that keep CPU temporaries near 8 MiB.
+    """Slices of rows that keep CPU temporaries near 1 MiB.
 
     On CPU (glibc) an allocation of 32 MiB or more always goes to ``mmap`` and pays a page fault per 4 KiB page,
-    every time; smaller ones are recycled from the heap. Working in chunks of a few MiB avoids those big
-    temporaries. Accelerators take one chunk: their caching allocators make temporaries cheap and every extra
+    every time, and mid-sized ones linger in the heap; chunks of about 1 MiB stay in cache, are recycled at once
+    and keep the peak resident memory low (measured: larger chunks made the block's peak RSS vary by tens of MiB
+    from run to run). Accelerators take one chunk: their caching allocators make temporaries cheap and every extra
     launch costs.
     """
     if device.type != "cpu" or num_rows == 0:
         return [slice(0, num_rows)]
-    step = max(1, (8 << 20) // max(row_bytes, 1))
+    step = max(1, (1 << 20) // max(row_bytes, 1))
     return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, step)]
 
 
