@@ -196,3 +196,24 @@ def test_keeps_layout_of_reference_block():
     cfg = make_config(8, 2)
     fast, ref = FastSparseMoEBlock(cfg), ReferenceMoEBlock(cfg)
     assert {k: v.shape for k, v in fast.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+
+
+def test_reused_activations_fail_loudly_on_a_second_backward():
+    """With ``reuse_dead_activations`` (the default) a second backward through the same graph raises instead of
+    returning wrong gradients; with it off, ``retain_graph=True`` backward twice gives twice the gradients."""
+    cfg = make_config(8, 2)
+    x = torch.randn(1, 15, H)
+    block = make_block(cfg)
+    y = block(x.requires_grad_())
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+    block = make_block(cfg)
+    block.reuse_dead_activations = False
+    y = block(x)
+    y.sum().backward(retain_graph=True)
+    once = [p.grad.clone() for p in block.parameters()]
+    y.sum().backward()
+    for g1, p in zip(once, block.parameters()):
+        torch.testing.assert_close(p.grad, 2 * g1)

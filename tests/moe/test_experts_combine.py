@@ -30,17 +30,24 @@ def per_expert_loop(x_RH, gate_up, down, counts):
     return torch.cat(outs)
 
 
+def plan_for_counts(counts):
+    """A plan where token t goes to one expert, tokens already sorted by expert with the given group sizes."""
+    idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).unsqueeze(1)
+    return build_dispatch_plan(idx, len(counts))
+
+
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "fallback"])
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 7, 0], [2, 2, 2, 2]])
 def test_grouped_experts_match_per_expert_loop(counts, grouped):
-    """Output and gradients of rows and both weights equal a per-expert loop (fp32, rtol 1e-5); experts with no
-    rows get exactly zero weight gradients; a non-contiguous incoming gradient (from ``expand``) is accepted."""
+    """Output and gradients of the input and both weights equal a per-expert loop (fp32, rtol 1e-5); experts with
+    no rows get exactly zero weight gradients; a non-contiguous incoming gradient (from ``expand``) is accepted."""
     E, H, I = len(counts), 16, 8  # noqa: E741
     experts = experts_with_weights(E, H, I)
     experts.use_grouped_mm = grouped
     x = torch.randn(sum(counts), H, requires_grad=True)
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    y = experts(x, offs, counts)
+    plan = plan_for_counts(counts)
+    assert plan.input_indices.tolist() == list(range(sum(counts)))
+    y = experts(x, plan)
     y.sum().backward()  # the gradient of sum() is an expanded, non-contiguous tensor
     got = [y, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
 
@@ -72,21 +79,22 @@ def test_fallback_for_unaligned_and_fp64_operands():
         torch.testing.assert_close(out, torch.cat([x[:2] @ w[0].to(x.dtype), x[2:] @ w[1].to(x.dtype)]))
 
 
-def test_grouped_experts_fp64_gradcheck():
-    """The hand-written backward of the grouped SwiGLU (fallback path in fp64) passes gradcheck."""
-    counts = [2, 0, 3]
-    experts = experts_with_weights(3, 4, 3, dtype=torch.float64)
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("n_start,n_end,drop", [(0, 3, 0.0), (1, 2, 0.3)])
+def test_grouped_experts_fp64_gradcheck(n_start, n_end, drop):
+    """The hand-written backward of Stage 4 (token gather, grouped SwiGLU, reduction of the input gradient back to
+    tokens) passes gradcheck in fp64 (fallback GEMMs), also for a local expert range with dropped pairs."""
+    from mula_lightning.moe.experts import GroupedSwiGLU
 
-    def f(x_, w1, w2):
-        from mula_lightning.moe.experts import GroupedSwiGLU
-
-        return GroupedSwiGLU.apply(x_, w1, w2, offs, counts, True)
-
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    idx[torch.rand(6, 2, generator=gen) < drop] = -1
+    plan = build_dispatch_plan(idx, 4, n_start, n_end)
+    counts = plan.token_counts.tolist()
+    experts = experts_with_weights(n_end - n_start + 1, 4, 3, dtype=torch.float64)
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     w1 = experts.gate_up_proj.detach().requires_grad_()
     w2 = experts.down_proj.detach().requires_grad_()
-    torch.autograd.gradcheck(f, (x, w1, w2))
+    torch.autograd.gradcheck(lambda *a: GroupedSwiGLU.apply(*a, plan, counts, True, False), (x, w1, w2))
 
 
 def algorithm1_combine(mlp_out, weights, plan, out_grad):
@@ -139,3 +147,30 @@ def test_combine_masks_rows_of_other_slots():
     mlp_out[0] = float("inf")  # row of (token 0, expert 0)
     out = combine_expert_outputs(mlp_out, torch.ones(3, 2), plan)
     assert torch.isinf(out[0]).all() and torch.isfinite(out[1:]).all() and out[2].eq(0).all()
+
+
+@pytest.mark.parametrize("method", ["gather", "index_add"])
+@pytest.mark.parametrize("n_start,n_end,drop", [(0, 7, 0.0), (0, 7, 0.3), (3, 5, 0.0)])
+def test_both_reduction_methods_match_a_loop(method, n_start, n_end, drop):
+    """The two reduction strategies (per-token gather, the accelerator default; ``index_add_`` in routed order, the
+    CPU default) both compute ``out[t] = sum w[t, k] * rows[r(t, k)]`` over the routed pairs, in fp32 from bf16."""
+    from mula_lightning.moe.dispatch import reduce_rows_to_tokens
+
+    T, K, E, H = 13, 3, 8, 6
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    idx[torch.rand(T, K, generator=gen) < drop] = -1
+    plan = build_dispatch_plan(idx, E, n_start, n_end)
+    rows = torch.randn(plan.num_rows, H, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(T, K, generator=gen)
+    expected = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            r = int(plan.slot_row_SK[t, k])
+            if r >= 0:
+                expected[t] += weights[t, k] * rows[r].float()
+    out = reduce_rows_to_tokens(rows, plan, weights, method=method)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    unweighted = reduce_rows_to_tokens(rows, plan, None, method=method)
+    torch.testing.assert_close(unweighted, reduce_rows_to_tokens(rows, plan, torch.ones(T, K), method=method))

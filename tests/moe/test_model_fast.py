@@ -49,3 +49,10 @@ def test_fast_model_matches_reference_model(overrides):
         assert torch.equal(a.tokens_per_expert, b.tokens_per_expert) and torch.equal(a.num_dropped, b.num_dropped)
     for name, grad in rg.items():
         torch.testing.assert_close(fg[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(), msg=name)
+
+
+def test_fast_block_is_the_default():
+    """``MulaForCausalLM`` builds its MoE layers with FastSparseMoEBlock unless told otherwise."""
+    cfg = MulaConfig.from_name("mula-tiny-moe", vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=1)
+    assert cfg.moe_impl == "fast"
+    assert isinstance(MulaForCausalLM(cfg).model.layers[0].mlp, FastSparseMoEBlock)

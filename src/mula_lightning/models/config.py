@@ -88,7 +88,7 @@ class MulaConfig:
     max_seq_len: int = 2048
     tie_word_embeddings: bool = False
     init_std: float = 0.02
-    moe_impl: str = "reference"
+    moe_impl: str = "fast"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

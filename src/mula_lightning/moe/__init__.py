@@ -7,7 +7,7 @@ of ``MulaForCausalLM``; ``patch_hf_moe`` swaps it into transformers' OLMoE and M
 
 from mula_lightning.moe.block import FastSparseMoEBlock, patch_hf_moe
 from mula_lightning.moe.combine import combine_expert_outputs
-from mula_lightning.moe.dispatch import DispatchPlan, build_dispatch_plan, count_tokens, dispatch_tokens
+from mula_lightning.moe.dispatch import DispatchPlan, build_dispatch_plan, count_tokens, reduce_rows_to_tokens
 from mula_lightning.moe.experts import GroupedExperts, grouped_mm, grouped_mm_available
 from mula_lightning.moe.reference import ExpertWeights, MoEAux, ReferenceMoEBlock
 from mula_lightning.moe.router import Router, RouterOutput
@@ -24,8 +24,8 @@ __all__ = [
     "build_dispatch_plan",
     "combine_expert_outputs",
     "count_tokens",
-    "dispatch_tokens",
     "grouped_mm",
     "grouped_mm_available",
     "patch_hf_moe",
+    "reduce_rows_to_tokens",
 ]

@@ -8,8 +8,8 @@ Forward, single device (Stage 1's all-gather is the identity here; expert parall
 1. route: ``gate`` (fp32 router: top-k, capacity drops, forced uniform routing, auxiliary losses);
 2. + 3. :func:`~mula_lightning.moe.dispatch.build_dispatch_plan` counts tokens and generates the indices for the
    local experts ``[n_start, n_end]``;
-4. :func:`~mula_lightning.moe.dispatch.dispatch_tokens` gathers the routed rows and
-   :class:`~mula_lightning.moe.experts.GroupedExperts` runs every expert with three grouped GEMMs;
+4. :class:`~mula_lightning.moe.experts.GroupedExperts` gathers the routed rows and runs every expert with three
+   grouped GEMMs;
 5. :func:`~mula_lightning.moe.combine.combine_expert_outputs` weights and sums each token's expert outputs.
 
 The parameters are ``gate.weight`` (E, H), ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj``
@@ -31,7 +31,7 @@ from torch import nn
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.moe.combine import combine_expert_outputs
-from mula_lightning.moe.dispatch import build_dispatch_plan, dispatch_tokens
+from mula_lightning.moe.dispatch import build_dispatch_plan
 from mula_lightning.moe.experts import GroupedExperts
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
@@ -49,10 +49,17 @@ class FastSparseMoEBlock(nn.Module):
         device: where to allocate the parameters.
         use_grouped_mm: use ``torch._grouped_mm`` where the operands allow it; ``False`` runs one GEMM per
             expert (same results, for checking and for devices without a grouped kernel).
+        reuse_dead_activations: backward writes gradients into the storage of the block's internal activations
+            once they are dead (less memory and, on CPU, fewer page faults); the block's graph can then be
+            backpropagated only once (a second ``backward`` with ``retain_graph=True`` raises). ``False`` lifts that.
     """
 
     def __init__(
-        self, config: MulaConfig, device: torch.device | str | None = None, use_grouped_mm: bool = True
+        self,
+        config: MulaConfig,
+        device: torch.device | str | None = None,
+        use_grouped_mm: bool = True,
+        reuse_dead_activations: bool = True,
     ) -> None:
         super().__init__()
         if not config.is_moe:
@@ -78,6 +85,7 @@ class FastSparseMoEBlock(nn.Module):
             config.intermediate_size,
             device=device,
             use_grouped_mm=use_grouped_mm,
+            reuse_dead_activations=reuse_dead_activations,
         )
 
     @property
@@ -87,6 +95,14 @@ class FastSparseMoEBlock(nn.Module):
     @use_grouped_mm.setter
     def use_grouped_mm(self, value: bool) -> None:
         self.experts.use_grouped_mm = value
+
+    @property
+    def reuse_dead_activations(self) -> bool:
+        return self.experts.reuse_dead_activations
+
+    @reuse_dead_activations.setter
+    def reuse_dead_activations(self, value: bool) -> None:
+        self.experts.reuse_dead_activations = value
 
     # ------------------------------------------------------------------ stages
     def route(self, x_SH: torch.Tensor) -> RouterOutput:
@@ -125,9 +141,8 @@ class FastSparseMoEBlock(nn.Module):
             self.n_end,
             all_routed=True if self._every_pair_routed_here() else None,
         )
-        x_RH = dispatch_tokens(x_SH, plan)
-        y_RH = self.experts(x_RH, plan.offs, plan.token_counts.tolist())
-        out_SH = combine_expert_outputs(y_RH, routed.weights_SK, plan)
+        y_RH = self.experts(x_SH, plan)
+        out_SH = combine_expert_outputs(y_RH, routed.weights_SK, plan, self.reuse_dead_activations)
         aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
         return out_SH.to(x_BTH.dtype).reshape(shape), aux
 

@@ -21,42 +21,57 @@ from __future__ import annotations
 
 import torch
 
-from mula_lightning.moe.dispatch import DispatchPlan, gather_token_rows, row_chunks
+from mula_lightning.moe.dispatch import DispatchPlan, reduce_rows_to_tokens, row_chunks
 
 
 class CombineExpertOutputs(torch.autograd.Function):
     """``ExpertOutputReduction`` of Algorithm 1 as an autograd function (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, mlp_out_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        out_SH = gather_token_rows(mlp_out_RH, plan.slot_row_SK, plan.all_routed, weights_SK)
+    def forward(
+        ctx, mlp_out_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan, reuse_dead_activations: bool
+    ) -> torch.Tensor:
+        out_SH = reduce_rows_to_tokens(mlp_out_RH, plan, weights_SK)
         ctx.save_for_backward(mlp_out_RH, weights_SK)
         ctx.plan = plan
+        ctx.reuse = reuse_dead_activations
         return out_SH.to(mlp_out_RH.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out_SH: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx, grad_out_SH: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         mlp_out_RH, weights_SK = ctx.saved_tensors
         plan: DispatchPlan = ctx.plan
         grad_out_SH = grad_out_SH.contiguous()
         num_rows, hidden = mlp_out_RH.shape
         weights_R = weights_SK.reshape(-1).index_select(0, plan.row_slot)  # router weight of each routed row
-        grad_mlp_out_RH = torch.empty_like(mlp_out_RH)
+        # mlp_out is dead once its rows have given the weight gradients: its storage can receive mlp_out_grad chunk by
+        # chunk (no new (RT, H) buffer; a second backward through the same graph then fails on the version check).
+        reuse = ctx.reuse and not torch.is_grad_enabled()
+        grad_mlp_out_RH = mlp_out_RH if reuse else torch.empty_like(mlp_out_RH)
         acc_dtype = torch.promote_types(mlp_out_RH.dtype, torch.float32)
         grad_weights_R = torch.empty(num_rows, dtype=acc_dtype, device=mlp_out_RH.device)
         for c in row_chunks(num_rows, hidden * 4, mlp_out_RH.device):
-            grad_CH = grad_mlp_out_RH[c]
-            torch.index_select(grad_out_SH, 0, plan.input_indices[c], out=grad_CH)  # out_grad[t] of each row
+            grad_CH = grad_out_SH.index_select(0, plan.input_indices[c])  # out_grad[t] of each row
             torch.linalg.vecdot(mlp_out_RH[c].to(acc_dtype), grad_CH.to(acc_dtype), out=grad_weights_R[c])  # l.108
-            torch.mul(grad_CH, weights_R[c].unsqueeze(-1), out=grad_CH)  # line 107 (fp32 math, row dtype)
+            torch.mul(grad_CH, weights_R[c].unsqueeze(-1), out=grad_mlp_out_RH[c])  # line 107 (fp32 math)
         grad_weights_SK = None
         if ctx.needs_input_grad[1]:
             grad_weights_SK = torch.zeros(weights_SK.numel(), dtype=acc_dtype, device=weights_SK.device)
             grad_weights_SK.index_copy_(0, plan.row_slot, grad_weights_R)  # each slot written once
             grad_weights_SK = grad_weights_SK.view_as(weights_SK).to(weights_SK.dtype)
-        return grad_mlp_out_RH, grad_weights_SK, None
+        return grad_mlp_out_RH, grad_weights_SK, None, None
 
 
-def combine_expert_outputs(mlp_out_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """(RT, H) expert outputs and (S, K) router weights -> (S, H) block output (in ``mlp_out_RH``'s dtype)."""
-    return CombineExpertOutputs.apply(mlp_out_RH, weights_SK, plan)
+def combine_expert_outputs(
+    mlp_out_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan, reuse_dead_activations: bool = False
+) -> torch.Tensor:
+    """(RT, H) expert outputs and (S, K) router weights -> (S, H) block output (in ``mlp_out_RH``'s dtype).
+
+    Args:
+        mlp_out_RH: expert outputs in routed order.
+        weights_SK: router weights.
+        plan: the dispatch plan.
+        reuse_dead_activations: write ``mlp_out_grad`` into ``mlp_out_RH``'s storage in backward (only when nothing
+            else reads ``mlp_out_RH``; the graph can then be backpropagated once).
+    """
+    return CombineExpertOutputs.apply(mlp_out_RH, weights_SK, plan, reuse_dead_activations)

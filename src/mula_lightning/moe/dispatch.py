@@ -19,8 +19,8 @@ the kernel and yields exactly the same layout), so they run on any device. The e
 so that expert parallelism can gather every rank's tokens and indices and build the plan of its own experts
 only; pairs outside the range (and pairs dropped by capacity, index -1) are simply not routed here.
 
-:class:`DispatchTokens` is Stage 4's ``mlp_in = input[input_indices]`` as an autograd function whose backward
-sums the K row gradients of each token in a fixed order (deterministic on every device, fp32 accumulation).
+:func:`reduce_rows_to_tokens` is the deterministic fp32 sum of routed rows back into their tokens, shared by the
+combine (Stage 5) and by the backward of the token gather (Stage 4).
 """
 
 from __future__ import annotations
@@ -187,41 +187,66 @@ def build_dispatch_plan(
 
 
 def row_chunks(num_rows: int, row_bytes: int, device: torch.device) -> list[slice]:
-    """Slices of rows that keep CPU temporaries near 2 MiB.
+    """Slices of rows that keep CPU temporaries near 1 MiB.
 
-    On CPU a fresh allocation of tens of MiB goes to ``mmap`` and pays a page fault per 4 KiB page every time;
-    working in cache-sized chunks avoids those temporaries (and keeps them in cache). Accelerators take one
-    chunk: their caching allocators make temporaries cheap and every extra launch costs.
+    On CPU (glibc) an allocation of 32 MiB or more always goes to ``mmap`` and pays a page fault per 4 KiB page,
+    every time, and mid-sized ones linger in the heap; chunks of about 1 MiB stay in cache, are recycled at once
+    and keep the peak resident memory low (measured: larger chunks made the block's peak RSS vary by tens of MiB
+    from run to run). Accelerators take one chunk: their caching allocators make temporaries cheap and every extra
+    launch costs.
     """
     if device.type != "cpu" or num_rows == 0:
         return [slice(0, num_rows)]
-    step = max(1, (2 << 20) // max(row_bytes, 1))
+    step = max(1, (1 << 20) // max(row_bytes, 1))
     return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, step)]
 
 
-def gather_token_rows(
-    rows_RH: torch.Tensor, slot_row_SK: torch.Tensor, all_routed: bool, weights_SK: torch.Tensor | None = None
+def reduce_rows_to_tokens(
+    rows_RH: torch.Tensor, plan: DispatchPlan, weights_SK: torch.Tensor | None = None, method: str | None = None
 ) -> torch.Tensor:
-    """``out[t] = sum_k w[t, k] * rows[slot_row[t, k]]`` over the routed slots of t, in fp32, k in order.
+    """``out[t] = sum w[t, k] * rows[r]`` over the routed rows r = (t, k) of each token (weight 1 if no weights).
 
-    The shared reduction of the combine forward (weighted) and of the dispatch backward (unweighted). Each token
-    reads its own K rows and sums them in k order, so the result is bit-reproducible on any device (no atomics)
-    and accumulates in fp32 (fp64 for fp64 rows) whatever the row dtype. Slots with row -1 contribute exactly
-    zero (masked, so a non-finite row elsewhere cannot leak in through ``0 * inf``).
+    The shared reduction of the combine forward (weighted) and of the dispatch backward (unweighted). It
+    accumulates in fp32 (fp64 for fp64 rows) and every token's sum has a fixed order, so results are
+    bit-reproducible:
+
+    * ``"gather"`` (accelerators): each token reads its own K rows through ``slot_row_SK`` and sums them in k order
+      (no atomics). Slots not routed here are masked to exact zeros, so a non-finite row cannot leak into another
+      token through ``0 * inf``.
+    * ``"index_add"`` (CPU): rows are added into their token in routed-row order with ``index_add_``, which is
+      sequential, hence deterministic, on CPU, and avoids the (S, K, H) gather.
+
+    Args:
+        rows_RH: (RT, H) rows in routed (expert) order.
+        plan: the dispatch plan the rows follow.
+        weights_SK: optional (S, K) router weights.
+        method: ``"gather"`` or ``"index_add"``; default by device as above.
 
     Returns:
         (S, H) in the accumulation dtype.
     """
-    num_tokens, top_k = slot_row_SK.shape
-    hidden = rows_RH.shape[-1]
+    num_tokens, top_k = plan.slot_row_SK.shape
+    num_rows, hidden = rows_RH.shape
+    device = rows_RH.device
     acc_dtype = torch.promote_types(rows_RH.dtype, torch.float32)
-    out_SH = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=rows_RH.device)
-    if rows_RH.shape[0] == 0:
+    out_SH = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=device)
+    if num_rows == 0:
         return out_SH
-    for c in row_chunks(num_tokens, top_k * hidden * 4, rows_RH.device):
-        slots_CK = slot_row_SK[c]
+    method = method or ("index_add" if device.type == "cpu" else "gather")
+    if method == "index_add":
+        weights_R = None if weights_SK is None else weights_SK.reshape(-1).index_select(0, plan.row_slot)
+        for c in row_chunks(num_rows, hidden * 4, device):
+            rows_CH = rows_RH[c]
+            if weights_R is not None:
+                rows_CH = torch.mul(rows_CH, weights_R[c].to(acc_dtype).unsqueeze(-1))  # fp32 product
+            out_SH.index_add_(0, plan.input_indices[c], rows_CH.to(acc_dtype))
+        return out_SH
+    if method != "gather":
+        raise ValueError(f"method must be 'gather' or 'index_add', got {method!r}")
+    for c in row_chunks(num_tokens, top_k * hidden * 4, device):
+        slots_CK = plan.slot_row_SK[c]
         rows_CKH = rows_RH.index_select(0, slots_CK.reshape(-1).clamp(min=0)).view(-1, top_k, hidden).to(acc_dtype)
-        if not all_routed:
+        if not plan.all_routed:
             rows_CKH.masked_fill_((slots_CK < 0).unsqueeze(-1), 0.0)
         if weights_SK is None:
             torch.sum(rows_CKH, dim=1, out=out_SH[c])
@@ -229,24 +254,3 @@ def gather_token_rows(
             w_C1K = weights_SK[c].to(acc_dtype).unsqueeze(1)
             torch.bmm(w_C1K, rows_CKH, out=out_SH[c].unsqueeze(1))
     return out_SH
-
-
-class DispatchTokens(torch.autograd.Function):
-    """Stage 4 input: ``x_RH = x_SH[input_indices]``; backward sums each token's row gradients (deterministic)."""
-
-    @staticmethod
-    def forward(ctx, x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        ctx.plan = plan
-        ctx.x_dtype = x_SH.dtype
-        return x_SH.index_select(0, plan.input_indices)
-
-    @staticmethod
-    def backward(ctx, grad_RH: torch.Tensor) -> tuple[torch.Tensor, None]:
-        plan: DispatchPlan = ctx.plan
-        grad_SH = gather_token_rows(grad_RH.contiguous(), plan.slot_row_SK, plan.all_routed)
-        return grad_SH.to(ctx.x_dtype), None
-
-
-def dispatch_tokens(x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """(S, H) tokens -> (RT, H) routed rows in expert order (see :class:`DispatchTokens`)."""
-    return DispatchTokens.apply(x_SH, plan)

@@ -10,8 +10,10 @@ expert's gate rows above its up rows, ``down_proj`` (NR, H, I) every down projec
 :class:`GroupedSwiGLU` is one autograd function for ``down(silu(gate x) * up x)``. Writing the backward by hand
 (rather than letting autograd chain three GEMMs, a chunk and two element-wise ops) lets it
 
-* save only ``x`` and ``gate_up`` (the SwiGLU output is recomputed in backward), less than autograd keeps;
-* write the gate and up gradients straight into one (RT, 2I) buffer (no ``cat``);
+* save only the tokens and ``gate_up`` (the gathered rows and the SwiGLU output are recomputed in backward),
+  less than autograd keeps;
+* write the gate and up gradients straight into the storage of the dead ``gate_up`` activation (no ``cat``,
+  no new (RT, 2I) buffer);
 * hand ``torch._grouped_mm`` a contiguous incoming gradient (a non-contiguous one, e.g. the expanded gradient
   of a ``sum``, makes the kernel fail);
 * zero the weight gradients of experts without tokens (some grouped kernels leave them uninitialised).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mula_lightning.moe.dispatch import DispatchPlan, reduce_rows_to_tokens
 from mula_lightning.moe.reference import ExpertWeights
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -99,50 +102,67 @@ def grouped_mm(
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """``y = down_e(silu(gate_e x) * up_e x)`` for every row of every local expert, forward and backward."""
+    """Stage 4: ``y[r] = down_e(silu(gate_e x[t]) * up_e x[t])`` for every routed row r = (t, k) of local expert e.
+
+    Takes the tokens (S, H) rather than the gathered rows: the gather ``x[input_indices]`` (Algorithm 1 line 75)
+    happens inside, and is redone in backward instead of keeping an (RT, H) copy of the input alive between
+    forward and backward. The input gradient is reduced back to tokens here too (fp32, deterministic).
+    """
 
     @staticmethod
-    def forward(ctx, x_RH, gate_up_proj, down_proj, offs, counts, use_grouped):
+    def forward(ctx, x_SH, gate_up_proj, down_proj, plan, counts, use_grouped, reuse_dead_activations):
         intermediate = down_proj.shape[-1]
-        gate_up_RO = grouped_mm(x_RH, gate_up_proj.transpose(1, 2), offs, counts, use_grouped)  # (RT, 2I)
+        offs = plan.offs
+        x_RH = x_SH.index_select(0, plan.input_indices)  # line 75
+        gate_up_RO = grouped_mm(x_RH, gate_up_proj.transpose(1, 2), offs, counts, use_grouped)  # (RT, 2I), l. 76-77
+        del x_RH
         gate_RI, up_RI = gate_up_RO[:, :intermediate], gate_up_RO[:, intermediate:]
-        h_RI = F.silu(gate_RI).mul_(up_RI)
-        y_RH = grouped_mm(h_RI, down_proj.transpose(1, 2), offs, counts, use_grouped)
-        ctx.save_for_backward(x_RH, gate_up_RO, gate_up_proj, down_proj, offs)
-        ctx.counts = counts
-        ctx.use_grouped = use_grouped
+        h_RI = F.silu(gate_RI).mul_(up_RI)  # line 78
+        y_RH = grouped_mm(h_RI, down_proj.transpose(1, 2), offs, counts, use_grouped)  # line 79
+        ctx.save_for_backward(x_SH, gate_up_RO, gate_up_proj, down_proj, offs)
+        ctx.plan, ctx.counts, ctx.use_grouped, ctx.reuse = plan, counts, use_grouped, reuse_dead_activations
         return y_RH
 
     @staticmethod
     def backward(ctx, grad_y_RH):
-        x_RH, gate_up_RO, gate_up_proj, down_proj, offs = ctx.saved_tensors
-        counts, use_grouped = ctx.counts, ctx.use_grouped
+        x_SH, gate_up_RO, gate_up_proj, down_proj, offs = ctx.saved_tensors
+        plan, counts, use_grouped = ctx.plan, ctx.counts, ctx.use_grouped
         intermediate = down_proj.shape[-1]
-        grad_y_RH = grad_y_RH.contiguous()
+        grad_y_RH = grad_y_RH.contiguous()  # the grouped kernel rejects e.g. the expanded gradient of a sum
         gate_RI, up_RI = gate_up_RO[:, :intermediate], gate_up_RO[:, intermediate:]
 
-        grad_h_RI = grouped_mm(grad_y_RH, down_proj, offs, counts, use_grouped)  # (RT, I)
-        silu_RI = F.silu(gate_RI)
-        h_RI = silu_RI * up_RI
+        # Recompute h = silu(gate) * up in one buffer (silu itself is recomputed again below: one more pass, one
+        # (RT, I) buffer less alive at the backward's peak).
+        h_RI = torch.ops.aten.silu.out(gate_RI, out=torch.empty_like(up_RI)).mul_(up_RI)
         grad_down = grouped_mm(grad_y_RH.t(), h_RI, offs, counts, use_grouped)  # (NR, H, I)
-        del h_RI
+        grad_h_RI = grouped_mm(grad_y_RH, down_proj, offs, counts, use_grouped)  # (RT, I)
 
-        grad_gate_up_RO = torch.empty_like(gate_up_RO)
-        torch.mul(grad_h_RI, silu_RI, out=grad_gate_up_RO[:, intermediate:])
-        del silu_RI
-        grad_h_RI.mul_(up_RI)
-        torch.ops.aten.silu_backward.grad_input(grad_h_RI, gate_RI, grad_input=grad_gate_up_RO[:, :intermediate])
+        # gate_up is dead after this point: with reuse its storage receives the gradient (saves an (RT, 2I)
+        # allocation; a second backward through the same graph then fails loudly on autograd's version check).
+        reuse = ctx.reuse and not torch.is_grad_enabled()
+        grad_gate_up_RO = gate_up_RO if reuse else torch.empty_like(gate_up_RO)
+        grad_gate_RI, grad_up_RI = grad_gate_up_RO[:, :intermediate], grad_gate_up_RO[:, intermediate:]
+        grad_h_up_RI = torch.mul(grad_h_RI, up_RI, out=h_RI)  # h is no longer needed: d(silu(gate))
+        torch.ops.aten.silu.out(gate_RI, out=grad_up_RI).mul_(grad_h_RI)  # d(up) = dh * silu(gate)
         del grad_h_RI
+        torch.ops.aten.silu_backward.grad_input(grad_h_up_RI, gate_RI, grad_input=grad_gate_RI)
+        del grad_h_up_RI, h_RI
 
-        grad_x_RH = None
-        if ctx.needs_input_grad[0]:
+        grad_x_SH = None
+        if ctx.needs_input_grad[0]:  # before the weight gradient, so that the two (RT, H) buffers never coexist
             grad_x_RH = grouped_mm(grad_gate_up_RO, gate_up_proj, offs, counts, use_grouped)  # (RT, H)
+            grad_x_SH = reduce_rows_to_tokens(grad_x_RH, plan).to(x_SH.dtype)
+            del grad_x_RH
+        # The gathered rows are recomputed (cheaper than keeping them); with reuse they go into the incoming
+        # gradient's storage, dead by now and of the same shape.
+        x_RH = grad_y_RH if reuse and grad_y_RH.dtype == x_SH.dtype else None
+        x_RH = torch.index_select(x_SH, 0, plan.input_indices, out=x_RH)
         grad_gate_up = grouped_mm(grad_gate_up_RO.t(), x_RH, offs, counts, use_grouped)  # (NR, 2I, H)
-        return grad_x_RH, grad_gate_up, grad_down, None, None, None
+        return grad_x_SH, grad_gate_up, grad_down, None, None, None, None
 
 
 class GroupedExperts(ExpertWeights):
-    """The merged expert weights with a grouped-GEMM forward over rows already grouped by expert.
+    """The merged expert weights with a grouped-GEMM forward over the routed rows of a dispatch plan.
 
     Same parameters and names as :class:`~mula_lightning.moe.reference.ExpertWeights` (``gate_up_proj``,
     ``down_proj``), so state dicts are interchangeable with the reference block and with transformers.
@@ -150,23 +170,34 @@ class GroupedExperts(ExpertWeights):
     Args:
         use_grouped_mm: use ``torch._grouped_mm`` when the operands allow it (``False`` always takes the
             per-expert fallback; tests compare the two).
+        reuse_dead_activations: let the backward write into the storage of tensors it no longer needs: the saved
+            ``gate_up`` activation and the incoming gradient (less memory, fewer page faults on CPU). Only for a
+            caller that owns that gradient, as :class:`~mula_lightning.moe.block.FastSparseMoEBlock` does (it comes
+            from its combine); the graph can then be backpropagated once only (a second backward raises
+            autograd's in-place error).
     """
 
-    def __init__(self, *args, use_grouped_mm: bool = True, **kwargs) -> None:
+    def __init__(self, *args, use_grouped_mm: bool = True, reuse_dead_activations: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.use_grouped_mm = use_grouped_mm
+        self.reuse_dead_activations = reuse_dead_activations
 
-    def forward(self, x_RH: torch.Tensor, offs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows ``[cum_counts[e], cum_counts[e+1])`` go through local expert e.
+    def forward(self, x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Every routed row of the plan through its local expert.
 
         Args:
-            x_RH: (RT, H) routed rows, grouped by expert.
-            offs: (NR,) int32 cumulative group ends (``cum_token_counts[1:]``).
-            counts: the NR group sizes on the host.
+            x_SH: (S, H) tokens.
+            plan: the dispatch plan (rows of local expert e are ``[cum_token_counts[e], cum_token_counts[e+1])``).
+
+        Returns:
+            (RT, H) expert outputs in routed order, in the weights' dtype.
         """
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
-        if x_RH.dtype != gate_up_proj.dtype:  # autocast or mixed inputs: compute in the weights' dtype
-            x_RH = x_RH.to(gate_up_proj.dtype)
-        if x_RH.shape[0] == 0:  # no rows: keep the weights in the graph with zero gradients
-            return x_RH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum())
-        return GroupedSwiGLU.apply(x_RH, gate_up_proj, down_proj, offs, counts, self.use_grouped_mm)
+        if x_SH.dtype != gate_up_proj.dtype:  # autocast or mixed inputs: compute in the weights' dtype
+            x_SH = x_SH.to(gate_up_proj.dtype)
+        if plan.num_rows == 0:  # no rows: keep the weights in the graph with zero gradients
+            return x_SH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum() + x_SH.sum())
+        counts = plan.token_counts.tolist()
+        return GroupedSwiGLU.apply(
+            x_SH, gate_up_proj, down_proj, plan, counts, self.use_grouped_mm, self.reuse_dead_activations
+        )
