@@ -30,7 +30,7 @@ from torch import nn
 
 from mula_lightning.moe.block import FastSparseMoEBlock
 from mula_lightning.moe.combine import combine_expert_outputs
-from mula_lightning.moe.dispatch import build_dispatch_plan, dispatch_tokens
+from mula_lightning.moe.dispatch import build_dispatch_plan
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.moe.router import RouterOutput
 from mula_lightning.parallel.collectives import (
@@ -107,14 +107,11 @@ class ExpertParallelMoEBlock(FastSparseMoEBlock):
         return out_SH.to(x_BTH.dtype).reshape(shape), aux
 
     def _run_local_experts(self, x_SH: torch.Tensor, indices_SK: torch.Tensor):
+        """Stages 2-4 for this rank's experts on the tokens it holds (gathered or received)."""
         plan = build_dispatch_plan(indices_SK, self.num_experts, self.n_start, self.n_end)
-        x_RH = dispatch_tokens(x_SH, plan)
-        y_RH = self.experts(x_RH, plan.offs, plan.token_counts.tolist())
-        if plan.num_rows == 0:
-            # No token for this rank's experts: keep x_RH in the graph anyway, so that backward still reaches the
-            # dispatch collectives; every EP rank must run them, or the ranks that do would wait forever.
-            y_RH = y_RH + x_RH[:, :1] * 0
-        return y_RH, plan
+        # With no token for this rank's experts the experts still return a (0, H) result that depends on x_SH, so
+        # backward reaches the dispatch collectives: every EP rank must run them, or the others would wait forever.
+        return self.experts(x_SH, plan), plan
 
     def _allgather_dispatch(self, x_SH: torch.Tensor, routed: RouterOutput) -> torch.Tensor:
         group = self.ep_group
@@ -131,7 +128,7 @@ class ExpertParallelMoEBlock(FastSparseMoEBlock):
         w_all = forward_allgather_backward_reducescatter(routed.weights_SK, group, level="ep", tag="moe.dispatch.w")
         idx_all = forward_allgather(routed.indices_SK, group, level="ep", tag="moe.dispatch.idx")
         y_RH, plan = self._run_local_experts(x_all, idx_all)
-        partial = combine_expert_outputs(y_RH, w_all, plan)  # (EP*S, H): this rank's experts only
+        partial = combine_expert_outputs(y_RH, w_all, plan, self.reuse_dead_activations)  # (EP*S, H): local experts
         return forward_reducescatter_backward_allgather(partial, group, level="ep", tag="moe.combine")
 
     def _alltoall_dispatch(self, x_SH: torch.Tensor, routed: RouterOutput) -> torch.Tensor:
