@@ -1,9 +1,10 @@
 """Hierarchical 3-level ZeRO (ZeRO-topo paper, Section V) with optional block-quantized collectives.
 
 The model is cut into *units*: every decoder layer (``layers.<i>``) and a root unit with the remaining parameters
-(embeddings, final norm, head). Each unit's parameters live in one :class:`FlatBuffer` (padded so every chunk is a
-whole number of quantization blocks); the sizes ``w``, ``s``, ``g``, ``o`` and the nested chunk of every rank come
-from :class:`~mula_lightning.parallel.zero_layout.ZeroTopoLayout` (``N`` = padded elements of a unit).
+(embeddings, final norm, head), hooked on the deepest module that holds them all. Each unit's parameters live in
+one :class:`FlatBuffer` (padded so every chunk is a whole number of quantization blocks); the sizes ``w``, ``s``,
+``g``, ``o`` and the nested chunk of every rank come from
+:class:`~mula_lightning.parallel.zero_layout.ZeroTopoLayout` (``N`` = padded elements of a unit).
 
 Communication plan of one step, per unit (``q`` = quantized when enabled; tags as in the ledger):
 
@@ -173,7 +174,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self.units: list[_Unit] = []
         for i in sorted(by_unit):
             buf = FlatBuffer(by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align)
-            self.units.append(_Unit(len(self.units), model if i == 0 else modules[i - 1], buf, self))
+            module = _root_module(model, [p for _, p, _ in by_unit[i]]) if i == 0 else modules[i - 1]
+            self.units.append(_Unit(len(self.units), module, buf, self))
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
         for u in self.units:
@@ -373,6 +375,18 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             out["optimizer"] += nbytes(u.exp_avg) + nbytes(u.exp_avg_sq)
             out["optimizer"] += 0 if u.master_is_primary else nbytes(u.master)
         return out
+
+
+def _root_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module:
+    """The deepest module holding every root-unit parameter (``MulaForCausalLM`` inside a LightningModule): its
+    forward spans the whole use of the root weights, so its hooks gather and free them."""
+    wanted = {id(p) for p in params}
+    best, depth = model, -1
+    for name, module in model.named_modules():
+        level = name.count(".") + bool(name)
+        if level > depth and wanted <= {id(p) for p in module.parameters()}:
+            best, depth = module, level
+    return best
 
 
 def _gcd(a: int, b: int) -> int:
