@@ -190,3 +190,49 @@ def test_four_processes_other_group_sizes_match_one_process():
             for tag, _, _, sent in records:
                 got[tag] = got.get(tag, 0) + sent
             assert got == _expected_bytes(numels, sizes, 4, False), name
+
+
+def _collectives(rank, world_size):
+    import torch.distributed as dist
+
+    from mula_lightning.parallel.zero_collectives import WeightGather, reduce_scatter_chunks
+
+    positions = [0, 2, 1, 3]  # the gradient positions of w=2, g=4: group index k holds chunk positions[k]
+    n = 4 * BLOCK
+    inputs = [torch.randn(4 * n, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(world_size)]
+    group = dist.group.WORLD
+    rs_q = reduce_scatter_chunks(inputs[rank].clone(), group, 4, positions, (4, BLOCK), "t")
+    rs = reduce_scatter_chunks(inputs[rank].clone(), group, 4, positions, None, "t")
+    chunk = inputs[rank][:n].clone()
+    full = torch.empty(4 * n)
+    WeightGather(chunk, full, group, 4, positions, (8, BLOCK), "forward", "t").wait()
+    return rs_q, rs, full, chunk.equal(inputs[rank][:n])
+
+
+@pytest.mark.distributed
+def test_quantized_collectives_follow_the_precise_semantics():
+    """4 processes, permuted chunk positions. INT4 reduce-scatter: each rank's result is exactly the fp32 sum, in
+    source-rank order, of every source's dequantized INT4 chunk for it (and within the INT4 error bound of the
+    exact sum; the unquantized path gives the exact sum). INT8 weight gather: every rank, the owner included, holds
+    the same dequantized values at the right positions, and the sent chunk is not modified."""
+    from mula_lightning.parallel.quantization import QMAX, dequantize, quantize
+
+    results = run_distributed_test(_collectives, 4, timeout=120)
+    n = 4 * BLOCK
+    inputs = [torch.randn(4 * n, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(4)]
+    positions = [0, 2, 1, 3]
+    for rank, (rs_q, rs, full, untouched) in enumerate(results):
+        p = positions[rank]
+        pieces = [x[p * n : (p + 1) * n] for x in inputs]
+        expected = torch.zeros(n)
+        for piece in pieces:  # source-rank order
+            expected += dequantize(quantize(piece, 4, BLOCK))
+        assert torch.equal(rs_q, expected)
+        exact = sum(pieces)
+        bound = sum(x.reshape(-1, BLOCK).abs().amax(1).repeat_interleave(BLOCK) / (2 * QMAX[4]) for x in pieces)
+        assert torch.all((rs_q - exact).abs() <= bound * (1 + 1e-5) + 1e-6)
+        torch.testing.assert_close(rs, exact, rtol=1e-6, atol=1e-6)
+        gathered = torch.zeros(4 * n)
+        for k, pos in enumerate(positions):
+            gathered[pos * n : (pos + 1) * n] = dequantize(quantize(inputs[k][:n], 8, BLOCK))
+        assert torch.equal(full, gathered) and untouched
