@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from mula_lightning.parallel.checkpoint import _sharded_vector
 from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
+from mula_lightning.parallel.zero_collectives import all_gather_chunks
 
 METADATA_KEY = "metadata"
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
@@ -111,8 +112,6 @@ def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, A
             own = u.primary[u.opt_offset : u.opt_offset + u.no]
             own.copy_(u.master)
             group, size, positions = engine._group("post_step")
-            from mula_lightning.parallel.zero_collectives import all_gather_chunks
-
             all_gather_chunks(own.clone(), u.primary, group, size, positions, "weights.post_step")
 
 
