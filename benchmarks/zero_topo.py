@@ -114,15 +114,17 @@ def part1() -> None:
         _, numel, (w, s, g, o), mem = results[name]
         sec = packed_bytes(numel // s, 8, BLOCK) if quant else (4 * numel // s if s != w else 0)
         psi = numel
-        paper_secondary = 2 * psi // s if name.startswith("ZeRO++") else (psi // s if s != w or quant else 0)
+        if name.startswith("ZeRO++"):
+            paper_secondary = f"2psi/{s} = {2 * psi // s} (fp16)"
+        elif name.startswith("ZeRO-3"):
+            paper_secondary = "none"
+        else:
+            paper_secondary = f"psi/{s} = {psi // s} (INT8)" + (
+                "" if quant else "; unquantized: none, primary re-gathered"
+            )
         rows = [
             ("weights", mem["weights"], 4 * numel // w, f"2psi/{w} = {2 * psi // w}"),
-            (
-                "secondary",
-                mem["secondary"],
-                sec,
-                f"{'2psi' if name.startswith('ZeRO++') else 'psi'}/{s} = {paper_secondary}",
-            ),
+            ("secondary", mem["secondary"], sec, paper_secondary),
             ("grads", mem["grads"], 4 * numel // g, f"2psi/{g} = {2 * psi // g}"),
             (
                 "optimizer",
