@@ -236,3 +236,45 @@ def test_quantized_collectives_follow_the_precise_semantics():
         for k, pos in enumerate(positions):
             gathered[pos * n : (pos + 1) * n] = dequantize(quantize(inputs[k][:n], 8, BLOCK))
         assert torch.equal(full, gathered) and untouched
+
+
+def test_full_weights_live_only_around_their_use_with_one_layer_prefetched():
+    """One process, 4 layers: while layer i runs forward, the full buffers allocated are the root's, layer i's and the
+    prefetched layer i+1's only; in backward likewise (layer i and the prefetched i-1); after the step every full
+    buffer is freed and the engine's update equals torch AdamW (the one-process parity of the same engine)."""
+    from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+
+    cfg = MulaConfig.from_name(
+        "mula-tiny-dense",
+        vocab_size=128,
+        hidden_size=16,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=32,
+    )
+    model, ref = init_weights(MulaForCausalLM(cfg), seed=0), init_weights(MulaForCausalLM(cfg), seed=0)
+    engine = HierarchicalZeroAdamW(model, ZeroTopoLayout(1, 1, 1), **HP, block_size=BLOCK)
+    live = lambda: {u.index for u in engine.units if u.buf.params.untyped_storage().nbytes() > 0}  # noqa: E731
+    seen = {}
+    for i, layer in enumerate(model.model.layers):
+        # after the engine's pre-forward hook: layer i gathered, layer i+1 prefetched
+        layer.register_forward_pre_hook(lambda m, a, i=i: seen.setdefault(("fwd", i), live()) and None)
+        # a gradient inside layer i's backward (the engine's own hook on it runs first and keeps the unit)
+        layer.self_attn.o_proj.weight.register_post_accumulate_grad_hook(
+            lambda p, i=i: seen.setdefault(("bwd", i), live()) and None
+        )
+    x = _batch(0, 0)
+    model(x, labels=x).loss.backward()
+    engine.step()
+    for i in range(4):
+        assert seen[("fwd", i)] == {0, i + 1} | ({i + 2} if i < 3 else set()), (i, seen[("fwd", i)])
+        assert {0, i + 1} <= seen[("bwd", i)] <= {0, i + 1, i}, (i, seen[("bwd", i)])
+    assert live() == set()
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ref(x, labels=x).loss.backward()
+    opt.step()
+    with engine.full_parameters():
+        for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=k)
