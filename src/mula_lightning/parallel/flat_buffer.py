@@ -91,6 +91,8 @@ class FlatBuffer:
         shard_index: this rank's index in that group.
         bucket_numel: target elements per bucket (``None``: one bucket).
         grad_dtype: dtype of the gradient accumulation buffer (default: the parameters' dtype).
+        align: each bucket is padded to a multiple of ``shard_count * align`` (default 1), e.g. so that shards
+            split into whole quantization blocks.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class FlatBuffer:
         shard_index: int,
         bucket_numel: int | None = None,
         grad_dtype: torch.dtype | None = None,
+        align: int = 1,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatBuffer needs at least one parameter")
@@ -124,7 +127,8 @@ class FlatBuffer:
                 slot = ParamSlot(name, p, g, offset, p.numel(), len(self.buckets))
                 self.slots.append(slot)
                 offset += p.numel()
-            padded = -(-(offset - start) // shard_count) * shard_count
+            multiple = shard_count * align
+            padded = -(-(offset - start) // multiple) * multiple
             bucket = Bucket(len(self.buckets), start, padded, shard_count, self.slots[-len(current) :])
             self.buckets.append(bucket)
             offset = start + padded

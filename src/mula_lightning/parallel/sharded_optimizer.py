@@ -344,17 +344,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         params = state.get("master")
         if params is None:
             params = buf.gather_owned(buf.params)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        for lo, hi, gi in buf.runs:
-            g = self.param_groups[gi]
-            lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-            p_s, g_s, m_s, v_s = params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi]
-            p_s.mul_(1 - lr * wd)
-            m_s.lerp_(g_s, 1 - b1)
-            v_s.mul_(b2).addcmul_(g_s, g_s, value=1 - b2)
-            bc1, bc2 = 1 - b1**self._step, 1 - b2**self._step
-            denom = (v_s.sqrt() / math.sqrt(bc2)).add_(eps)
-            p_s.addcdiv_(m_s, denom, value=-lr / bc1)
+        adamw_update_(params, grads, state["exp_avg"], state["exp_avg_sq"], buf.runs, self.param_groups, self._step)
         buf.scatter_owned(buf.params, params.to(buf.dtype) if params.dtype != buf.dtype else params)
 
     def _all_gather(self, fam: str, buf: FlatBuffer) -> None:
@@ -376,6 +366,34 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ready.clear()
         self._pending.clear()
         self._synced = False
+
+
+@torch.no_grad()
+def adamw_update_(
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    runs: Iterable[tuple[int, int, int]],
+    param_groups: list[dict[str, Any]],
+    step: int,
+) -> None:
+    """One AdamW step (decoupled weight decay, bias correction) on flat fp32 shards, in place.
+
+    Shared by every sharded optimizer of the package (:class:`ShardedAdamW`, the hierarchical ZeRO engine), so the
+    update math exists once. ``runs`` are ``(start, end, param_group_index)`` ranges of the flat shards (see
+    :meth:`FlatBuffer._group_runs`); ``step`` counts from 1.
+    """
+    for lo, hi, gi in runs:
+        g = param_groups[gi]
+        lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        p_s, g_s, m_s, v_s = params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+        p_s.mul_(1 - lr * wd)
+        m_s.lerp_(g_s, 1 - b1)
+        v_s.mul_(b2).addcmul_(g_s, g_s, value=1 - b2)
+        bc1, bc2 = 1 - b1**step, 1 - b2**step
+        denom = (v_s.sqrt() / math.sqrt(bc2)).add_(eps)
+        p_s.addcdiv_(m_s, denom, value=-lr / bc1)
 
 
 def _record(op: str, group: Any, size: int, tensor_in: torch.Tensor, tensor_out: torch.Tensor, fam: str) -> None:

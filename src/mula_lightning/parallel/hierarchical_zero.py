@@ -1,0 +1,395 @@
+"""Hierarchical 3-level ZeRO (ZeRO-topo paper, Section V) with optional block-quantized collectives.
+
+The model is cut into *units*: every decoder layer (``layers.<i>``) and a root unit with the remaining parameters
+(embeddings, final norm, head), hooked on the deepest module that holds them all. Each unit's parameters live in
+one :class:`FlatBuffer` (padded so every chunk is a whole number of quantization blocks); the sizes ``w``, ``s``,
+``g``, ``o`` and the nested chunk of every rank come from
+:class:`~mula_lightning.parallel.zero_layout.ZeroTopoLayout` (``N`` = padded elements of a unit).
+
+Communication plan of one step, per unit (``q`` = quantized when enabled; tags as in the ledger):
+
+1. forward pre-hook: all-gather the ``N / w`` primary chunks over the weight group (``weights.forward``, q: INT8)
+   into the full buffer, then start the gather of the next unit (prefetch); compute with the (dequantized) full
+   weights; keep this rank's secondary chunk (``N / s``; cut from what was gathered, no extra traffic); forward
+   hook: free the full buffer.
+2. backward pre-hook (first gradient of the unit's outputs): all-gather the secondary chunks over the secondary
+   group (``weights.backward``, q: INT8), prefetch the previous unit.
+3. when every parameter of the unit has its gradient: reduce-scatter the fp32 gradient inside the gradient group
+   (``grads.reduce_scatter``; q: INT4 all-to-all, fp32 sum in source order) and add into the ``N / g`` gradient
+   shard; free the full weights and gradients. Micro-batches accumulate here.
+4. ``step()``: all-reduce the gradient shard over the ranks holding it on the other nodes (unquantized,
+   ``grads.all_reduce``), divide by the world size once, clip by the global norm, AdamW on the ``N / o`` optimizer
+   chunk (inside the gradient chunk) with :func:`adamw_update_`, write it into the primary chunk and all-gather the
+   primary chunk from the ``o / w`` optimizer chunks that tile it (``weights.post_step``, unquantized).
+
+Memory per rank and unit (persistent; the full buffer of a unit exists only between its gathers and frees):
+primary ``N / w`` x param bytes; secondary ``N / s`` x (1 + 4 / block) bytes quantized, ``N / s`` x param bytes when
+``s != w`` unquantized, nothing when ``s == w`` unquantized (the primary is gathered again); gradients ``N / g`` x 4;
+optimizer ``N / o`` x 8 (AdamW moments) plus 4 for an fp32 master when parameters are not fp32 (with fp32
+parameters the primary chunk is the master). Quantized values never overwrite a master or a primary chunk.
+
+Constraints: every parameter must receive a gradient in every backward (no unused parameters), so all ranks issue
+the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from mula_lightning.parallel.flat_buffer import FlatBuffer
+from mula_lightning.parallel.sharded_optimizer import adamw_update_, logical_name
+from mula_lightning.parallel.zero_collectives import (
+    WeightGather,
+    all_gather_chunks,
+    all_reduce_,
+    reduce_scatter_chunks,
+    slice_quantized,
+)
+from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+
+UNIT_PATTERN = r"(^|\.)layers\.\d+$"
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors requiring grad inside a (nested) module output."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if hasattr(value, "__dataclass_fields__"):
+        return [t for k in value.__dataclass_fields__ for t in _tensors(getattr(value, k))]
+    return []
+
+
+class _Unit:
+    """One unit's flat buffer, chunks and state (see the module docstring)."""
+
+    def __init__(self, index: int, module: nn.Module, buf: FlatBuffer, engine: HierarchicalZeroAdamW) -> None:
+        lay, pos = engine.layout, engine.positions
+        self.index, self.module, self.buf = index, module, buf
+        n = buf.numel
+        self.nw, self.ns, self.ng, self.no = (
+            n // lay.weight_size,
+            n // lay.secondary_size,
+            n // lay.grad_size,
+            n // (lay.optimizer_size),
+        )
+        self.primary = buf.params[pos.weight * self.nw : (pos.weight + 1) * self.nw].clone()
+        self.opt_offset = pos.optimizer * self.no - pos.weight * self.nw  # optimizer chunk inside the primary
+        self.grad_offset = pos.optimizer * self.no - pos.grad * self.ng  # optimizer chunk inside the gradient shard
+        own = self.primary[self.opt_offset : self.opt_offset + self.no]
+        self.master_is_primary = buf.dtype == torch.float32
+        self.master = own if self.master_is_primary else own.float()
+        self.slot_of = {id(s.param): s for s in buf.slots}
+        self.exp_avg = torch.zeros(self.no, dtype=torch.float32, device=buf.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.grad_shard = torch.zeros(self.ng, dtype=torch.float32, device=buf.device)
+        self.secondary: Any = None
+        self.full_grad: torch.Tensor | None = None
+        self.ready = 0
+        self.gathered = False
+        self.pending: WeightGather | None = None
+        buf.grads = buf.grads.new_empty(0)  # gradients go to full_grad / grad_shard, not the buffer's own
+        self.free()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [s.param for s in self.buf.slots]
+
+    def free(self) -> None:
+        self.buf.params.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def allocate(self) -> None:
+        storage = self.buf.params.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.buf.numel * self.buf.params.element_size())
+
+
+class HierarchicalZeroAdamW(torch.optim.Optimizer):
+    """Hierarchical ZeRO engine and its sharded AdamW in one object; plan and memory in the module docstring.
+
+    Args:
+        model: the plain single-device module (its parameters become views into per-unit flat buffers).
+        layout: group sizes (default: :meth:`ZeroTopoLayout.from_env`, i.e. the paper's design).
+        param_groups: ``[{"params": [...], **hyper-parameters}]`` (default: one group with every parameter).
+        lr, betas, eps, weight_decay: AdamW defaults.
+        quantize_weights: INT8 (``weight_bits``) forward / backward weight all-gathers and secondary partition.
+        quantize_grads: INT4 (``grad_bits``) all-to-all gradient reduce-scatter.
+        block_size: elements per quantization block.
+        unit_pattern: regular expression of the module names that become units.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ZeroTopoLayout | None = None,
+        param_groups: list[dict[str, Any]] | None = None,
+        lr: float = 4e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        quantize_weights: bool = False,
+        quantize_grads: bool = False,
+        weight_bits: int = 8,
+        grad_bits: int = 4,
+        block_size: int = 256,
+        unit_pattern: str = UNIT_PATTERN,
+    ) -> None:
+        if param_groups is None:
+            param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.layout = layout or ZeroTopoLayout.from_env()
+        self.positions = self.layout.positions(self.rank)
+        self.weight_quant = (weight_bits, block_size) if quantize_weights else None
+        self.grad_quant = (grad_bits, block_size) if quantize_grads else None
+        self._groups = self._build_groups() if distributed else {}
+        self._step = 0
+        self._synced = False
+
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        modules = [m for n, m in model.named_modules() if re.search(unit_pattern, logical_name(n))]
+        owner: dict[int, int] = {}
+        for i, m in enumerate(modules):
+            for p in m.parameters():
+                owner.setdefault(id(p), i + 1)
+        by_unit: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        for name, p in model.named_parameters():
+            if id(p) in group_of:
+                by_unit.setdefault(owner.get(id(p), 0), []).append((logical_name(name), p, group_of[id(p)]))
+        lay = self.layout
+        align = block_size * (lay.optimizer_size * lay.secondary_size // _gcd(lay.optimizer_size, lay.secondary_size))
+        align //= lay.optimizer_size
+        self.units: list[_Unit] = []
+        for i in sorted(by_unit):
+            buf = FlatBuffer(by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align)
+            module = _root_module(model, [p for _, p, _ in by_unit[i]]) if i == 0 else modules[i - 1]
+            self.units.append(_Unit(len(self.units), module, buf, self))
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+
+    # ------------------------------------------------------------------ groups
+    def _build_groups(self) -> dict[str, tuple[Any, int, list[int]]]:
+        """(group, size, chunk position per group index) of each kind for this rank; creates every group."""
+        cache: dict[tuple[int, ...], Any] = {}
+        for kind_groups in self.layout.all_groups().values():
+            for ranks in kind_groups:
+                if len(ranks) > 1 and tuple(ranks) not in cache:
+                    cache[tuple(ranks)] = dist.new_group(ranks)
+        lay, r = self.layout, self.rank
+        pos = lay.positions
+        kinds = {
+            "weight": (lay.weight_ranks(r), lambda q: pos(q).weight),
+            "secondary": (lay.secondary_ranks(r), lambda q: pos(q).secondary),
+            "grad": (lay.grad_ranks(r), lambda q: pos(q).grad),
+            "grad_cross": (lay.grad_cross_ranks(r), lambda q: 0),
+            "post_step": (lay.post_step_ranks(r), lambda q: pos(q).optimizer % (lay.optimizer_size // lay.weight_size)),
+        }
+        return {k: (cache.get(tuple(rs)), len(rs), [f(q) for q in rs]) for k, (rs, f) in kinds.items()}
+
+    def _group(self, kind: str) -> tuple[Any, int, list[int]]:
+        return self._groups.get(kind, (None, 1, [0]))
+
+    # ------------------------------------------------------------- weights
+    def _start_gather(self, u: _Unit, phase: str) -> None:
+        if u.gathered or u.pending is not None:
+            return
+        u.allocate()
+        tag = f"weights.{phase}"
+        if phase == "forward" or u.secondary is None:  # the primary (also in backward when s == w, unquantized)
+            group, size, positions = self._group("weight")
+            u.pending = WeightGather(u.primary, u.buf.params, group, size, positions, self.weight_quant, phase, tag)
+        else:
+            group, size, positions = self._group("secondary")
+            if isinstance(u.secondary, torch.Tensor):
+                chunk, pre = u.secondary, None
+            else:
+                chunk, pre = None, u.secondary
+            quant = self.weight_quant if pre is None else (pre.bits, pre.block_size)
+            u.pending = WeightGather(chunk, u.buf.params, group, size, positions, quant, phase, tag, prequantized=pre)
+        u.pending.phase = phase
+
+    def _finish_gather(self, u: _Unit) -> None:
+        if u.pending is None:
+            return
+        pending, u.pending = u.pending, None
+        chunks = pending.wait()
+        u.gathered = True
+        if pending.phase != "forward":
+            return
+        lay, p = self.layout, self.positions.secondary
+        lo, hi = p * u.ns, (p + 1) * u.ns
+        if self.weight_quant is not None and chunks is not None and lay.secondary_size > 1:
+            u.secondary = slice_quantized(chunks, u.nw, lo, hi)  # what was gathered: no re-quantization
+        elif lay.secondary_size != lay.weight_size:
+            u.secondary = u.buf.params[lo:hi].clone()
+        else:
+            u.secondary = None  # the primary is gathered again
+
+    def _make_pre_forward(self, u: _Unit):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._start_gather(u, "forward")
+            self._finish_gather(u)
+            if u.index + 1 < len(self.units):
+                self._start_gather(self.units[u.index + 1], "forward")  # prefetch the next layer
+
+        return hook
+
+    def _make_post_forward(self, u: _Unit):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            u.free()
+            tensors = _tensors(output) if torch.is_grad_enabled() else []
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads: self._pre_backward(u), mode="any")
+
+        return hook
+
+    def _pre_backward(self, u: _Unit) -> None:
+        self._start_gather(u, "backward")
+        self._finish_gather(u)
+        prev = u.index - 1 if u.index > 0 else len(self.units) - 1  # the root's head runs first, then the last layer
+        if prev > 0:
+            self._start_gather(self.units[prev], "backward")  # prefetch the previous layer
+
+    # ----------------------------------------------------------- gradients
+    def _on_grad(self, param: nn.Parameter) -> None:
+        u = self._unit_of[id(param)]
+        if u.full_grad is None:
+            u.full_grad = torch.zeros(u.buf.numel, dtype=torch.float32, device=u.buf.device)
+        slot = u.slot_of[id(param)]
+        u.full_grad[slot.start : slot.end].add_(param.grad.reshape(-1))
+        param.grad = None
+        u.ready += 1
+        if u.ready == len(u.buf.slots):
+            self._reduce(u)
+
+    def _reduce(self, u: _Unit) -> None:
+        group, size, positions = self._group("grad")
+        quant = self.grad_quant if size > 1 else None
+        u.grad_shard += reduce_scatter_chunks(u.full_grad, group, size, positions, quant, "grads.reduce_scatter")
+        u.full_grad, u.ready = None, 0
+        if u.pending is None:
+            u.free()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce units still waiting, all-reduce gradient shards across nodes, divide by the world size once."""
+        if self._synced:
+            return
+        self._synced = True
+        for u in reversed(self.units):
+            if u.full_grad is not None:
+                self._reduce(u)
+        group, size, _ = self._group("grad_cross")
+        for u in self.units:
+            all_reduce_(u.grad_shard, group, size, "grads.all_reduce")
+            u.grad_shard.div_(self.layout.world_size)
+
+    def _owned_grads(self, u: _Unit) -> torch.Tensor:
+        return u.grad_shard[u.grad_offset : u.grad_offset + u.no]
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
+        self.finish_grad_sync()
+        total = sum(self._owned_grads(u).pow(2).sum() for u in self.units)
+        total = total / (self.layout.world_size // self.layout.optimizer_size)  # optimizer chunks are replicated
+        if dist.is_available() and dist.is_initialized():
+            all_reduce_(total, None, self.layout.world_size, "grads.norm")
+        norm = total.sqrt()
+        scale = max_norm / (norm.item() + 1e-6)
+        if scale < 1.0:
+            for u in self.units:
+                u.grad_shard.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self.finish_grad_sync()
+        self._step += 1
+        group, size, positions = self._group("post_step")
+        for u in self.units:
+            adamw_update_(
+                u.master, self._owned_grads(u), u.exp_avg, u.exp_avg_sq, u.buf.runs, self.param_groups, self._step
+            )
+            own = u.primary[u.opt_offset : u.opt_offset + u.no]
+            if not u.master_is_primary:
+                own.copy_(u.master)
+            all_gather_chunks(own.clone(), u.primary, group, size, positions, "weights.post_step")
+            # the secondary chunk keeps its memory (Table V) and is overwritten by the next forward before any use
+        self.zero_grad()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+            u.full_grad, u.ready = None, 0
+            for p in u.params:
+                p.grad = None
+        self._synced = False
+
+    # --------------------------------------------------------- inspection
+    @contextmanager
+    def full_parameters(self):
+        """Inside, every parameter holds its full unquantized value (from the primary chunks); freed on exit."""
+        for u in self.units:
+            group, size, positions = self._group("weight")
+            u.allocate()
+            WeightGather(u.primary, u.buf.params, group, size, positions, None, "step", "weights.summon").wait()
+        try:
+            yield
+        finally:
+            for u in self.units:
+                u.free()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Persistent bytes per state kind on this rank, from ``untyped_storage().nbytes()``."""
+
+        def nbytes(t: Any) -> int:
+            if t is None:
+                return 0
+            if isinstance(t, torch.Tensor):
+                return t.untyped_storage().nbytes()
+            return t.payload.untyped_storage().nbytes() + t.scales.untyped_storage().nbytes()
+
+        out = {"weights": 0, "secondary": 0, "grads": 0, "optimizer": 0}
+        for u in self.units:
+            out["weights"] += nbytes(u.primary)
+            out["secondary"] += nbytes(u.secondary)
+            out["grads"] += nbytes(u.grad_shard)
+            out["optimizer"] += nbytes(u.exp_avg) + nbytes(u.exp_avg_sq)
+            out["optimizer"] += 0 if u.master_is_primary else nbytes(u.master)
+        return out
+
+
+def _root_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module:
+    """The deepest module holding every root-unit parameter (``MulaForCausalLM`` inside a LightningModule): its
+    forward spans the whole use of the root weights, so its hooks gather and free them."""
+    wanted = {id(p) for p in params}
+    best, depth = model, -1
+    for name, module in model.named_modules():
+        level = name.count(".") + bool(name)
+        if level > depth and wanted <= {id(p) for p in module.parameters()}:
+            best, depth = module, level
+    return best
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

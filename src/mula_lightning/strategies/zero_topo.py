@@ -1,0 +1,313 @@
+"""The ``"zero_topo"`` strategy: hierarchical 3-level ZeRO with block-quantized collectives, for Fabric and Trainer.
+
+Both classes are thin: Lightning's DDP strategies launch the processes and own the default group; the work is
+done by :class:`~mula_lightning.parallel.hierarchical_zero.HierarchicalZeroAdamW` (its docstring has the
+communication plan and the memory per rank):
+
+* setup: materialise the model (meta device -> real tensors, drawn once from ``seed`` and broadcast), no DDP
+  wrapper;
+* the user's ``torch.optim.AdamW`` becomes the engine (same param groups and hyper-parameters), which shards the
+  weights over ``weight_size`` ranks, the gradients over ``grad_size``, the optimizer states over
+  ``optimizer_size`` and keeps a secondary partition over ``secondary_size``; sizes default to the paper's design
+  from the topology (``ranks_per_node`` / ``ranks_per_gpu``, else ``MULA_RANKS_PER_NODE`` / ``LOCAL_WORLD_SIZE``
+  and ``MULA_RANKS_PER_GPU``) and are validated against the dependency rule;
+* gradient accumulation: every micro-batch reduce-scatters inside the gradient group (the shard accumulates), the
+  cross-node all-reduce runs once per optimizer step; clipping by the global L2 norm;
+* checkpoints: ``torch.distributed.checkpoint`` directories with logical keys
+  (:mod:`~mula_lightning.parallel.zero_checkpoint`), loadable at another layout or in one process.
+
+Precision: ``32-true`` or ``bf16-true`` (bf16 weights, fp32 masters in the optimizer), as for ``"epso"``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
+from torch import nn
+
+from mula_lightning.parallel import zero_checkpoint as zc
+from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
+from mula_lightning.parallel.parallelize import materialize_and_broadcast
+from mula_lightning.parallel.sharded_optimizer import logical_name
+from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+from mula_lightning.strategies.common import check_precision, unwrap_optimizer
+
+
+@dataclass
+class ZeroTopoSettings:
+    """The user's choices (0 = the default of :class:`ZeroTopoLayout`)."""
+
+    weight_size: int = 0
+    grad_size: int = 0
+    optimizer_size: int = 0
+    secondary_size: int = 0
+    ranks_per_node: int | None = None
+    ranks_per_gpu: int | None = None
+    quantize_weights: bool = False
+    quantize_grads: bool = False
+    weight_bits: int = 8
+    grad_bits: int = 4
+    block_size: int = 256
+    seed: int = 0
+
+    def layout(self, world_size: int) -> ZeroTopoLayout:
+        sizes = dict(weight_size=self.weight_size, grad_size=self.grad_size, optimizer_size=self.optimizer_size)
+        sizes["secondary_size"] = self.secondary_size
+        if self.ranks_per_node is None:
+            return ZeroTopoLayout.from_env(world_size, **sizes)
+        return ZeroTopoLayout(world_size, self.ranks_per_node, self.ranks_per_gpu or 1, **sizes)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        keys = ("quantize_weights", "quantize_grads", "weight_bits", "grad_bits", "block_size")
+        return {k: v for k, v in asdict(self).items() if k in keys}
+
+
+def build_engine(
+    module: nn.Module, optimizer: Any, settings: ZeroTopoSettings, world_size: int, names: dict[int, str]
+) -> HierarchicalZeroAdamW:
+    """The engine taking over a user's ``torch.optim.AdamW`` (param groups mapped by logical name)."""
+    optimizer = unwrap_optimizer(optimizer)
+    if isinstance(optimizer, HierarchicalZeroAdamW):
+        return optimizer
+    if type(optimizer) is not torch.optim.AdamW or any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise TypeError(f"the zero_topo strategy implements AdamW (amsgrad=False); got {type(optimizer).__name__}")
+    current = {logical_name(n): p for n, p in module.named_parameters()}
+    live = {id(p) for p in current.values()}
+    keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+    groups = [
+        {
+            "params": [p if id(p) in live else current[logical_name(names[id(p)])] for p in g["params"]],
+            **{k: v for k, v in g.items() if k in keep},
+        }
+        for g in optimizer.param_groups
+    ]
+    return HierarchicalZeroAdamW(module, settings.layout(world_size), groups, **settings.engine_kwargs())
+
+
+def _materialize(module: nn.Module, device: torch.device, rank: int, world_size: int, seed: int) -> None:
+    materialize_and_broadcast(module, MoETopology(dp_size=world_size, ep_size=1, rank=rank), device, seed=seed)
+
+
+def _split_state(state: dict[str, Any], engine: HierarchicalZeroAdamW | None, for_load: bool):
+    """(tensors for DCP, other entries) of a Fabric state dict."""
+    tensors, extra = {}, {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module) and engine is not None:
+            tensors[key] = zc.model_state_dict(engine, value)
+        elif isinstance(unwrap_optimizer(value), HierarchicalZeroAdamW):
+            tensors[key] = zc.optimizer_state_dict(unwrap_optimizer(value), for_load=for_load)
+        else:
+            extra[key] = value
+    return tensors, extra
+
+
+class _NoReduceControl(_BackwardSyncControl):
+    """``no_backward_sync`` is free: gradients are always reduce-scattered into the accumulating shard."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        return nullcontext()
+
+
+class FabricZeroTopoStrategy(FabricDDPStrategy):
+    """Hierarchical ZeRO for ``lightning.fabric.Fabric`` (``Fabric(strategy="zero_topo")`` or an instance).
+
+    Args: the fields of :class:`ZeroTopoSettings`, then Lightning's DDP strategy arguments.
+    """
+
+    strategy_name = "zero_topo"
+
+    def __init__(self, **kwargs: Any) -> None:
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroTopoSettings.__dataclass_fields__}
+        super().__init__(**kwargs)
+        self.settings = ZeroTopoSettings(**own)
+        self._backward_sync_control = _NoReduceControl()
+        self.engine: HierarchicalZeroAdamW | None = None
+        self._module: nn.Module | None = None
+        self._names: dict[int, str] = {}
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        check_precision(self.precision)
+        self.settings.layout(self.world_size)  # validate the sizes before any model is built
+
+    def module_init_context(self, empty_init: bool | None = None):
+        return torch.device("meta") if empty_init else super().module_init_context(empty_init)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        if not any(p.is_meta for p in module.parameters()):
+            module.to(self.root_device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        _materialize(module, self.root_device, self.global_rank, self.world_size, self.settings.seed)
+        self._module = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> HierarchicalZeroAdamW:
+        if self._module is None:
+            raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
+        self.engine = build_engine(self._module, optimizer, self.settings, self.world_size, self._names)
+        return self.engine
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        module = self.setup_module(module)
+        optimizers = [self.setup_optimizer(o) for o in optimizers]
+        if scheduler is not None:
+            scheduler.optimizer = optimizers[0]
+        return module, optimizers, scheduler
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        if float(norm_type) != 2.0:
+            raise ValueError(f"zero_topo clips by the global L2 norm only, got norm_type={norm_type}")
+        norm = unwrap_optimizer(optimizer).clip_grad_norm_(float(max_norm))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is non-finite ({norm.item()}); not clipping")
+        return norm
+
+    def clip_gradients_value(self, module, optimizer, clip_val):
+        raise ValueError("zero_topo shards gradients: clip by norm (fabric.clip_gradients(..., max_norm=...))")
+
+    def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
+        tensors, extra = _split_state(state, self.engine, for_load=False)
+        zc.save_checkpoint(
+            Path(path), tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()}
+        )
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
+        state = state or {}
+        targets, _ = _split_state(state, self.engine, for_load=True)
+        metadata = zc.load_checkpoint(Path(path), targets, strict)
+        for key, value in state.items():
+            if key not in targets:
+                if key in metadata and hasattr(value, "load_state_dict"):
+                    value.load_state_dict(metadata.pop(key))
+                elif key in metadata:
+                    state[key] = metadata.pop(key)
+            elif isinstance(value, nn.Module):
+                zc.load_model_state_dict(self.engine, targets[key])
+            else:
+                zc.apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
+        return metadata
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("zero_topo", cls, description="hierarchical 3-level ZeRO with quantized collectives")
+
+
+class ZeroTopoStrategy(TrainerDDPStrategy):
+    """Hierarchical ZeRO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="zero_topo")`` or an instance).
+
+    The LightningModule builds its model in ``configure_model`` (ideally on the meta device) and returns
+    ``torch.optim.AdamW`` from ``configure_optimizers``. Arguments as in :class:`FabricZeroTopoStrategy`.
+    """
+
+    strategy_name = "zero_topo"
+
+    def __init__(self, **kwargs: Any) -> None:
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroTopoSettings.__dataclass_fields__}
+        super().__init__(**kwargs)
+        self.settings = ZeroTopoSettings(**own)
+
+    @property
+    def engine(self) -> HierarchicalZeroAdamW | None:
+        return unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        check_precision(self.precision_plugin)
+        self.settings.layout(self.world_size)
+
+    def tensor_init_context(self, empty_init: bool | None = None):
+        return torch.device("meta") if empty_init else super().tensor_init_context(empty_init)
+
+    def setup(self, trainer) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        _materialize(self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(f"zero_topo trains with exactly one optimizer, got {len(self.optimizers)}")
+            engine = build_engine(self.model, self.optimizers[0], self.settings, self.world_size, names)
+            for config in self.lr_scheduler_configs:
+                config.scheduler.optimizer = engine
+            self.optimizers = [engine]
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        pass  # materialised in setup
+
+    def configure_ddp(self) -> None:
+        pass  # no DDP wrapper: the engine's hooks gather weights and reduce gradients
+
+    def block_backward_sync(self):
+        return nullcontext()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return self.model.state_dict()
+        return zc.model_state_dict(self.engine, self.model)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return zc.optimizer_state_dict(unwrap_optimizer(optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
+        rest = dict(checkpoint)
+        tensors = {"state_dict": rest.pop("state_dict")}
+        for i, opt_state in enumerate(rest.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = opt_state
+        zc.save_checkpoint(Path(filepath), tensors, rest)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        engine = self.engine
+        if engine is None:  # validate / predict: plain full tensors
+            targets: dict[str, Any] = {
+                "state_dict": {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            }
+        else:
+            targets = {"state_dict": zc.model_state_dict(engine, self.model)}
+            targets["optimizer_0"] = zc.optimizer_state_dict(engine, for_load=True)
+        metadata = zc.load_checkpoint(Path(checkpoint_path), targets, strict=engine is not None)
+        if engine is None:
+            self.model.load_state_dict(targets["state_dict"])
+        else:
+            zc.load_model_state_dict(engine, targets["state_dict"])
+            zc.apply_optimizer_state_dict(engine, targets["optimizer_0"])
+        return metadata
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("zero_topo", cls, description="hierarchical 3-level ZeRO with quantized collectives")
+
+
+__all__ = ["FabricZeroTopoStrategy", "ZeroTopoSettings", "ZeroTopoStrategy"]
