@@ -54,6 +54,28 @@ class EPSOSettings:
         return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
 
 
+class InPlaceCheckpointRestore:
+    """Trainer-strategy hooks for strategies whose ``load_checkpoint`` restores model and optimizer in place.
+
+    The checkpoint is read after ``setup`` (the module must be parallelised and the sharded optimizer built first),
+    and Lightning's own model / optimizer restore steps become no-ops. Mix in before the Lightning base class.
+    """
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The optimizer inside Lightning's / Fabric's wrappers."""
     while hasattr(optimizer, "_optimizer"):

@@ -34,6 +34,7 @@ from torch import nn
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
 from mula_lightning.strategies.common import (
     EPSOSettings,
+    InPlaceCheckpointRestore,
     check_precision,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
@@ -171,7 +172,7 @@ class FabricEPSOStrategy(FabricDDPStrategy):
         strategy_registry.register("epso", cls, description="DP x EP with the EP-aware sharded optimizer (EPSO)")
 
 
-class EPSOStrategy(TrainerDDPStrategy):
+class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
     """DP x EP with EPSO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="epso")`` or an instance).
 
     The LightningModule builds its model in ``configure_model`` (ideally on the meta device:
@@ -270,20 +271,6 @@ class EPSOStrategy(TrainerDDPStrategy):
         for i, opt in enumerate(self.optimizers):
             state[f"optimizer_{i}"] = unwrap_optimizer(opt)
         return load_sharded_checkpoint(Path(checkpoint_path), state, self.topology, strict=True)
-
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        pass  # loaded in place by load_checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        pass  # loaded in place by load_checkpoint
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

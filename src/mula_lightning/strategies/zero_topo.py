@@ -38,7 +38,7 @@ from mula_lightning.parallel.parallelize import materialize_and_broadcast
 from mula_lightning.parallel.sharded_optimizer import logical_name
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.parallel.zero_layout import ZeroTopoLayout
-from mula_lightning.strategies.common import check_precision, unwrap_optimizer
+from mula_lightning.strategies.common import InPlaceCheckpointRestore, check_precision, unwrap_optimizer
 
 
 @dataclass
@@ -204,7 +204,7 @@ class FabricZeroTopoStrategy(FabricDDPStrategy):
         strategy_registry.register("zero_topo", cls, description="hierarchical 3-level ZeRO with quantized collectives")
 
 
-class ZeroTopoStrategy(TrainerDDPStrategy):
+class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
     """Hierarchical ZeRO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="zero_topo")`` or an instance).
 
     The LightningModule builds its model in ``configure_model`` (ideally on the meta device) and returns
@@ -290,20 +290,6 @@ class ZeroTopoStrategy(TrainerDDPStrategy):
             zc.load_model_state_dict(engine, targets["state_dict"])
             zc.apply_optimizer_state_dict(engine, targets["optimizer_0"])
         return metadata
-
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        pass  # loaded in place by load_checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        pass  # loaded in place by load_checkpoint
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
