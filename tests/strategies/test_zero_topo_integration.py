@@ -170,11 +170,16 @@ def _trainer_fit(rank, world_size, epochs, save=None, resume=None):
 
 
 @pytest.mark.distributed
-def test_trainer_zero_topo_accumulation_resume_equals_one_process(tmp_path):
+def test_trainer_zero_topo_accumulation_resume_equals_one_process_and_reshards(tmp_path):
     """2 processes (one GPU of 2 GCDs): Trainer with accumulation 3 and clipping; 2 epochs, save, resume for a 3rd
-    equals one process running 3 steps on the same micro-batches (gradients accumulate in the sharded buffers)."""
+    equals one process running 3 steps on the same micro-batches (gradients accumulate in the sharded buffers); the
+    same checkpoint loads on 4 processes (2 simulated nodes, other shard sizes) with the same full weights."""
     path = str(tmp_path / "trainer.ckpt")
-    run_distributed_test(_trainer_fit, 2, epochs=2, save=path, timeout=300)
+    saved = run_distributed_test(_trainer_fit, 2, epochs=2, save=path, timeout=300)[0][0]
+    for state, steps in run_distributed_test(_trainer_fit, 4, epochs=2, resume=path, timeout=300):
+        assert steps == 2  # restored at the end of epoch 2: nothing left to train
+        for k, v in saved.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=f"resharded to 4 processes: {k}")
     results = run_distributed_test(_trainer_fit, 2, epochs=3, resume=path, timeout=300)
     model = init_weights(MulaForCausalLM(_config()), seed=0)
     opt = torch.optim.AdamW(model.parameters(), **HP)
