@@ -13,9 +13,9 @@ memory per rank of each state (``untyped_storage().nbytes()``) beside Tables V-V
 gradients, INT8 + scales secondary).
 
 Part 2 (``--loss-world`` processes, 2 ranks per GPU and per node): 200 AdamW steps of ``mula-tiny-dense`` and
-``mula-tiny-moe`` on the demo data (this repository's own Markdown and Python text as byte tokens), unquantized vs
-quantized (INT8 weights, INT4 gradients); prints the mean loss of the last 10 steps and the relative gap (paper's
-claim: quantized training follows the unquantized loss; the issue's bar: within 2%).
+``mula-tiny-moe`` on the demo data (the embedded stdlib corpus prepared as in ``make demo``: 2 MB, a 4096-token
+BPE), unquantized vs quantized (INT8 weights, INT4 gradients); prints the mean loss of the last 10 steps and the
+relative gap (paper's claim: quantized training follows the unquantized loss; the issue's bar: within 2%).
 """
 
 from __future__ import annotations
@@ -43,11 +43,27 @@ CONFIGS = [  # name, layout sizes, quantized
 PAPER_FACTOR = {"weights.forward": 0.5, "weights.backward": 0.5, "grads.reduce_scatter": 0.25}
 
 
-def _demo_tokens() -> torch.Tensor:
-    root = Path(__file__).resolve().parents[1]
-    files = sorted(root.glob("*.md")) + sorted((root / "src").rglob("*.py"))
-    data = b"\n".join(f.read_bytes() for f in files)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+DATA_DIR = Path("demo") / "zero_topo-data-2000000B-seq64-bpe4096"
+
+
+def prepare_demo_data(data_dir: Path = DATA_DIR) -> Path:
+    """The demo data: the embedded corpus (this Python's standard library), 2 MB, a 4096-token BPE, 64-token rows.
+
+    Prepared once (``mula_lightning.data.prepare``) and reused; the tiny presets have a 4096-token vocabulary.
+    """
+    from mula_lightning.data import prepare
+
+    if not (data_dir / "manifest.json").is_file():
+        prepare(output=str(data_dir), seq_len=64, train_tokenizer=4096, max_bytes=2_000_000, workers=0, progress=False)
+    return data_dir
+
+
+def _demo_tokens(data_dir: Path = DATA_DIR) -> torch.Tensor:
+    """The training split of the demo data as one stream of token ids."""
+    from mula_lightning.data.dataset import TokenShardDataset
+
+    dataset = TokenShardDataset(data_dir, "train")
+    return torch.from_numpy(dataset.read(0, len(dataset)).astype("int64")).reshape(-1)
 
 
 def _bytes_step(rank: int, world_size: int) -> dict:
@@ -189,6 +205,7 @@ def main() -> None:
     parser.add_argument("--loss-world", type=int, default=4)
     parser.add_argument("--skip-loss", action="store_true")
     args = parser.parse_args()
+    prepare_demo_data()
     part1()
     if not args.skip_loss:
         part2(args.steps, args.loss_world)

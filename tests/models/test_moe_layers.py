@@ -6,6 +6,7 @@ import torch
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models.hf_convert import hf_family
 from mula_lightning.models.transformer import MulaMLP
+from mula_lightning.moe import FastSparseMoEBlock
 from mula_lightning.moe.reference import ReferenceMoEBlock
 
 
@@ -18,7 +19,8 @@ def test_moe_layers_choose_the_block_of_each_layer_and_are_stored_sorted():
     cfg = _mixed()
     assert cfg.moe_layers == [1, 3] and cfg.num_moe_layers == 2
     kinds = [type(layer.mlp) for layer in MulaForCausalLM(cfg).model.layers]
-    assert kinds == [MulaMLP, ReferenceMoEBlock, MulaMLP, ReferenceMoEBlock]
+    moe = FastSparseMoEBlock if cfg.moe_impl == "fast" else ReferenceMoEBlock
+    assert kinds == [MulaMLP, moe, MulaMLP, moe]
     assert MulaConfig.from_name("mula-tiny-moe").num_moe_layers == 4
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
 

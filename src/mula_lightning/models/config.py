@@ -59,8 +59,9 @@ class MulaConfig:
         max_seq_len: longest sequence the model is trained on (context size).
         tie_word_embeddings: share the input embedding with the LM head (Mula: untied).
         init_std: standard deviation of the normal initialisation of every weight matrix.
-        moe_impl: which MoE block computes the sparse layers (``"reference"``: the plain loop; other names
-            are registered in :data:`mula_lightning.models.transformer.MOE_IMPLS`). All share one layout.
+        moe_impl: which MoE block computes the sparse layers: ``"fast"`` (default, FastSparseMoE: grouped GEMMs)
+            or ``"reference"`` (the plain per-expert loop every fast path is tested against); see
+            :func:`mula_lightning.models.transformer.build_moe_block`. Both share one parameter layout.
         extra: free-form metadata carried along (not used by the model).
     """
 
