@@ -28,9 +28,10 @@ def _write(config: dict, path: Path) -> str:
 
 
 def test_examples_ship_every_preset():
-    """One YAML per paper preset plus the CPU one."""
+    """One YAML per paper preset, the CPU one, and the upcycling recipe."""
     names = {p.stem for p in CONFIGS}
-    assert names == {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
+    presets = {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
+    assert names == presets | {"upcycle-llama3-8b-e8t2"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -43,11 +44,20 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
     config = cli.config
     strategy = config.trainer.strategy
     ep_size = strategy.init_args.ep_size
-    model = MulaConfig.from_name(config.model.model)
+    spec = config.model.model
+    model = MulaConfig.from_name(spec) if isinstance(spec, str) else MulaConfig(**dict(spec))
     world = config.trainer.devices * config.trainer.num_nodes
     assert world % ep_size == 0
     assert model.num_experts % ep_size == 0 if model.is_moe else ep_size == 1
-    if path.stem != "mula-tiny-moe":
+    if path.stem.startswith("upcycle"):  # the Llama-3 upcycling recipe: CF 4, 3e-5 -> 3e-7, 100 warm-up steps
+        assert (
+            model.capacity_factor == 4.0
+            and model.router_kind == "topk_softmax"
+            and (model.num_experts, model.top_k) == (8, 2)
+        )
+        assert (config.model.lr, config.model.min_lr, config.model.warmup_steps) == (3e-5, 3e-7, 100)
+        assert strategy.init_args.init_from_dense
+    elif path.stem != "mula-tiny-moe":
         assert config.data.seq_len == 2048
         assert abs(config.data.global_batch_size * config.data.seq_len - 6.3e6) < 0.05e6
         assert config.model.lr == 4e-4 and config.model.min_lr == 4e-5 and config.model.warmup_steps == 2500

@@ -37,6 +37,8 @@ class EPSOSettings:
     seed: int = 0
     activation_checkpointing: bool = False
     compile: bool | dict[str, Any] = False
+    init_from_dense: str | None = None
+    upcycle: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.ep_size < 1:
@@ -123,7 +125,59 @@ def setup_epso_module(
         compile=settings.compile,
     )
     materialize_and_broadcast(module, topology, device, seed=settings.seed)
+    if settings.init_from_dense:
+        initialise_from_dense(module, settings.init_from_dense, topology, settings.upcycle or {})
     return topology
+
+
+@torch.no_grad()
+def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, options: dict[str, Any]) -> None:
+    """Online upcycling at setup: each rank builds only its own experts from a dense checkpoint's shards.
+
+    The MoE shape (experts, top-k, router kind, renormalisation, capacity factor) is the model's own config; the
+    dense checkpoint (HF Llama directory or Mula model-only checkpoint, read tensor by tensor) supplies every other
+    weight; ``options`` are :func:`~mula_lightning.models.upcycle.upcycle`'s ``granularity``, ``noise`` and
+    ``seed``. Every rank reads only the FFN slices of its experts, so no rank ever holds the full MoE.
+
+    Raises:
+        ValueError: when the upcycled tensors do not have the shapes of the model being trained (the dense
+            checkpoint does not fit the model config), naming the first offending tensors.
+    """
+    from mula_lightning.models.transformer import MulaForCausalLM
+    from mula_lightning.models.upcycle import upcycle
+
+    unknown = set(options) - {"granularity", "noise", "seed", "layers"}
+    if unknown:
+        raise ValueError(f"unknown upcycle options {sorted(unknown)}; known: granularity, noise, seed, layers")
+    targets = [m for m in module.modules() if isinstance(m, MulaForCausalLM)]
+    if not targets:
+        raise ValueError("init_from_dense needs a MulaForCausalLM inside the module being set up")
+    for target in targets:
+        cfg = target.config
+        if not cfg.is_moe:
+            raise ValueError(f"init_from_dense upcycles into an MoE; the model config ({cfg.name}) has no experts")
+        local = upcycle(
+            path,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            router=cfg.router_kind,
+            norm_topk_prob=cfg.norm_topk_prob,
+            capacity_factor=cfg.capacity_factor,
+            ep_rank=topology.ep_rank,
+            ep_size=topology.ep_size,
+            dtype=next(target.parameters()).dtype,
+            **options,
+        )
+        have, got = target.state_dict(), local.state_dict()
+        wrong = [
+            f"{k}: model {tuple(have[k].shape) if k in have else None} vs upcycled {tuple(v.shape)}"
+            for k, v in got.items()
+            if k not in have or have[k].shape != v.shape
+        ] + [f"{k}: missing from the upcycled model" for k in have if k not in got]
+        if wrong:
+            raise ValueError(f"the dense checkpoint {path} does not fit the model config: " + "; ".join(wrong[:6]))
+        for k, v in got.items():
+            have[k].copy_(v)
 
 
 def _to_saveable(value: Any, topology: MoETopology) -> Any:

@@ -78,6 +78,10 @@ class FabricEPSOStrategy(FabricDDPStrategy):
         seed: initialisation seed for models built on the meta device (``fabric.init_module(empty_init=True)``).
         activation_checkpointing: recompute decoder layers in backward.
         compile: regional ``torch.compile`` of attention and norms (a dict is passed to ``compile``).
+        init_from_dense: a dense checkpoint (HF Llama directory or Mula model-only checkpoint) to upcycle into the
+            model at setup, online: each rank builds only its own experts (see
+            :func:`~mula_lightning.strategies.common.initialise_from_dense`).
+        upcycle: options of that upcycling: ``granularity``, ``noise``, ``seed``, ``layers``.
         **kwargs: Lightning's DDP strategy arguments (accelerator, parallel_devices, cluster_environment, ...).
     """
 
@@ -93,11 +97,22 @@ class FabricEPSOStrategy(FabricDDPStrategy):
         seed: int = 0,
         activation_checkpointing: bool = False,
         compile: bool | dict[str, Any] = False,
+        init_from_dense: str | None = None,
+        upcycle: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.settings = EPSOSettings(
-            ep_size, sharded_optimizer, dispatcher, reduce_dtype, bucket_numel, seed, activation_checkpointing, compile
+            ep_size,
+            sharded_optimizer,
+            dispatcher,
+            reduce_dtype,
+            bucket_numel,
+            seed,
+            activation_checkpointing,
+            compile,
+            init_from_dense,
+            upcycle,
         )
         self._backward_sync_control = _ShardedBackwardSync(self)
         self.topology = None
@@ -192,11 +207,22 @@ class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
         seed: int = 0,
         activation_checkpointing: bool = False,
         compile: bool | dict[str, Any] = False,
+        init_from_dense: str | None = None,
+        upcycle: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.settings = EPSOSettings(
-            ep_size, sharded_optimizer, dispatcher, reduce_dtype, bucket_numel, seed, activation_checkpointing, compile
+            ep_size,
+            sharded_optimizer,
+            dispatcher,
+            reduce_dtype,
+            bucket_numel,
+            seed,
+            activation_checkpointing,
+            compile,
+            init_from_dense,
+            upcycle,
         )
         self.topology = None
 
