@@ -16,3 +16,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def _seed_everything():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A test that runs Lightning in-process (one device) may leave the default process group initialised; tear it
+    down so later tests (notably those that fork the test process) start from a clean torch.distributed state."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ Kept apart from the strategy classes so that each strategy file stays a thin map
 
 from __future__ import annotations
 
+import functools
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,27 @@ class InPlaceCheckpointRestore:
     @property
     def lightning_restore_optimizer(self) -> bool:
         return False
+
+
+def repoint_scheduler(scheduler: Any, optimizer: Any) -> None:
+    """Make an LR scheduler built on the user's optimizer drive the sharded one that replaced it.
+
+    Besides swapping ``scheduler.optimizer``, the new optimizer's ``step`` gets the call tracking that
+    ``torch.optim.lr_scheduler.LRScheduler`` installs on the optimizer it is built with (otherwise every run warns
+    that "optimizer.step() has been overridden after learning rate scheduler initialization").
+    """
+    scheduler.optimizer = optimizer
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    optimizer.step = tracked_step
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

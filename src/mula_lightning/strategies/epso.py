@@ -37,6 +37,7 @@ from mula_lightning.strategies.common import (
     InPlaceCheckpointRestore,
     check_precision,
     load_sharded_checkpoint,
+    repoint_scheduler,
     save_sharded_checkpoint,
     setup_epso_module,
     unwrap_optimizer,
@@ -153,7 +154,7 @@ class FabricEPSOStrategy(FabricDDPStrategy):
         module = self.setup_module(module)
         optimizers = [self.setup_optimizer(o) for o in optimizers]
         if scheduler is not None:
-            scheduler.optimizer = optimizers[0]
+            repoint_scheduler(scheduler, optimizers[0])
         return module, optimizers, scheduler
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
@@ -257,7 +258,7 @@ class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
                 index = next(
                     i for i, o in enumerate(self.optimizers) if unwrap_optimizer(o) is config.scheduler.optimizer
                 )
-                config.scheduler.optimizer = opts[index]
+                repoint_scheduler(config.scheduler, opts[index])
             self.optimizers = opts
         self.setup_precision_plugin()
 

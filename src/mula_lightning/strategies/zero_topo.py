@@ -38,7 +38,12 @@ from mula_lightning.parallel.parallelize import materialize_and_broadcast
 from mula_lightning.parallel.sharded_optimizer import logical_name
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.parallel.zero_layout import ZeroTopoLayout
-from mula_lightning.strategies.common import InPlaceCheckpointRestore, check_precision, unwrap_optimizer
+from mula_lightning.strategies.common import (
+    InPlaceCheckpointRestore,
+    check_precision,
+    repoint_scheduler,
+    unwrap_optimizer,
+)
 
 
 @dataclass
@@ -161,7 +166,7 @@ class FabricZeroTopoStrategy(FabricDDPStrategy):
         module = self.setup_module(module)
         optimizers = [self.setup_optimizer(o) for o in optimizers]
         if scheduler is not None:
-            scheduler.optimizer = optimizers[0]
+            repoint_scheduler(scheduler, optimizers[0])
         return module, optimizers, scheduler
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
@@ -244,7 +249,7 @@ class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
                 raise ValueError(f"zero_topo trains with exactly one optimizer, got {len(self.optimizers)}")
             engine = build_engine(self.model, self.optimizers[0], self.settings, self.world_size, names)
             for config in self.lr_scheduler_configs:
-                config.scheduler.optimizer = engine
+                repoint_scheduler(config.scheduler, engine)
             self.optimizers = [engine]
         self.setup_precision_plugin()
 
