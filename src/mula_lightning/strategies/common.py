@@ -57,6 +57,41 @@ class EPSOSettings:
         return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
 
 
+class ShardedFabricHooks:
+    """Fabric-strategy hooks shared by the sharded strategies (mix in before Lightning's Fabric DDP strategy).
+
+    The optimizer is built from the set-up module (``setup_optimizer``), a scheduler is re-pointed to it, and
+    clipping goes to the optimizer's global-norm clip; value clipping is refused (gradients are sharded).
+    """
+
+    strategy_name = "sharded"
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None):
+        module = self.setup_module(module)
+        optimizers = [self.setup_optimizer(o) for o in optimizers]
+        if scheduler is not None:
+            repoint_scheduler(scheduler, optimizers[0])
+        return module, optimizers, scheduler
+
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite=True
+    ) -> torch.Tensor:
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"the {self.strategy_name} strategy clips by the global L2 norm only, got norm_type={norm_type}"
+            )
+        norm = unwrap_optimizer(optimizer).clip_grad_norm_(float(max_norm))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is non-finite ({norm.item()}); not clipping")
+        return norm
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Any, clip_val: float) -> None:
+        raise ValueError(
+            f"gradient clipping by value is not supported by the {self.strategy_name} strategy (gradients are "
+            "sharded); clip by norm instead (fabric.clip_gradients(model, optimizer, max_norm=...))"
+        )
+
+
 class InPlaceCheckpointRestore:
     """Trainer-strategy hooks for strategies whose ``load_checkpoint`` restores model and optimizer in place.
 

@@ -35,6 +35,7 @@ from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
 from mula_lightning.strategies.common import (
     EPSOSettings,
     InPlaceCheckpointRestore,
+    ShardedFabricHooks,
     check_precision,
     load_sharded_checkpoint,
     repoint_scheduler,
@@ -67,7 +68,7 @@ def _sync_disabled(optimizer: ShardedAdamW) -> Generator[None, None, None]:
         optimizer.require_grad_sync = previous
 
 
-class FabricEPSOStrategy(FabricDDPStrategy):
+class FabricEPSOStrategy(ShardedFabricHooks, FabricDDPStrategy):
     """DP x EP with EPSO for ``lightning.fabric.Fabric`` (``Fabric(strategy="epso")`` or an instance).
 
     Args:
@@ -149,27 +150,6 @@ class FabricEPSOStrategy(FabricDDPStrategy):
             **self.settings.optimizer_kwargs(),
         )
         return self.sharded_optimizer
-
-    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        module = self.setup_module(module)
-        optimizers = [self.setup_optimizer(o) for o in optimizers]
-        if scheduler is not None:
-            repoint_scheduler(scheduler, optimizers[0])
-        return module, optimizers, scheduler
-
-    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        if float(norm_type) != 2.0:
-            raise ValueError(f"the sharded optimizer clips by the global L2 norm only, got norm_type={norm_type}")
-        norm = unwrap_optimizer(optimizer).clip_grad_norm_(float(max_norm))
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"the total norm of the gradients is non-finite ({norm.item()}); not clipping")
-        return norm
-
-    def clip_gradients_value(self, module, optimizer, clip_val):
-        raise ValueError(
-            "gradient clipping by value is not supported by the epso strategy (gradients are sharded); "
-            "clip by norm instead (fabric.clip_gradients(model, optimizer, max_norm=...))"
-        )
 
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         if storage_options is not None or filter is not None:

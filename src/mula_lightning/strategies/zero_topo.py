@@ -40,6 +40,7 @@ from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.parallel.zero_layout import ZeroTopoLayout
 from mula_lightning.strategies.common import (
     InPlaceCheckpointRestore,
+    ShardedFabricHooks,
     check_precision,
     repoint_scheduler,
     unwrap_optimizer,
@@ -121,7 +122,7 @@ class _NoReduceControl(_BackwardSyncControl):
         return nullcontext()
 
 
-class FabricZeroTopoStrategy(FabricDDPStrategy):
+class FabricZeroTopoStrategy(ShardedFabricHooks, FabricDDPStrategy):
     """Hierarchical ZeRO for ``lightning.fabric.Fabric`` (``Fabric(strategy="zero_topo")`` or an instance).
 
     Args: the fields of :class:`ZeroTopoSettings`, then Lightning's DDP strategy arguments.
@@ -161,24 +162,6 @@ class FabricZeroTopoStrategy(FabricDDPStrategy):
             raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
         self.engine = build_engine(self._module, optimizer, self.settings, self.world_size, self._names)
         return self.engine
-
-    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        module = self.setup_module(module)
-        optimizers = [self.setup_optimizer(o) for o in optimizers]
-        if scheduler is not None:
-            repoint_scheduler(scheduler, optimizers[0])
-        return module, optimizers, scheduler
-
-    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        if float(norm_type) != 2.0:
-            raise ValueError(f"zero_topo clips by the global L2 norm only, got norm_type={norm_type}")
-        norm = unwrap_optimizer(optimizer).clip_grad_norm_(float(max_norm))
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"the total norm of the gradients is non-finite ({norm.item()}); not clipping")
-        return norm
-
-    def clip_gradients_value(self, module, optimizer, clip_val):
-        raise ValueError("zero_topo shards gradients: clip by norm (fabric.clip_gradients(..., max_norm=...))")
 
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         if storage_options is not None or filter is not None:
