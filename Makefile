@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test lint format clean
+.PHONY: venv demo test test-cpus lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,17 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q --durations=20 tests
 
+# The parity and distributed tests under other CPU kernels (AVX2, no SIMD, one thread): one line per setting.
+test-cpus: venv
+	$(PY) scripts/cpu_matrix.py
+
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks examples scripts
 
 format: venv
-	$(VENV)/bin/ruff check --fix src tests benchmarks examples
-	$(VENV)/bin/ruff format src tests benchmarks examples
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples scripts
+	$(VENV)/bin/ruff format src tests benchmarks examples scripts
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

@@ -136,7 +136,7 @@ def test_kill_mid_run_then_rerun_is_byte_identical(tmp_path, make_documents, wri
     inputs = [str(write_jsonl(tmp_path / "in" / f"p{s:02d}.jsonl", make_documents(150, seed=s))) for s in range(24)]
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    subprocess.run(_cli(ref, inputs, 320), env=env, check=True, capture_output=True)
+    subprocess.run(_cli(ref, inputs, 320), env=env, check=True, capture_output=True, timeout=300)
 
     for marker in (killed / ".work" / "unit-00003.json", killed / "train-00004.npy"):
         proc = subprocess.Popen(_cli(killed, inputs, 320), env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
@@ -145,9 +145,9 @@ def test_kill_mid_run_then_rerun_is_byte_identical(tmp_path, make_documents, wri
             time.sleep(0.002)
         assert proc.poll() is None, f"prepare finished before {marker.name} could be interrupted"
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=60)
         proc.stderr.close()
         assert not (killed / "manifest.json").exists()
-    result = subprocess.run(_cli(killed, inputs, 320), env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run(_cli(killed, inputs, 320), env=env, capture_output=True, text=True, check=True, timeout=300)
     assert "resuming" in result.stderr
     _same_tree(ref, killed)

@@ -4,6 +4,10 @@ Every rank feeds its own micro-batch; the reference runs the unsharded block on 
 separately. Outputs, input and router gradients must match per rank; the gradient of a rank's expert slice
 must equal the sum, over the ranks of its EP group, of the reference gradients of that slice (the slice saw
 all of the group's tokens). The loss weights differ per rank, so a reduction over the wrong ranks fails.
+
+Parity runs in float64 (experts on the per-expert ``torch.mm`` path) with the tight rule of
+:func:`mula_lightning.testing.assert_parity`, plus one float32 case for the grouped GEMM kernels; injected bugs
+(a dropped token, dispatch over the world instead of the EP group) must fail the same check.
 """
 
 import copy
@@ -16,9 +20,13 @@ from mula_lightning.moe import FastSparseMoEBlock
 from mula_lightning.parallel.expert_parallel import ExpertParallelMoEBlock, apply_expert_parallel
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.topology import build_topology
-from mula_lightning.testing import DistributedTestError, run_distributed_test
+from mula_lightning.testing import DistributedTestError, assert_parity, run_distributed_test
 
-H, E, K = 16, 8, 2
+H, E, K, FF = 16, 8, 2, 12  # FF: expert intermediate size
+S = 15  # tokens per rank
+# Rounded operations feeding one output / input-gradient element: dots over H and 2FF, the router's softmax over E,
+# the sum over K. A weight gradient also sums over the tokens it saw.
+BLOCK_LEN = H + 2 * FF + E + K
 
 
 def _config(capacity_factor=None):
@@ -27,7 +35,7 @@ def _config(capacity_factor=None):
         hidden_size=H,
         num_heads=2,
         num_kv_heads=2,
-        intermediate_size=12,
+        intermediate_size=FF,
         num_experts=E,
         top_k=K,
         capacity_factor=capacity_factor,
@@ -35,9 +43,9 @@ def _config(capacity_factor=None):
     )
 
 
-def _block(case):
+def _block(case, dtype=torch.float32):
     torch.manual_seed(0)
-    block = FastSparseMoEBlock(_config(capacity_factor=1.0 if case == "capacity" else None))
+    block = FastSparseMoEBlock(_config(capacity_factor=1.0 if case == "capacity" else None)).to(dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.5)
@@ -46,12 +54,12 @@ def _block(case):
     return block
 
 
-def _batch(rank, case):
+def _batch(rank, case, dtype=torch.float32):
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(3, 5, H, generator=g)  # 15 tokens: odd, no alignment
+    x = torch.randn(3, 5, H, generator=g, dtype=dtype)  # 15 tokens: odd, no alignment
     if case in ("skewed", "capacity"):
         x = x.abs()
-    return x, torch.randn(3, 5, H, generator=g)
+    return x, torch.randn(3, 5, H, generator=g, dtype=dtype)
 
 
 def _step(block, x, weights):
@@ -62,50 +70,104 @@ def _step(block, x, weights):
     return out.detach(), x.grad, grads, aux
 
 
-def _ep_run(rank, world_size, ep, dispatcher, case):
+def _inject(bug):
+    """Break expert parallelism on purpose (in the rank process): the parity check must then fail."""
+    import torch.distributed as dist
+
+    import mula_lightning.parallel.expert_parallel as ep_module
+
+    if bug == "dropped_token":  # the first (token, k) pair gathered from rank 0 never reaches its expert
+        build = ep_module.build_dispatch_plan
+
+        def build_dropping_one(indices_SK, *args, **kwargs):
+            indices_SK = indices_SK.clone()
+            indices_SK[0, 0] = -1
+            return build(indices_SK, *args, **kwargs)
+
+        ep_module.build_dispatch_plan = build_dropping_one
+    elif bug == "world_group":  # tokens gathered and combined over every rank instead of the EP group
+        init = ep_module.ExpertParallelMoEBlock.__init__
+
+        def init_on_world(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.ep_group = dist.group.WORLD
+
+        ep_module.ExpertParallelMoEBlock.__init__ = init_on_world
+
+
+def _ep_run(rank, world_size, ep, dispatcher, case, dtype, bug=None):
+    _inject(bug)
     topo = build_topology(ep)
-    block = ExpertParallelMoEBlock(_block(case), topo.ep_group, dispatcher)
-    x, w = _batch(rank, case)
+    block = ExpertParallelMoEBlock(_block(case, dtype), topo.ep_group, dispatcher)
+    x, w = _batch(rank, case, dtype)
     out, x_grad, grads, aux = _step(block, x, w)
     return out, x_grad, grads, aux.num_dropped.item(), aux.tokens_per_expert
 
 
+def _check_ep(results, refs, world_size, ep, dispatcher, dtype):
+    """Every rank's output, input and router gradients, and expert-slice gradients equal the reference's."""
+    per = E // ep
+    for rank, (out, x_grad, grads, dropped, tokens) in enumerate(results):
+        ref_out, ref_x_grad, ref_grads, ref_aux = refs[rank]
+        what = f"{dispatcher} {dtype} rank {rank}"
+        assert_parity(out, ref_out, reduction_len=BLOCK_LEN, msg=f"{what} output")
+        assert_parity(x_grad, ref_x_grad, reduction_len=BLOCK_LEN, msg=f"{what} input grad")
+        assert_parity(grads["gate.weight"], ref_grads["gate.weight"], reduction_len=S * BLOCK_LEN, msg=f"{what} gate")
+        assert dropped == ref_aux.num_dropped.item() and torch.equal(tokens, ref_aux.tokens_per_expert), what
+        group = [r for r in range(world_size) if r // ep == rank // ep]
+        lo = (rank % ep) * per
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            expected = sum(refs[r][2][name][lo : lo + per] for r in group)
+            assert_parity(grads[name], expected, reduction_len=ep * S * BLOCK_LEN, msg=f"{what} {name}")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world_size,ep,case",
-    [(2, 2, "random"), (4, 2, "skewed"), (4, 4, "capacity")],
+    "world_size,ep,case,dtype",
+    [
+        (2, 2, "random", torch.float64),
+        (4, 2, "skewed", torch.float64),
+        (4, 4, "capacity", torch.float64),
+        (2, 2, "random", torch.float32),  # the grouped GEMM kernels
+    ],
+    ids=["2-2-random-f64", "4-2-skewed-f64", "4-4-capacity-f64", "2-2-random-f32"],
 )
-def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case):
+def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dtype):
     """Both dispatchers equal the unsharded block: outputs, input/router grads, and summed expert-slice grads.
 
-    Cases: random routing; a routing where one EP rank receives no token; capacity factor 1.0 with drops.
+    Cases: random routing; a routing where one EP rank receives no token; capacity factor 1.0 with drops; in
+    float64 (bound ~1e-13 relative) and, for random routing, in float32 through the grouped GEMM kernels.
     """
-    refs = [_step(_block(case), *_batch(r, case)) for r in range(world_size)]
-    per = E // ep
+    refs = [_step(_block(case, dtype), *_batch(r, case, dtype)) for r in range(world_size)]
     for dispatcher in ("allgather", "alltoall"):
-        results = run_distributed_test(_ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, timeout=120)
-        for rank, (out, x_grad, grads, dropped, tokens) in enumerate(results):
-            ref_out, ref_x_grad, ref_grads, ref_aux = refs[rank]
-            tol = dict(rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(out, ref_out, **tol, msg=f"{dispatcher} rank {rank} output")
-            torch.testing.assert_close(x_grad, ref_x_grad, **tol, msg=f"{dispatcher} rank {rank} input grad")
-            torch.testing.assert_close(grads["gate.weight"], ref_grads["gate.weight"], **tol)
-            assert dropped == ref_aux.num_dropped.item() and torch.equal(tokens, ref_aux.tokens_per_expert)
-            group = [r for r in range(world_size) if r // ep == rank // ep]
-            lo = (rank % ep) * per
-            for name in ("experts.gate_up_proj", "experts.down_proj"):
-                expected = sum(refs[r][2][name][lo : lo + per] for r in group)
-                torch.testing.assert_close(grads[name], expected, **tol, msg=f"{dispatcher} rank {rank} {name}")
+        results = run_distributed_test(
+            _ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, dtype=dtype, timeout=120
+        )
+        _check_ep(results, refs, world_size, ep, dispatcher, dtype)
     if case == "skewed":
         assert all(r[2]["experts.gate_up_proj"][E // 2 :].abs().sum() == 0 for r in refs)  # rank 1 really idles
     if case == "capacity":
         assert sum(r[3].num_dropped.item() for r in refs) > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("bug", ["dropped_token", "world_group"])
+def test_parity_check_catches_injected_bugs(bug):
+    """A token dropped from dispatch, or dispatch and combine over the world instead of the EP group (DP=2 x EP=2),
+    fails the float64 parity check of the test above: its tolerance is tight enough to see real bugs."""
+    world_size, ep, dtype = 4, 2, torch.float64
+    refs = [_step(_block("random", dtype), *_batch(r, "random", dtype)) for r in range(world_size)]
+    kwargs = dict(ep=ep, dispatcher="allgather", case="random", dtype=dtype, timeout=120)
+    _check_ep(run_distributed_test(_ep_run, world_size, **kwargs), refs, world_size, ep, "allgather", dtype)
+    results = run_distributed_test(_ep_run, world_size, bug=bug, **kwargs)
+    with pytest.raises(AssertionError):
+        _check_ep(results, refs, world_size, ep, "allgather", dtype)
+
+
 def _ledger_run(rank, world_size):
     topo = build_topology(world_size)
-    block = ExpertParallelMoEBlock(_block("random"), topo.ep_group, "allgather")
-    x, w = _batch(rank, "random")
+    block = ExpertParallelMoEBlock(_block("random", torch.float32), topo.ep_group, "allgather")
+    x, w = _batch(rank, "random", torch.float32)
     with CommLedger() as ledger:
         _step(block, x, w)
     return [(r.op, r.tag, r.phase, r.bytes_sent) for r in ledger.records]

@@ -25,6 +25,7 @@ from torch import nn
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.moe.reference import MoEAux, ReferenceMoEBlock
+from mula_lightning.utils.precision import upcast
 
 
 def _moe_impls() -> dict[str, type[nn.Module]]:
@@ -55,7 +56,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = upcast(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
@@ -203,7 +204,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored (transformers' rule)."""
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
     return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
+        upcast(logits).reshape(-1, logits.shape[-1]),
         shifted.reshape(-1),
         ignore_index=-100,
         reduction=reduction,

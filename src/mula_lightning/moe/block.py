@@ -35,6 +35,7 @@ from mula_lightning.moe.dispatch import build_dispatch_plan
 from mula_lightning.moe.experts import GroupedExperts
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
+from mula_lightning.utils.precision import upcast
 
 
 class FastSparseMoEBlock(nn.Module):
@@ -110,7 +111,7 @@ class FastSparseMoEBlock(nn.Module):
         if isinstance(self.gate, Router):
             return self.gate(x_SH)
         logits_SE, weights_SK, indices_SK = self.gate(x_SH)
-        logits32_SE = logits_SE.float()
+        logits32_SE = upcast(logits_SE)
         with torch.no_grad():
             tokens_per_expert_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts)
         return RouterOutput(

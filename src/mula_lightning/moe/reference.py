@@ -24,6 +24,7 @@ from torch import nn
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.moe.router import Router, RouterOutput
+from mula_lightning.utils.precision import upcast
 
 
 @dataclass
@@ -115,7 +116,7 @@ class ReferenceMoEBlock(nn.Module):
                 continue
             y_NH = self.experts.expert_forward(e, x_SH[token_idx])
             w_N1 = routed.weights_SK[token_idx, k_idx].unsqueeze(-1)
-            out_SH = out_SH.index_add(0, token_idx, (y_NH.float() * w_N1).to(x_SH.dtype))
+            out_SH = out_SH.index_add(0, token_idx, (upcast(y_NH) * w_N1).to(x_SH.dtype))
         aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
         return out_SH.reshape(shape), aux
 

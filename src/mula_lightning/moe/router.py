@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mula_lightning.models.config import ROUTER_KINDS, capacity
+from mula_lightning.utils.precision import upcast
 
 
 @dataclass
@@ -134,7 +135,7 @@ class Router(nn.Module):
 
     def forward(self, x_SH: torch.Tensor) -> RouterOutput:
         x_SH = x_SH.reshape(-1, self.hidden_size)
-        logits_SE = F.linear(x_SH.float(), self.weight.float())
+        logits_SE = F.linear(upcast(x_SH), upcast(self.weight))
         probs_SE = torch.softmax(logits_SE, dim=-1)
         num_tokens = logits_SE.shape[0]
 

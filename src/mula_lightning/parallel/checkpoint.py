@@ -56,7 +56,9 @@ def _global_offset(name: str, local_numel: int, ep_rank: int, ep_size: int) -> i
     return ep_rank * local_numel if is_expert_param(name) and ep_size > 1 else 0
 
 
-def _sharded_vector(local: list[torch.Tensor], shards: list[tuple[int, int, int]], numel: int, device) -> Any:
+def _sharded_vector(
+    local: list[torch.Tensor], shards: list[tuple[int, int, int]], numel: int, device, dtype: torch.dtype
+) -> Any:
     """A 1-D ShardedTensor of length ``numel`` from (rank, offset, length) shards; ``local`` are this rank's."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -64,7 +66,7 @@ def _sharded_vector(local: list[torch.Tensor], shards: list[tuple[int, int, int]
     me = dist.get_rank()
     metas = [ShardMetadata([off], [length], f"rank:{r}/{device}") for r, off, length in shards]
     mine = [m for (r, _, _), m in zip(shards, metas) if r == me]
-    props = TensorProperties(dtype=torch.float32)
+    props = TensorProperties(dtype=dtype)
     md = ShardedTensorMetadata(metas, torch.Size([numel]), props)
     return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(t, m) for t, m in zip(local, mine)], md)
 
@@ -101,7 +103,7 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
                 vec = state[key]
                 local = [vec[seg.local_start : seg.local_start + seg.numel] for seg in mine]
                 if _distributed():
-                    out[f"state.{slot.name}.{key}"] = _sharded_vector(local, shards, full_numel, vec.device)
+                    out[f"state.{slot.name}.{key}"] = _sharded_vector(local, shards, full_numel, vec.device, vec.dtype)
                 else:
                     out[f"state.{slot.name}.{key}"] = torch.cat(local) if local else vec.new_zeros(0)
     return out

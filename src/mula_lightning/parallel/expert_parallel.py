@@ -43,6 +43,7 @@ from mula_lightning.parallel.collectives import (
 )
 from mula_lightning.parallel.sharded_optimizer import is_expert_param
 from mula_lightning.parallel.topology import check_divisible
+from mula_lightning.utils.precision import at_least_float32, upcast
 
 DISPATCHERS = ("allgather", "alltoall")
 
@@ -154,8 +155,8 @@ class ExpertParallelMoEBlock(FastSparseMoEBlock):
         y_recv = y_RH.index_select(0, plan.slot_row_SK.reshape(-1))  # back to received order
         y_back = all_to_all_single(y_recv, input_splits, output_splits, group, level="ep", tag="moe.a2a.y")
         w_pair = routed.weights_SK.reshape(-1).index_select(0, pairs)
-        acc = torch.zeros(num_tokens * top_k, x_SH.shape[-1], dtype=torch.float32, device=x_SH.device)
-        acc = acc.index_copy(0, pairs, y_back.float() * w_pair.float().unsqueeze(-1))  # each slot written once
+        acc = torch.zeros(num_tokens * top_k, x_SH.shape[-1], dtype=at_least_float32(x_SH.dtype), device=x_SH.device)
+        acc = acc.index_copy(0, pairs, upcast(y_back) * upcast(w_pair).unsqueeze(-1))  # each slot written once
         return acc.view(num_tokens, top_k, -1).sum(dim=1).to(x_SH.dtype)  # fixed k order: deterministic
 
 

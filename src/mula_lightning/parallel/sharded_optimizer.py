@@ -48,6 +48,7 @@ from mula_lightning.parallel.collectives import _all_gather_single, _reduce_scat
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
 from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.utils.precision import at_least_float32
 
 MODES = ("ep_aware", "dp", "none")
 
@@ -113,6 +114,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             group with all trainable parameters.
         lr, betas, eps, weight_decay: AdamW defaults (the Aurora paper's recipe).
         reduce_dtype: dtype gradients travel in (``torch.float32`` or ``torch.bfloat16`` as in the paper).
+            float64 parameters (exact parity checks) keep float64 throughout: gradients travel, and moments and
+            updates are computed, in float64.
         bucket_numel: elements per communication bucket (``None``: one bucket per family).
     """
 
@@ -161,7 +164,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             if items:
                 plan = self.plans[fam]
                 self.buffers[fam] = FlatBuffer(items, plan.shard_size, plan.shard_rank, bucket_numel)
-        self.master_dtype = torch.float32
+        self.master_dtype = torch.float32  # of half-precision parameters; float32 / float64 ones are their own master
         self._init_state()
         self._pending: dict[tuple[str, int], Any] = {}
         self._ready: dict[tuple[str, int], int] = {}
@@ -218,10 +221,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.shards: dict[str, dict[str, torch.Tensor]] = {}
         for fam, buf in self.buffers.items():
             owned = buf.gather_owned(buf.params)
-            master = owned.float() if buf.dtype != torch.float32 else None
+            state_dtype = at_least_float32(buf.dtype)
+            master = owned.to(state_dtype) if buf.dtype != state_dtype else None
             self.shards[fam] = {
-                "exp_avg": torch.zeros(buf.owned_numel, dtype=torch.float32, device=buf.device),
-                "exp_avg_sq": torch.zeros(buf.owned_numel, dtype=torch.float32, device=buf.device),
+                "exp_avg": torch.zeros(buf.owned_numel, dtype=state_dtype, device=buf.device),
+                "exp_avg_sq": torch.zeros(buf.owned_numel, dtype=state_dtype, device=buf.device),
                 **({"master": master} if master is not None else {}),
             }
 
@@ -250,10 +254,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         b = buf.buckets[bucket_index]
         view = buf.grads[b.start : b.start + b.numel]
         view.div_(self.world_size)
-        send = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
+        reduce_dtype = torch.float64 if view.dtype == torch.float64 else self.reduce_dtype
+        send = view if view.dtype == reduce_dtype else view.to(reduce_dtype)
         work, out = None, None
         if plan.shard_size > 1:
-            out = torch.empty(b.shard_numel, dtype=self.reduce_dtype, device=view.device)
+            out = torch.empty(b.shard_numel, dtype=reduce_dtype, device=view.device)
             work = _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=plan.shard_group, async_op=True)
             _record("reduce_scatter", plan.shard_group, plan.shard_size, send, out, fam)
         elif plan.cross_size > 1 and plan.cross_group is not None:
@@ -301,9 +306,10 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def owned_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, every element of the model counted exactly once."""
-        total = torch.zeros((), dtype=torch.float32, device=next(iter(self.buffers.values())).device)
+        dtype = at_least_float32(next(iter(self.buffers.values())).grads.dtype)
+        total = torch.zeros((), dtype=dtype, device=next(iter(self.buffers.values())).device)
         for fam, buf in self.buffers.items():
-            owned = buf.gather_owned(buf.grads).float()
+            owned = buf.gather_owned(buf.grads).to(dtype)
             total += owned.pow(2).sum() / self.plans[fam].cross_size
         if self.world_size > 1:
             dist.all_reduce(total, group=self.topology.world_group)
@@ -340,7 +346,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _adamw_update(self, fam: str, buf: FlatBuffer) -> None:
         state = self.shards[fam]
-        grads = buf.gather_owned(buf.grads).float()
+        grads = buf.gather_owned(buf.grads).to(state["exp_avg"].dtype)
         params = state.get("master")
         if params is None:
             params = buf.gather_owned(buf.params)

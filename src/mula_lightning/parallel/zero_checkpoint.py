@@ -67,7 +67,7 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
             for key, vec in vectors.items():
                 local = [vec[s.local_start : s.local_start + s.numel] for s in mine]
                 if _distributed():
-                    out[f"state.{slot.name}.{key}"] = _sharded_vector(local, shards, slot.numel, vec.device)
+                    out[f"state.{slot.name}.{key}"] = _sharded_vector(local, shards, slot.numel, vec.device, vec.dtype)
                 else:
                     out[f"state.{slot.name}.{key}"] = torch.cat(local) if local else vec.new_zeros(0)
     return out

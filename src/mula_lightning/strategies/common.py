@@ -143,7 +143,11 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 
 def check_precision(plugin: Any) -> None:
-    """Accept ``32-true`` and ``bf16-true``; reject mixed precision and fp16 (see the strategy docstring)."""
+    """Accept ``32-true``, ``bf16-true`` and ``64-true``; reject mixed precision and fp16 (see the strategy docstring).
+
+    ``64-true`` (float64 parameters, gradients, reductions and optimizer states) is for checking the math: a float64
+    run agrees with one process to ~1e-12 on any CPU (see :mod:`mula_lightning.testing.parity`).
+    """
     name = type(plugin).__name__
     precision = getattr(plugin, "precision", None)
     if "Mixed" in name or precision in ("bf16-mixed", "16-mixed"):
@@ -151,8 +155,8 @@ def check_precision(plugin: Any) -> None:
             f"precision={precision!r} is not supported by the sharded strategies: the strategy owns precision; use "
             "'bf16-true' (bf16 parameters, fp32 master weights in the optimizer) or '32-true'"
         )
-    if precision not in (None, "32-true", "bf16-true"):
-        raise ValueError(f"precision={precision!r} is not supported; use '32-true' or 'bf16-true'")
+    if precision not in (None, "32-true", "bf16-true", "64-true"):
+        raise ValueError(f"precision={precision!r} is not supported; use '32-true', 'bf16-true' or '64-true'")
     if hasattr(plugin, "clip_grad_by_norm"):  # the Trainer's plugin clips; route it to the sharded optimizer
         plugin.clip_grad_by_norm = _clip_grad_by_norm
         plugin.clip_grad_by_value = _clip_grad_by_value

@@ -7,12 +7,15 @@ CUDA / XPU when present while passing on a CPU-only machine.
 
 from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test
 from mula_lightning.testing.markers import BACKENDS, available_backends, gpu_available, requires_gpu
+from mula_lightning.testing.parity import assert_parity, parity_tolerance
 
 __all__ = [
     "BACKENDS",
     "DistributedTestError",
+    "assert_parity",
     "available_backends",
     "gpu_available",
+    "parity_tolerance",
     "requires_gpu",
     "run_distributed_test",
 ]
