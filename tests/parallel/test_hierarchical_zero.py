@@ -2,6 +2,11 @@
 
 The reference is one process running the unsharded model on every rank's micro-batch, averaging the losses and
 stepping ``torch.optim.AdamW`` after torch's global-norm clipping (max_norm small, so clipping fires every step).
+
+Both sides run in float64, so :func:`mula_lightning.testing.assert_parity` compares losses, the gradient norm before
+clipping (the check that sees a wrong gradient scale, which clipping and Adam would hide) and parameters after ten
+steps at ~1e-12; the quantized runs keep their own bound (within 2% of the unquantized loss, not identical). Injected
+bugs (gradients not all-reduced across nodes, a missing 1/world scale) must fail that check.
 """
 
 import pytest
@@ -10,12 +15,20 @@ import torch
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.quantization import packed_bytes
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import assert_parity, run_distributed_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 0.05
 STEPS = 10
 BLOCK = 16
+DTYPE = torch.float64
+H, FF, V, T = 32, 64, 128, 12  # hidden, MLP intermediate, vocabulary, sequence
+# Rounded operations feeding one element of the loss or a gradient: per layer, dots over H (attention projections),
+# T (attention) and FF (MLP), then the vocabulary's softmax; a gradient adds a sum over every rank's tokens (at most
+# 8 ranks x 2 x T); the norm sums squares over every element (its rounding scales every clipped gradient). Each
+# AdamW step builds on the previous ones, so N steps allow N times one step's rounding.
+MODEL_LEN = 2 * (3 * H + T + 2 * FF) + V
+GRAD_LEN = MODEL_LEN + 8 * 2 * T
 
 
 def _config():
@@ -35,24 +48,48 @@ def _batch(step, rank):
     return torch.randint(0, 128, (2, 12), generator=g)
 
 
-def _train(rank, world_size, configs):
+def _inject(bug):
+    """Break the engine on purpose (in the rank process): the parity check must then fail."""
+    import mula_lightning.parallel.hierarchical_zero as hz
+
+    if bug == "no_cross_node_reduce":  # gradient shards summed inside the node only, not over the other nodes
+        group = hz.HierarchicalZeroAdamW._group
+
+        def group_without_cross(self, kind):
+            return (None, 1, [0]) if kind == "grad_cross" else group(self, kind)
+
+        hz.HierarchicalZeroAdamW._group = group_without_cross
+    elif bug == "missing_world_scale":  # summed gradients never divided by the world size
+        finish = hz.HierarchicalZeroAdamW.finish_grad_sync
+
+        def finish_without_scale(self):
+            if not self._synced:
+                finish(self)
+                for u in self.units:
+                    u.grad_shard.mul_(self.layout.world_size)
+
+        hz.HierarchicalZeroAdamW.finish_grad_sync = finish_without_scale
+
+
+def _train(rank, world_size, configs, bug=None):
     from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
     from mula_lightning.parallel.zero_layout import ZeroTopoLayout
 
+    _inject(bug)
     results = {}
     for name, sizes, quant in configs:
         layout = ZeroTopoLayout.from_env(**sizes)
-        model = init_weights(MulaForCausalLM(_config()), seed=0)
+        model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
         engine = HierarchicalZeroAdamW(
             model, layout, **HP, quantize_weights=quant, quantize_grads=quant, block_size=BLOCK
         )
-        losses, records = [], None
+        losses, norms, records = [], [], None
         for step in range(STEPS):
             x = _batch(step, rank)
             with CommLedger() as ledger:
                 loss = model(x, labels=x).loss
                 loss.backward()
-                engine.clip_grad_norm_(MAX_NORM)
+                norms.append(engine.clip_grad_norm_(MAX_NORM).item())
                 engine.step()
             if step == 0:
                 records = [(r.tag, r.level, r.op, r.bytes_sent) for r in ledger.records]
@@ -61,41 +98,43 @@ def _train(rank, world_size, configs):
             state = {k: v.clone() for k, v in model.state_dict().items()}
         numels = [u.buf.numel for u in engine.units]
         sizes_out = (layout.weight_size, layout.secondary_size, layout.grad_size, layout.optimizer_size)
-        results[name] = (losses, state, records, numels, sizes_out, engine.memory_bytes())
+        results[name] = (losses, state, records, numels, sizes_out, engine.memory_bytes(), norms)
     return results
 
 
 def _reference(world_size):
-    model = init_weights(MulaForCausalLM(_config()), seed=0)
+    model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), **HP)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         per_rank = [model(_batch(step, r), labels=_batch(step, r)).loss for r in range(world_size)]
         torch.stack(per_rank).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
         opt.zero_grad()
         losses.append([p.item() for p in per_rank])
-    return losses, model.state_dict()
+    return losses, model.state_dict(), norms
 
 
 def _assert_parity(results, ref, names):
-    ref_losses, ref_state = ref
+    ref_losses, ref_state, ref_norms = ref
     for rank, per_config in enumerate(results):
         for name in names:
             losses, state = per_config[name][:2]
-            expected = torch.tensor([s[rank] for s in ref_losses])
-            torch.testing.assert_close(torch.tensor(losses), expected, rtol=1e-5, atol=1e-6, msg=f"{name} r{rank}")
+            expected = torch.tensor([s[rank] for s in ref_losses], dtype=DTYPE)
+            assert_parity(torch.tensor(losses, dtype=DTYPE), expected, reduction_len=STEPS * GRAD_LEN, msg=name)
+            got_norms = torch.tensor(per_config[name][6], dtype=DTYPE)
+            assert_parity(got_norms, torch.tensor(ref_norms, dtype=DTYPE), reduction_len=STEPS * GRAD_LEN, msg=name)
             for k, v in ref_state.items():
-                atol = 1e-5 * v.abs().max().item()
-                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=atol, msg=f"{name} rank {rank} {k}")
+                assert_parity(state[k], v, reduction_len=STEPS * GRAD_LEN, msg=f"{name} rank {rank} {k}")
 
 
-def _expected_bytes(numels, sizes, world, quant):
-    """Closed form per (tag, level) of one step: (d - 1) / d of the moved numel x bytes, plus scale bytes."""
+def _expected_bytes(numels, sizes, world, quant, b=DTYPE.itemsize):
+    """Closed form per (tag, level) of one step: (d - 1) / d of the moved numel x bytes (``b`` per element,
+    quantized: the packed payload plus fp32 scales)."""
     w, s, g, o = sizes
-    wq = (lambda n: packed_bytes(n, 8, BLOCK)) if quant else (lambda n: 4 * n)
-    gq = (lambda n: packed_bytes(n, 4, BLOCK)) if quant else (lambda n: 4 * n)
+    wq = (lambda n: packed_bytes(n, 8, BLOCK)) if quant else (lambda n: b * n)
+    gq = (lambda n: packed_bytes(n, 4, BLOCK)) if quant else (lambda n: b * n)
     out = {}
 
     def add(key, value):
@@ -104,18 +143,18 @@ def _expected_bytes(numels, sizes, world, quant):
 
     for n in numels:
         add("weights.forward", (w - 1) * wq(n // w))
-        add("weights.backward", (s - 1) * (wq(n // s) if quant or s != w else 4 * n // s))
+        add("weights.backward", (s - 1) * (wq(n // s) if quant or s != w else b * n // s))
         add("grads.reduce_scatter", (g - 1) * gq(n // g))
-        add("grads.all_reduce", ring_bytes_sent("all_reduce", world // g, 4 * n // g))
-        add("weights.post_step", (o // w - 1) * 4 * (n // o))
-    add("grads.norm", ring_bytes_sent("all_reduce", world, 4))
+        add("grads.all_reduce", ring_bytes_sent("all_reduce", world // g, b * n // g))
+        add("weights.post_step", (o // w - 1) * b * (n // o))
+    add("grads.norm", ring_bytes_sent("all_reduce", world, b))
     return out
 
 
 def _assert_ledger(results, world, names, levels):
     for per_config in results:
         for name in names:
-            _, _, records, numels, sizes, _ = per_config[name]
+            _, _, records, numels, sizes = per_config[name][:5]
             quant = name.endswith("_q")
             got = {}
             for tag, level, _, sent in records:
@@ -170,6 +209,17 @@ def test_eight_processes_match_one_process_and_ledger_closed_form():
     assert mem["zero_topo_q"]["secondary"] == numel // 2 + 4 * numel // 2 // BLOCK  # INT8 + scales of N/2
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("bug", ["no_cross_node_reduce", "missing_world_scale"])
+def test_parity_check_catches_injected_bugs(bug):
+    """Gradient shards not all-reduced across nodes (4 processes as 2 nodes x 2), or gradients not divided by the
+    world size, fail the float64 parity check of the tests here: the rule is tight enough to see real bugs."""
+    configs = [("zero_topo", {}, False)]
+    results = run_distributed_test(_train, 4, ranks_per_node=2, ranks_per_gpu=1, configs=configs, bug=bug, timeout=300)
+    with pytest.raises(AssertionError):
+        _assert_parity(results, _reference(4), ["zero_topo"])
+
+
 FOUR = [
     ("w1_g2_o4", dict(weight_size=1, grad_size=2, optimizer_size=4), False),
     ("w2_g2_o2", dict(weight_size=2, grad_size=2, optimizer_size=2, secondary_size=2), False),
@@ -185,7 +235,7 @@ def test_four_processes_other_group_sizes_match_one_process():
     _assert_parity(results, _reference(4), [c[0] for c in FOUR])
     for per_config in results:
         for name, *_ in FOUR:
-            _, _, records, numels, sizes, _ = per_config[name]
+            _, _, records, numels, sizes = per_config[name][:5]
             got = {}
             for tag, _, _, sent in records:
                 got[tag] = got.get(tag, 0) + sent

@@ -4,7 +4,8 @@ Each rank holds the non-expert parameters in full and its EP slice of the expert
 gradients that are distinct per rank and per step, so a reduction over the wrong group (or a wrong divisor)
 changes the result. The reference in the test process sums those gradients exactly as the semantics say
 (non-expert: over all ranks; expert slice j: over the ranks with ep_rank j; both divided by DP*EP) and runs
-torch.optim.AdamW with torch's own global-norm clipping.
+torch.optim.AdamW with torch's own global-norm clipping. Both sides run in float64 and are compared with
+:func:`mula_lightning.testing.assert_parity`.
 """
 
 import zlib
@@ -15,23 +16,24 @@ from torch import nn
 
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
 from mula_lightning.parallel.topology import build_topology
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import assert_parity, run_distributed_test
 
 E = 4
 SHAPES = {"embed.weight": (7, 5), "attn.norm.weight": (5,), "layers.0.mlp.gate.weight": (E, 5)}
 EXPERT_SHAPES = {"layers.0.mlp.experts.gate_up_proj": (E, 6, 5), "layers.0.mlp.experts.down_proj": (E, 5, 3)}
 HP = dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-8)
+DTYPE = torch.float64
 
 
-def _full_params():
+def _full_params(dtype=DTYPE):
     g = torch.Generator().manual_seed(0)
     shapes = {**SHAPES, **EXPERT_SHAPES}
-    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    return {n: torch.randn(s, generator=g, dtype=dtype) for n, s in shapes.items()}
 
 
-def _grad(name, shape, step, rank):
+def _grad(name, shape, step, rank, dtype=DTYPE):
     g = torch.Generator().manual_seed(zlib.crc32(repr((name, step, rank)).encode()))
-    return torch.randn(shape, generator=g) * (1 + rank)  # distinct per rank and step
+    return torch.randn(shape, generator=g, dtype=dtype) * (1 + rank)  # distinct per rank and step
 
 
 class _Model(nn.Module):
@@ -51,11 +53,11 @@ def _slice(t, ep_rank, ep):
     return t[ep_rank * per : (ep_rank + 1) * per]
 
 
-def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_numel):
+def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_numel, dtype=DTYPE):
     topo = build_topology(ep)
     results = {}
     for mode in modes:
-        full = _full_params()
+        full = _full_params(dtype)
         local = {n: (_slice(t, topo.ep_rank, ep) if n in EXPERT_SHAPES else t) for n, t in full.items()}
         model = _Model(local)
         params = dict(model.named_parameters())
@@ -67,7 +69,9 @@ def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_
         for step in range(steps):
             for micro in range(accumulate):
                 opt.require_grad_sync = micro == accumulate - 1
-                loss = sum((p * _grad(n, p.shape, (step, micro), rank)).sum() / accumulate for n, p in params.items())
+                loss = sum(
+                    (p * _grad(n, p.shape, (step, micro), rank, dtype)).sum() / accumulate for n, p in params.items()
+                )
                 loss.backward()
             if max_norm is not None:
                 opt.clip_grad_norm_(max_norm)
@@ -124,12 +128,16 @@ def test_every_mode_matches_torch_adamw_on_reduced_gradients(world_size, ep, acc
         timeout=180,
     )
     ref = _reference(world_size, ep, steps, max_norm, accumulate)
+    # Rounded operations per element and step: the sum over ranks and micro-batches, and the clipping norm's sum of
+    # squares over every element; each step builds on the previous ones.
+    numel = sum(torch.Size(s).numel() for s in {**SHAPES, **EXPERT_SHAPES}.values())
+    reduction_len = steps * (world_size * accumulate + numel)
     for rank, per_mode in enumerate(results):
         for mode in modes:
             params, _ = per_mode[mode]
             for n, p in params.items():
                 expected = _slice(ref[n], rank % ep, ep) if n in EXPERT_SHAPES else ref[n]
-                torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {mode} {n}")
+                assert_parity(p, expected, reduction_len=reduction_len, msg=f"rank {rank} {mode} {n}")
 
 
 def _owned(numel_by_family_shard):
@@ -138,7 +146,8 @@ def _owned(numel_by_family_shard):
 
 @pytest.mark.distributed
 def test_state_bytes_follow_the_formula():
-    """Optimizer-state bytes per rank = 8 per owned element (padding included): SO keeps non-expert states EP times."""
+    """Optimizer-state bytes per rank = 8 per owned element of float32 parameters (padding included): SO keeps
+    non-expert states EP times."""
     world_size, ep = 4, 2
     results = run_distributed_test(
         _run_modes,
@@ -149,6 +158,7 @@ def test_state_bytes_follow_the_formula():
         accumulate=1,
         modes=("ep_aware", "dp", "none"),
         bucket_numel=None,
+        dtype=torch.float32,
         timeout=120,
     )
     dp = world_size // ep

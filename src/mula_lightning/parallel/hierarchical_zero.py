@@ -27,6 +27,7 @@ primary ``N / w`` x param bytes; secondary ``N / s`` x (1 + 4 / block) bytes qua
 ``s != w`` unquantized, nothing when ``s == w`` unquantized (the primary is gathered again); gradients ``N / g`` x 4;
 optimizer ``N / o`` x 8 (AdamW moments) plus 4 for an fp32 master when parameters are not fp32 (with fp32
 parameters the primary chunk is the master). Quantized values never overwrite a master or a primary chunk.
+float64 parameters (parity checks) keep gradients, moments and sums in float64 (8 bytes where 4 are written above).
 
 Constraints: every parameter must receive a gradient in every backward (no unused parameters), so all ranks issue
 the same collectives in the same order.
@@ -53,6 +54,7 @@ from mula_lightning.parallel.zero_collectives import (
     slice_quantized,
 )
 from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+from mula_lightning.utils.precision import at_least_float32
 
 UNIT_PATTERN = r"(^|\.)layers\.\d+$"
 
@@ -87,12 +89,13 @@ class _Unit:
         self.opt_offset = pos.optimizer * self.no - pos.weight * self.nw  # optimizer chunk inside the primary
         self.grad_offset = pos.optimizer * self.no - pos.grad * self.ng  # optimizer chunk inside the gradient shard
         own = self.primary[self.opt_offset : self.opt_offset + self.no]
-        self.master_is_primary = buf.dtype == torch.float32
-        self.master = own if self.master_is_primary else own.float()
+        state_dtype = at_least_float32(buf.dtype)  # float32, or float64 for float64 parity runs
+        self.master_is_primary = buf.dtype == state_dtype
+        self.master = own if self.master_is_primary else own.to(state_dtype)
         self.slot_of = {id(s.param): s for s in buf.slots}
-        self.exp_avg = torch.zeros(self.no, dtype=torch.float32, device=buf.device)
+        self.exp_avg = torch.zeros(self.no, dtype=state_dtype, device=buf.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.grad_shard = torch.zeros(self.ng, dtype=torch.float32, device=buf.device)
+        self.grad_shard = torch.zeros(self.ng, dtype=state_dtype, device=buf.device)
         self.secondary: Any = None
         self.full_grad: torch.Tensor | None = None
         self.ready = 0
@@ -269,7 +272,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
     def _on_grad(self, param: nn.Parameter) -> None:
         u = self._unit_of[id(param)]
         if u.full_grad is None:
-            u.full_grad = torch.zeros(u.buf.numel, dtype=torch.float32, device=u.buf.device)
+            u.full_grad = torch.zeros(u.buf.numel, dtype=u.grad_shard.dtype, device=u.buf.device)
         slot = u.slot_of[id(param)]
         u.full_grad[slot.start : slot.end].add_(param.grad.reshape(-1))
         param.grad = None
