@@ -3,6 +3,7 @@
 A tiny LightningModule builds ``MulaForCausalLM`` on the meta device in ``configure_model``; the strategy makes it
 expert parallel, materialises it and shards AdamW. Training is compared with one process computing the same
 math (losses averaged over every rank's micro-batches, torch AdamW, torch's norm clipping, the same LR schedule).
+Both sides run in float64 (``precision="64-true"``) and are compared with :func:`mula_lightning.testing.assert_parity`.
 """
 
 import pytest
@@ -14,10 +15,16 @@ from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.parallel.ledger import CommLedger
 from mula_lightning.strategies import EPSOStrategy
-from mula_lightning.testing import DistributedTestError, run_distributed_test
+from mula_lightning.testing import DistributedTestError, assert_parity, run_distributed_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MICRO, SEQ, ACCUM, CLIP = 2, 12, 2, 0.05
+DTYPE = torch.float64
+H, FF, V = 32, 16, 128  # hidden, expert intermediate, vocabulary
+# Rounded operations feeding one element of a gradient per step: dots over H, SEQ (attention), 2FF, the router's
+# softmax over 8 experts, the vocabulary's softmax, and the sum over every rank's micro-batch tokens (at most
+# 4 ranks x ACCUM x MICRO x SEQ); each AdamW step builds on the previous ones.
+GRAD_LEN = 2 * (3 * H + SEQ + 2 * FF + 8) + V + 4 * ACCUM * MICRO * SEQ
 
 
 def _config():
@@ -71,6 +78,7 @@ def _trainer(world_size, ep, mode="ep_aware", **kwargs):
         accelerator="cpu",
         devices=world_size,
         strategy=EPSOStrategy(ep_size=ep, sharded_optimizer=mode),
+        precision="64-true",
         accumulate_grad_batches=ACCUM,
         gradient_clip_val=CLIP,
         logger=False,
@@ -104,7 +112,7 @@ def _fit(rank, world_size, ep, epochs, save=None, resume=None, mode="ep_aware"):
 
 
 def _reference(world_size, steps):
-    model = init_weights(MulaForCausalLM(_config()), seed=0)
+    model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     data = _samples(world_size)
@@ -124,10 +132,9 @@ def _reference(world_size, steps):
     return model.state_dict()
 
 
-def _assert_state_close(got, expected, what):
+def _assert_state_close(got, expected, what, steps=3):
     for k, v in expected.items():
-        atol = 1e-5 * v.abs().max().item()
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=atol, msg=f"{what}: {k}")
+        assert_parity(got[k], v, reduction_len=steps * GRAD_LEN, msg=f"{what}: {k}")
 
 
 @pytest.mark.distributed

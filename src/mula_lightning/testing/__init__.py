@@ -1,8 +1,10 @@
 """Helpers for the project's own tests (and users' tests): real multi-process runs and accelerator markers.
 
 ``run_distributed_test(fn, world_size, backend="gloo")`` runs a module-level function on several processes with an
-initialised process group and returns the per-rank results; ``requires_gpu`` and ``BACKENDS`` let tests cover
-CUDA / XPU when present while passing on a CPU-only machine.
+initialised process group and returns the per-rank results; ``assert_parity(actual, expected, reduction_len=...)``
+compares a fast or distributed result with its reference under one rule (``reduction_len x eps(dtype) x scale``, see
+:mod:`mula_lightning.testing.parity`); ``requires_gpu`` and ``BACKENDS`` let tests cover CUDA / XPU when present while
+passing on a CPU-only machine.
 """
 
 from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test
