@@ -9,11 +9,12 @@ passing on a CPU-only machine.
 
 from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test
 from mula_lightning.testing.markers import BACKENDS, available_backends, gpu_available, requires_gpu
-from mula_lightning.testing.parity import assert_parity, parity_tolerance
+from mula_lightning.testing.parity import adamw_parameter_scale, assert_parity, parity_tolerance
 
 __all__ = [
     "BACKENDS",
     "DistributedTestError",
+    "adamw_parameter_scale",
     "assert_parity",
     "available_backends",
     "gpu_available",

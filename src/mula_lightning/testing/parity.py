@@ -15,6 +15,13 @@ So:
 * keep one float32 case per fast path (the grouped GEMM kernels) with the same rule and float32's ``eps``;
 * paths that cannot run in float64 (quantized collectives, bf16) state their own documented bounds.
 
+Parameters after AdamW steps need one more factor: Adam divides by ``sqrt(v) + eps``, so an element whose gradient
+is near zero turns a rounding ``delta`` of its gradient into an update difference of up to ``lr x delta / eps``
+(the derivative of ``m / (sqrt(v) + eps)`` with respect to ``g`` is at most ``1 / eps``). Compare such parameters
+with ``scale=`` :func:`adamw_parameter_scale` (plus the parameters' own size): in float64 this is still ~1e-8 while
+a real bug moves parameters by ~lr; in float32 it is of order lr, which is why float32 runs compare gradients and
+losses, not parameters after Adam steps.
+
 Setting ``MULA_PARITY_LOG=/path/file.jsonl`` appends one JSON line per comparison (message, dtype, largest
 difference, tolerance), which is how the CPU matrix (``make test-cpus``) reports the worst case of each setting.
 """
@@ -26,7 +33,22 @@ import os
 
 import torch
 
-__all__ = ["assert_parity", "parity_tolerance"]
+__all__ = ["adamw_parameter_scale", "assert_parity", "parity_tolerance"]
+
+
+def adamw_parameter_scale(*, lr: float, grad_bound: float, eps: float) -> float:
+    """The ``scale`` of parameters after AdamW steps, per unit of gradient rounding: ``lr x grad_bound / eps``.
+
+    Use with ``reduction_len = steps x`` (one step's gradient reduction length): N steps of AdamW whose gradient
+    elements are at most ``grad_bound`` (the clipping norm bounds every element) and carry a rounding of at most
+    ``reduction_len x eps(dtype) x grad_bound`` move a parameter by at most ``lr / eps`` times that per step.
+
+    Args:
+        lr: the largest learning rate of the steps.
+        grad_bound: a bound on the gradient elements (the clipping ``max_norm``, or the largest gradient).
+        eps: AdamW's ``eps``.
+    """
+    return lr * grad_bound / eps
 
 
 def parity_tolerance(
