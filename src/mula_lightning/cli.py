@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "test": ("mula_lightning.lightning_cli:test", "evaluate a checkpoint on the held-out split"),
     "report": ("mula_lightning.report:main", "PNG plots (loss, lr, tokens/s, expert load) of a run's CSV log"),
     "export": ("mula_lightning.callbacks.export:main", "any checkpoint (full or model-only) to a HF directory"),
+    "checkpoint": ("mula_lightning.checkpoint_cli:main", "convert a checkpoint of the earlier pickled format: --trust"),
 }
 
 

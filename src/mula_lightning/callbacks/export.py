@@ -18,7 +18,7 @@ from the config (:func:`mula_lightning.models.hf_convert.save_hf`).
 from __future__ import annotations
 
 import json
-import pickle
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 from jsonargparse import ArgumentParser
 
 from mula_lightning.callbacks.slots import STATE_NAME, resolve_last
+from mula_lightning.utils.safe_load import UnsafeCheckpointError, load_full_dcp, load_torch_file, loads_data
 
 _ANCHOR = "model.embed_tokens.weight"
 
@@ -72,34 +73,21 @@ def _full_checkpoint_path(path: Path) -> Path:
 
 
 def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(flat tensors, extra entries) of a DCP directory (model tensors only) or a Lightning ``.ckpt`` file."""
+    """(flat tensors, extra entries) of a DCP directory (model tensors only) or a Lightning ``.ckpt`` file.
+
+    Data only: the ``.ckpt`` file with ``weights_only=True``, the DCP directory with the safe reader and planner of
+    :mod:`mula_lightning.utils.safe_load` (anything else is refused with :class:`UnsafeCheckpointError`).
+    """
     if path.is_file():
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = load_torch_file(path)
+        if not isinstance(ckpt, dict):
+            raise ValueError(f"{path}: not a checkpoint (a torch file holding {type(ckpt).__name__}, not a dict)")
         state = ckpt.get("state_dict", ckpt)
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, ckpt
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path}: not a checkpoint (no model-only files, slots, .metadata or .ckpt file)")
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    model_keys = {k for k in keys if not k.startswith(("optimizer", "metadata"))}
-    tensors = _load_state_dict_from_keys(model_keys, checkpoint_id=str(path))
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix] = value
-
-    walk("", tensors)
-    extra: dict[str, Any] = {}
-    if "metadata" in keys:
-        raw = _load_state_dict_from_keys({"metadata"}, checkpoint_id=str(path))["metadata"]
-        extra = pickle.loads(raw.getvalue() if hasattr(raw, "getvalue") else raw)
-    return flat, extra
+    tensors, raw = load_full_dcp(path, skip=("optimizer",))
+    return tensors, loads_data(raw, path) if raw is not None else {}
 
 
 def _strip_prefix(flat: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
@@ -153,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mula_lightning.models.hf_convert import save_hf
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    model = load_any(args.checkpoint, args.config)
+    try:
+        model = load_any(args.checkpoint, args.config)
+    except UnsafeCheckpointError as err:  # one line, no traceback: nothing of the file ran, nothing was written
+        print(f"mula export: {err}", file=sys.stderr)
+        return 1
     out = save_hf(model, args.out)
     print(
         f"mula export: {args.checkpoint} -> {out} ({args.to}, {sum(p.numel() for p in model.parameters())} parameters)"

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mula_lightning.utils.safe_load import UnsafeCheckpointError, load_torch_file
+
 MARKER_NAME = "COMPLETE.json"
 SLOT_NAMES = ("slot_a", "slot_b")
 STATE_NAME = "state.ckpt"
@@ -163,12 +165,17 @@ def read_marker(slot: Path) -> dict[str, Any] | None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states: Python, NumPy, torch CPU and the accelerator's (all devices)."""
+    """This process's RNG states: Python, NumPy, torch CPU and the accelerator's (all devices).
+
+    Only tensors and plain values, so the file reads back with ``torch.load(weights_only=True)``: NumPy's state
+    ``(name, keys, pos, has_gauss, cached_gaussian)`` is stored with its key array as an int64 tensor.
+    """
     import numpy as np
 
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch": torch.get_rng_state(),
     }
     for name in ("cuda", "xpu"):
@@ -183,7 +190,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     for name in ("cuda", "xpu"):
         if name in state and getattr(torch, name).is_available():
@@ -195,8 +204,24 @@ def load_rng(slot: str | Path) -> bool:
     path = Path(slot) / RNG_NAME.format(rank=_rank_world()[0])
     if not path.is_file():
         return False
-    set_rng_state(torch.load(path, weights_only=False))
+    set_rng_state(_load_rng_file(path))
     return True
+
+
+def _load_rng_file(path: Path) -> dict[str, Any]:
+    """An RNG file read with ``weights_only=True``; one written before NumPy's keys became a tensor holds a NumPy
+    array, whose reconstruction functions (plain data, no code) are allowed for that file only."""
+    import numpy as np
+
+    try:
+        return load_torch_file(path)
+    except UnsafeCheckpointError as err:
+        if not err.refused.startswith("numpy"):
+            raise
+    multiarray = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    numpy_array = [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(numpy_array):
+        return load_torch_file(path)
 
 
 def choose_slot(dirpath: Path) -> Path:

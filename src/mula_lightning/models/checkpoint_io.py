@@ -108,7 +108,12 @@ def save_model_only(
         tensors.pop("lm_head.weight", None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+
+    def write_weights(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # safetensors writes 0600: a model-only checkpoint is for others to read
+
+    _atomic_write(path / WEIGHTS_NAME, write_weights)
     text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
     _atomic_write(path / CONFIG_NAME, lambda tmp: tmp.write_text(text))
     return path

@@ -23,6 +23,7 @@ that the HF model routes dropless.
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -367,11 +368,13 @@ def save_hf(model: MulaForCausalLM, path: str | Path, max_shard_bytes: int = 5 *
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(path / "model.safetensors", 0o644)  # safetensors writes 0600: an export is for others to read
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(path / name), metadata={"format": "pt"})
+            os.chmod(path / name, 0o644)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(v.numel() * v.element_size() for v in sd.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

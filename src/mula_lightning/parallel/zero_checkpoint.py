@@ -14,7 +14,6 @@ size or in one process:
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from mula_lightning.parallel.checkpoint import _sharded_vector
 from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
 from mula_lightning.parallel.zero_collectives import all_gather_chunks
+from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
 METADATA_KEY = "metadata"
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
@@ -116,20 +116,26 @@ def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, A
 
 
 def save_checkpoint(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Write a DCP directory of ``tensors`` (state dicts built above) plus pickled ``metadata``."""
+    """Write a DCP directory of ``tensors`` (state dicts built above) plus ``metadata`` (tensors and plain data,
+    readable without unpickling code: :func:`~mula_lightning.utils.safe_load.dumps_data`)."""
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save({**tensors, METADATA_KEY: pickle.dumps(metadata)}, checkpoint_id=str(path))
+    dcp.save({**tensors, METADATA_KEY: dumps_data(metadata)}, checkpoint_id=str(path))
 
 
 def load_checkpoint(path: Path, targets: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-    """Fill ``targets`` (state dicts built above) in place from ``path``; return the pickled metadata."""
+    """Fill ``targets`` (state dicts built above) in place from ``path``; return the metadata.
+
+    Reads data only (:class:`~mula_lightning.utils.safe_load.SafeFileSystemReader`, ``weights_only`` items): a file
+    that names anything else raises :class:`~mula_lightning.utils.safe_load.UnsafeCheckpointError`.
+    """
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
-    saved = {k.split(".")[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    reader = SafeFileSystemReader(str(path))
+    saved = {k.split(".")[0] for k in reader.read_metadata().state_dict_metadata}
     missing = [k for k in targets if k not in saved]
     if missing and strict:
         raise KeyError(f"{path}: the checkpoint has no {missing} (it holds {sorted(saved)})")
     targets = {k: v for k, v in targets.items() if k in saved}
     targets[METADATA_KEY] = b""
-    dcp.load(targets, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-    return pickle.loads(targets.pop(METADATA_KEY))
+    dcp_load(targets, path, strict)
+    return loads_data(targets.pop(METADATA_KEY), path)

@@ -7,7 +7,6 @@ Kept apart from the strategy classes so that each strategy file stays a thin map
 from __future__ import annotations
 
 import functools
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from mula_lightning.parallel.parallelize import materialize_and_broadcast, paral
 from mula_lightning.parallel.scattered_checkpoint import DPScatteredSavePlanner, broadcast_model, load_model_once
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
 from mula_lightning.parallel.topology import MoETopology, build_topology
+from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
 METADATA_KEY = "metadata"
 
@@ -252,12 +252,14 @@ def _to_saveable(value: Any, topology: MoETopology) -> Any:
 def save_sharded_checkpoint(
     path: Path, state: dict[str, Any], topology: MoETopology, metadata: dict[str, Any] | None = None
 ) -> None:
-    """Write a DCP directory: modules and sharded optimizers by logical key, everything else pickled.
+    """Write a DCP directory: modules and sharded optimizers by logical key, everything else as metadata.
+
+    The metadata holds tensors and plain data only (``torch.save`` bytes, read back with ``weights_only=True``).
 
     Args:
         state: modules, (wrapped) sharded optimizers, state dicts made by the Trainer's hooks, or plain objects
             (those go to the metadata, as their ``state_dict()`` when they have one).
-        metadata: more picklable entries (the Trainer's loops, callbacks, schedulers, ...).
+        metadata: more entries (the Trainer's loops, callbacks, schedulers, ...): tensors and plain data.
     """
     tensors: dict[str, Any] = {}
     extra: dict[str, Any] = dict(metadata or {})
@@ -269,7 +271,7 @@ def save_sharded_checkpoint(
             tensors[key] = value
         else:
             extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
-    tensors[METADATA_KEY] = pickle.dumps(extra)
+    tensors[METADATA_KEY] = dumps_data(extra)
     path.mkdir(parents=True, exist_ok=True)
     # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
     dcp.save(tensors, checkpoint_id=str(path), planner=DPScatteredSavePlanner(topology.dp_size, topology.ep_size))
@@ -279,12 +281,12 @@ def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopo
     """Load a :func:`save_sharded_checkpoint` directory into ``state`` in place, at any layout.
 
     Modules and sharded optimizers in ``state`` are filled from their logical keys; other entries are restored
-    from the pickled metadata (``load_state_dict`` when they have one). Returns the metadata entries that are
+    from the metadata (``load_state_dict`` when they have one). Returns the metadata entries that are
     not in ``state`` (Fabric's contract; for the Trainer, the rest of its checkpoint dict).
     """
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
-    saved_keys = {k.split(".")[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    saved_keys = {k.split(".")[0] for k in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
     targets: dict[str, Any] = {}
     modules: list[nn.Module] = []
     for key, value in state.items():
@@ -302,13 +304,13 @@ def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopo
                 continue
         targets[key] = saveable  # optimizer shards: read by their owners
     targets[METADATA_KEY] = b""
-    dcp.load(targets, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    dcp_load(targets, path, strict)
     for module in modules:
         broadcast_model(module, topology)
     for key, value in state.items():
         if key in targets and isinstance(unwrap_optimizer(value), ShardedAdamW):
             apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
-    metadata = pickle.loads(targets[METADATA_KEY])
+    metadata = loads_data(targets[METADATA_KEY], path)
     for key in list(state):
         if key in targets or key not in metadata or isinstance(state[key], nn.Module):
             continue

@@ -212,6 +212,8 @@ def _watch(proc: Any, conn: Connection, outcome: _Outcome, done: threading.Condi
     status, value, detail = "died", None, f"{_exit_description(proc.exitcode)} without reporting a result"
     if message is not None and message[0] == "ok":
         try:
+            # Safe here: the bytes come through a pipe from a child this process started running the test's own
+            # function, never from a file or another user (checkpoints are read by mula_lightning.utils.safe_load).
             status, value, detail = "ok", pickle.loads(message[1]), ""
         except Exception as exc:  # a value that pickles there but cannot be rebuilt here
             status, detail = "error", f"its return value could not be unpickled: {exc!r}"
