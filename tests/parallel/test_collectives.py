@@ -23,7 +23,8 @@ from mula_lightning.parallel.collectives import (
     forward_reducescatter_backward_allgather,
     reduce_scatter_tensor,
 )
-from mula_lightning.parallel.ledger import CommLedger, Topology
+from mula_lightning.parallel.hardware import HardwareTopology
+from mula_lightning.parallel.ledger import CommLedger
 from mula_lightning.testing import run_distributed_test
 
 pytestmark = pytest.mark.distributed
@@ -116,7 +117,7 @@ def _run_subgroups(rank: int, world_size: int) -> dict:
         groups = [dist.new_group(members) for members in layout]  # every rank creates every group, in order
         index = next(i for i, members in enumerate(layout) if rank in members)
         results[name] = (layout[index], _exercise(rank, layout[index], groups[index]))
-    results["discovered"] = Topology.discover() == Topology.from_env()
+    results["discovered"] = HardwareTopology.discover() == HardwareTopology.from_env()
     return results
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mula_lightning.parallel import ledger as ledger_module
-from mula_lightning.parallel.ledger import CommLedger, Topology, is_recording, record_collective, ring_bytes_sent
+from mula_lightning.parallel.hardware import HardwareTopology
+from mula_lightning.parallel.ledger import CommLedger, is_recording, record_collective, ring_bytes_sent
 
 
 def test_ring_bytes_match_the_ring_algorithm() -> None:
@@ -24,7 +25,7 @@ def test_ring_bytes_match_the_ring_algorithm() -> None:
 
 def test_levels_follow_the_narrowest_shared_hardware() -> None:
     """2 nodes x 2 GPUs x 2 GCDs: GCD pairs are 'gcd', GPUs of a node 'intra_node', across nodes 'inter_node'."""
-    topo = Topology.uniform(world_size=8, ranks_per_node=4, ranks_per_gpu=2)
+    topo = HardwareTopology.uniform(world_size=8, ranks_per_node=4, ranks_per_gpu=2)
     assert topo.level_of([3]) == "self"
     assert topo.level_of([2, 3]) == "gcd"
     assert topo.level_of([1, 2]) == "intra_node"
@@ -32,25 +33,25 @@ def test_levels_follow_the_narrowest_shared_hardware() -> None:
     assert topo.level_of([3, 4]) == "inter_node"
     assert topo.level_of(range(8)) == "inter_node"
     with pytest.raises(ValueError, match=r"ranks_per_node \(3\) must divide world_size \(8\)"):
-        Topology.uniform(world_size=8, ranks_per_node=3)
+        HardwareTopology.uniform(world_size=8, ranks_per_node=3)
 
 
 def test_topology_from_env_prefers_mula_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     """MULA_RANKS_PER_NODE overrides LOCAL_WORLD_SIZE, which overrides 'one node'; MULA_RANKS_PER_GPU sets GCD pairs."""
     for var in ("MULA_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "MULA_RANKS_PER_GPU"):
         monkeypatch.delenv(var, raising=False)
-    assert Topology.from_env(world_size=4).level_of([0, 3]) == "intra_node"
+    assert HardwareTopology.from_env(world_size=4).level_of([0, 3]) == "intra_node"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert Topology.from_env(world_size=4).level_of([1, 2]) == "inter_node"
+    assert HardwareTopology.from_env(world_size=4).level_of([1, 2]) == "inter_node"
     monkeypatch.setenv("MULA_RANKS_PER_NODE", "4")
     monkeypatch.setenv("MULA_RANKS_PER_GPU", "2")
-    topo = Topology.from_env(world_size=4)
+    topo = HardwareTopology.from_env(world_size=4)
     assert (topo.level_of([1, 2]), topo.level_of([2, 3])) == ("intra_node", "gcd")
 
 
 def test_capture_summary_and_explicit_levels() -> None:
     """Records land only while a ledger is active; explicit labels win; summaries add up per (op, level)."""
-    topo = Topology.uniform(world_size=4, ranks_per_node=2)
+    topo = HardwareTopology.uniform(world_size=4, ranks_per_node=2)
     outside = CommLedger(topology=topo)
     assert not is_recording()
     with CommLedger(topology=topo) as ledger:
@@ -74,13 +75,13 @@ def test_not_recording_skips_all_bookkeeping() -> None:
     """With no active ledger, record_collective returns before touching torch.distributed (no group exists here)."""
     assert not torch.distributed.is_initialized()
     record_collective("all_gather", None, torch.ones(2), torch.ones(4), 8)  # would raise if it queried the group
-    with CommLedger(topology=Topology.uniform(1, 1)), pytest.raises((RuntimeError, ValueError)):
+    with CommLedger(topology=HardwareTopology.uniform(1, 1)), pytest.raises((RuntimeError, ValueError)):
         record_collective("all_gather", None, torch.ones(2), torch.ones(4), 8)
 
 
 def test_concurrent_recording_loses_nothing() -> None:
     """Eight threads appending 500 records each (as autograd threads may) leave exactly 4000 records, sums intact."""
-    with CommLedger(topology=Topology.uniform(2, 2)) as ledger:
+    with CommLedger(topology=HardwareTopology.uniform(2, 2)) as ledger:
 
         def work() -> None:
             for _ in range(500):

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from mula_lightning.callbacks.slots import fsync_dir
+from mula_lightning.utils.dist import is_distributed
+from mula_lightning.utils.io import fsync_dir
 
 WEIGHTS_NAME = "model.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -176,7 +177,7 @@ class ModelOnlyCheckpoint(Callback):
             mula = _mula_model(pl_module)
             meta = {"step": step, "epoch": trainer.current_epoch}
             save_weights(state, path, getattr(mula, "config", None), meta, self.dtype, self.hf_export)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        if is_distributed() and trainer.world_size > 1:
             dist.barrier()
         return path
 

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from mula_lightning.callbacks.slots import _all_gather_object, _flag_device, atomic_write_text
+from mula_lightning.utils.dist import all_gather_object, flag_device, is_distributed
+from mula_lightning.utils.io import atomic_write_text
 
 #: Exit code of every rank after a non-finite loss or gradient (distinct from 1, signals and SLURM's codes).
 NAN_EXIT_CODE = 86
@@ -125,9 +126,9 @@ class NaNDetector(Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """The per-step check: one all-reduce of one flag per rank; exit on every rank when any flag is set."""
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        distributed = is_distributed() and dist.get_world_size() > 1
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        device = _flag_device() if distributed else self._first.device
+        device = flag_device() if distributed else self._first.device
         flags = torch.zeros(world, dtype=torch.int32, device=device)
         flags[rank] = (self._first > 0).any().to(device)
         if distributed:
@@ -153,10 +154,10 @@ class NaNDetector(Callback):
         }
 
     def _stop(self, trainer: Any, pl_module: Any, bad_ranks: list[int]) -> None:
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        distributed = is_distributed() and dist.get_world_size() > 1
         rank = dist.get_rank() if distributed else 0
         mine = self._local_report(trainer, pl_module, rank) if rank in bad_ranks else None
-        offenders = [r for r in _all_gather_object(mine) if r is not None]
+        offenders = [r for r in all_gather_object(mine) if r is not None]
         report = {
             "event": "non_finite",
             "step": trainer.global_step,  # optimizer steps completed before the one that was skipped

@@ -43,6 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mula_lightning.utils.dist import (
+    all_gather_object,
+    all_true,
+    broadcast_object,
+    is_distributed,
+    rank_world,
+)
+from mula_lightning.utils.io import atomic_write_text, fsync_dir
 from mula_lightning.utils.safe_load import UnsafeCheckpointError, load_torch_file
 
 MARKER_NAME = "COMPLETE.json"
@@ -59,69 +67,6 @@ class CheckpointWriteError(RuntimeError):
 
 class CheckpointIntegrityError(RuntimeError):
     """Checkpoint slots exist but none is complete and valid on every rank (the message names each problem)."""
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if _dist() else (0, 1)
-
-
-def _flag_device() -> torch.device:
-    """Where a collective's tensor must live for the default group's backend (CPU for gloo)."""
-    backend = dist.get_backend()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "xccl":
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")
-
-
-def _all_ok(ok: bool) -> bool:
-    """True on every rank iff ``ok`` is true on every rank (one all-reduce of one element)."""
-    if not _dist():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_flag_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _broadcast_object(value: Any) -> Any:
-    if not _dist():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather_object(value: Any) -> list[Any]:
-    if not _dist():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Make a directory's entries (creations, renames, removals) durable."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader sees the old file, or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def file_crc32(path: Path, chunk: int = 1 << 22) -> int:
@@ -201,7 +146,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def load_rng(slot: str | Path) -> bool:
     """Restore this rank's RNG states from a slot; False (nothing changed) when the slot has none for this rank."""
-    path = Path(slot) / RNG_NAME.format(rank=_rank_world()[0])
+    path = Path(slot) / RNG_NAME.format(rank=rank_world()[0])
     if not path.is_file():
         return False
     set_rng_state(_load_rng_file(path))
@@ -227,7 +172,7 @@ def _load_rng_file(path: Path) -> dict[str, Any]:
 def choose_slot(dirpath: Path) -> Path:
     """The slot to overwrite next (agreed: rank 0 decides): one without a valid marker, else the older step."""
     choice = None
-    if _rank_world()[0] == 0:
+    if rank_world()[0] == 0:
         steps = {}
         for name in SLOT_NAMES:
             try:
@@ -236,7 +181,7 @@ def choose_slot(dirpath: Path) -> Path:
                 marker = None
             steps[name] = -1 if marker is None else int(marker["step"])
         choice = min(SLOT_NAMES, key=lambda n: (steps[n], n))
-    return dirpath / _broadcast_object(choice)
+    return dirpath / broadcast_object(choice)
 
 
 def save_slot(
@@ -268,7 +213,7 @@ def save_slot(
         CheckpointWriteError: on every rank, when any rank failed to write its part.
     """
     hook = phase_hook or (lambda phase: None)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     dirpath = Path(dirpath)
     if rank == 0:
         dirpath.mkdir(parents=True, exist_ok=True)
@@ -281,7 +226,7 @@ def save_slot(
         for entry in slot.iterdir():
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         fsync_dir(slot)
-    if _dist():
+    if is_distributed():
         dist.barrier()
     hook("cleared")
     sums: dict[str, dict[str, int]] = {}
@@ -298,8 +243,8 @@ def save_slot(
     except Exception as err:  # reported to every rank below; the previous slot stays valid
         error = f"{type(err).__name__}: {err}"
     hook("written")
-    ok = _all_ok(not error)
-    reports = _all_gather_object((rank, error, sums))
+    ok = all_true(not error)
+    reports = all_gather_object((rank, error, sums))
     if not ok:
         failed = "; ".join(f"rank {r}: {e}" for r, e, _ in reports if e)
         raise CheckpointWriteError(f"{slot}: checkpoint of step {step} not completed ({failed}); no marker written")
@@ -318,7 +263,7 @@ def save_slot(
             "model": signature,
         }
         atomic_write_text(slot / MARKER_NAME, json.dumps(marker, indent=1, sort_keys=True))
-    if _dist():
+    if is_distributed():
         dist.barrier()
     hook("done")
     return slot
@@ -343,7 +288,7 @@ def check_slot(
 
     Checksums are split over the ranks: rank r reads the files whose sorted index is r modulo the world size.
     """
-    rank, world = _rank_world()
+    rank, world = rank_world()
     try:
         marker = read_marker(slot)
     except ValueError as err:
@@ -380,7 +325,7 @@ def resolve_last(
     """
     dirpath = Path(dirpath)
     views = [check_slot(dirpath / name, signature, verify_checksums) for name in SLOT_NAMES]
-    gathered = _all_gather_object(views)
+    gathered = all_gather_object(views)
     best, best_step, problems, any_marker = None, -1, [], False
     for i, name in enumerate(SLOT_NAMES):
         steps = {view[i][0] for view in gathered}

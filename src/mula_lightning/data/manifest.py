@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from mula_lightning.utils.io import atomic_write
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "mula-token-shards"
 MANIFEST_VERSION = 1
@@ -28,13 +30,7 @@ MANIFEST_VERSION = 1
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path``, flush it to disk, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.transformer import MulaForCausalLM
+from mula_lightning.utils.io import atomic_write, atomic_write_text
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -56,17 +57,6 @@ def load_config(path: str | Path) -> MulaConfig:
     if unknown:
         raise ValueError(f"{file}: unknown MulaConfig fields {unknown}")
     return MulaConfig(**values)
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def save_model_only(
@@ -113,9 +103,9 @@ def save_model_only(
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.chmod(tmp, 0o644)  # safetensors writes 0600: a model-only checkpoint is for others to read
 
-    _atomic_write(path / WEIGHTS_NAME, write_weights)
+    atomic_write(path / WEIGHTS_NAME, write_weights)
     text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
-    _atomic_write(path / CONFIG_NAME, lambda tmp: tmp.write_text(text))
+    atomic_write_text(path / CONFIG_NAME, text)
     return path
 
 

@@ -264,7 +264,9 @@ class MulaForCausalLM(nn.Module):
         return to_hf(self)
 
 
-def _stable_seed(seed: int, name: str) -> int:
+def stable_seed(seed: int, name: str) -> int:
+    """A seed derived from ``(seed, name)`` only (CRC32, not Python's salted ``hash``): the same on every rank and
+    run, so a parameter initialised by name gets the same values whatever builds it (one process or a shard)."""
     import zlib
 
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
@@ -279,7 +281,7 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: MulaC
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    gen = torch.Generator().manual_seed(_stable_seed(seed, name))
+    gen = torch.Generator().manual_seed(stable_seed(seed, name))
     return torch.empty(shape).normal_(0.0, config.init_std, generator=gen)
 
 

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from mula_lightning.models.config import ROUTER_KINDS, MulaConfig
-from mula_lightning.models.transformer import MulaForCausalLM, _stable_seed, init_parameter
+from mula_lightning.models.transformer import MulaForCausalLM, init_parameter, stable_seed
 from mula_lightning.models.upcycle_source import DenseSource, open_dense_source
 
 
@@ -206,7 +206,7 @@ def _upcycle_layer(
     for local, j in enumerate(range(*expert_range)):
         gate, up, down = slices[j % granularity]
         if noise > 0:
-            gate, up, down = _drop_neurons(gate, up, down, noise, _stable_seed(seed, f"{prefix}.experts.{j}.noise"))
+            gate, up, down = _drop_neurons(gate, up, down, noise, stable_seed(seed, f"{prefix}.experts.{j}.noise"))
         gate_up_EIH[local, :width], gate_up_EIH[local, width:], down_EHI[local] = gate, up, down
     copies = config.num_experts // granularity
     router_RH = init_parameter(f"{prefix}.gate.weight", (copies, config.hidden_size), config, seed)

@@ -1,4 +1,4 @@
-"""parallel: process-group topology, autograd collectives and the communication ledger.
+"""parallel: expert parallelism, process-group and hardware topology, autograd collectives, the communication ledger.
 
 ``collectives`` holds the Algorithm 1 collectives (``forward_allgather_backward_reducescatter`` ...) and plain
 functional wrappers; ``ledger`` records the bytes each of them sends, per topology level.
@@ -14,20 +14,24 @@ from mula_lightning.parallel.collectives import (
     forward_reducescatter_backward_allgather,
     reduce_scatter_tensor,
 )
-from mula_lightning.parallel.ledger import CommLedger, CommRecord, CommTotals, Topology, is_recording, ring_bytes_sent
+from mula_lightning.parallel.expert_parallel import apply_expert_parallel, gather_expert_parallel_state_dict
+from mula_lightning.parallel.hardware import HardwareTopology
+from mula_lightning.parallel.ledger import CommLedger, CommRecord, CommTotals, is_recording, ring_bytes_sent
 
 __all__ = [
     "CommLedger",
     "CommRecord",
     "CommTotals",
-    "Topology",
+    "HardwareTopology",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",
+    "apply_expert_parallel",
     "exchange_split_sizes",
     "forward_allgather",
     "forward_allgather_backward_reducescatter",
     "forward_reducescatter_backward_allgather",
+    "gather_expert_parallel_state_dict",
     "is_recording",
     "reduce_scatter_tensor",
     "ring_bytes_sent",

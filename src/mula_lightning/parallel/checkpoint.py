@@ -26,14 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mula_lightning.parallel.sharded_optimizer import ShardedAdamW, family_plans, is_expert_param
+from mula_lightning.parallel.params import is_expert_param
+from mula_lightning.parallel.sharded_optimizer import ShardedAdamW, family_plans
 from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.utils.dist import is_distributed
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:
@@ -56,7 +54,7 @@ def _global_offset(name: str, local_numel: int, ep_rank: int, ep_size: int) -> i
     return ep_rank * local_numel if is_expert_param(name) and ep_size > 1 else 0
 
 
-def _sharded_vector(
+def sharded_vector(
     local: list[torch.Tensor], shards: list[tuple[int, int, int]], numel: int, device, dtype: torch.dtype
 ) -> Any:
     """A 1-D ShardedTensor of length ``numel`` from (rank, offset, length) shards; ``local`` are this rank's."""
@@ -102,8 +100,8 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
                     continue
                 vec = state[key]
                 local = [vec[seg.local_start : seg.local_start + seg.numel] for seg in mine]
-                if _distributed():
-                    out[f"state.{slot.name}.{key}"] = _sharded_vector(local, shards, full_numel, vec.device, vec.dtype)
+                if is_distributed():
+                    out[f"state.{slot.name}.{key}"] = sharded_vector(local, shards, full_numel, vec.device, vec.dtype)
                 else:
                     out[f"state.{slot.name}.{key}"] = torch.cat(local) if local else vec.new_zeros(0)
     return out
@@ -118,7 +116,7 @@ def apply_optimizer_state_dict(optimizer: ShardedAdamW, state: dict[str, Any]) -
     optimizer._step = int(state["step"])
     for group, saved in zip(optimizer.param_groups, json.loads(state["param_groups"])):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    if not _distributed():
+    if not is_distributed():
         for fam, buf in optimizer.buffers.items():
             for seg in buf.segments:
                 for key in _STATE_KEYS:

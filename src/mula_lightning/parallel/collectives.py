@@ -38,18 +38,22 @@ from mula_lightning.utils.device import BACKEND_FOR_DEVICE
 
 __all__ = [
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "all_to_all_single",
     "exchange_split_sizes",
     "forward_allgather",
     "forward_allgather_backward_reducescatter",
     "forward_reducescatter_backward_allgather",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
 ]
 
 # torch >= 2.14 renamed the tensor collectives; older versions (the project supports torch >= 2.9) have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+#: ``dist.all_gather_single(out, x, group=..., async_op=...)`` under either name (no autograd, no ledger record).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: ``dist.reduce_scatter_single(out, x, op=..., group=..., async_op=...)`` under either name (no autograd, no ledger).
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Dtypes NCCL, XCCL and gloo all move and reduce natively; anything else is moved as bytes and never reduced.
 _NATIVE_DTYPES = frozenset(
@@ -93,11 +97,11 @@ def _all_gather(x: torch.Tensor, group: Any, level: str | None, phase: str | Non
     if x.dtype in _NATIVE_DTYPES:
         x = x.contiguous()
         out = x.new_empty((d * x.shape[0], *x.shape[1:]))
-        _all_gather_single(out, x, group=group)
+        all_gather_single(out, x, group=group)
     else:
         raw = _rows_as_bytes(x)
         raw_out = raw.new_empty((d * raw.shape[0], raw.shape[1]))
-        _all_gather_single(raw_out, raw, group=group)
+        all_gather_single(raw_out, raw, group=group)
         out = _rows_from_bytes(raw_out, x)
     if is_recording():
         sent = ring_bytes_sent("all_gather", d, x.numel() * x.element_size())
@@ -117,7 +121,7 @@ def _reduce_scatter(x: torch.Tensor, group: Any, level: str | None, phase: str |
         raise ValueError(f"reduce-scatter input dim 0 ({x.shape[0]}) must be divisible by the group size ({d})")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // d, *x.shape[1:]))
-    _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
     if is_recording():
         sent = ring_bytes_sent("reduce_scatter", d, x.numel() * x.element_size())
         record_collective("reduce_scatter", group, x, out, sent, level, phase, tag)

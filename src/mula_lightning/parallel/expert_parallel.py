@@ -41,7 +41,7 @@ from mula_lightning.parallel.collectives import (
     forward_allgather_backward_reducescatter,
     forward_reducescatter_backward_allgather,
 )
-from mula_lightning.parallel.sharded_optimizer import is_expert_param
+from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.topology import check_divisible
 from mula_lightning.utils.precision import at_least_float32, upcast
 

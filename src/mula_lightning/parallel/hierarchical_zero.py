@@ -45,7 +45,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from mula_lightning.parallel.flat_buffer import FlatBuffer
-from mula_lightning.parallel.sharded_optimizer import adamw_update_, logical_name
+from mula_lightning.parallel.params import logical_name
+from mula_lightning.parallel.sharded_optimizer import adamw_update_
 from mula_lightning.parallel.zero_collectives import (
     WeightGather,
     all_gather_chunks,
@@ -54,6 +55,7 @@ from mula_lightning.parallel.zero_collectives import (
     slice_quantized,
 )
 from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.precision import at_least_float32
 
 UNIT_PATTERN = r"(^|\.)layers\.\d+$"
@@ -151,7 +153,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        distributed = dist.is_available() and dist.is_initialized()
+        distributed = is_distributed()
         self.rank = dist.get_rank() if distributed else 0
         self.layout = layout or ZeroTopoLayout.from_env()
         self.positions = self.layout.positions(self.rank)
@@ -311,7 +313,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self.finish_grad_sync()
         total = sum(self._owned_grads(u).pow(2).sum() for u in self.units)
         total = total / (self.layout.world_size // self.layout.optimizer_size)  # optimizer chunks are replicated
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             all_reduce_(total, None, self.layout.world_size, "grads.norm")
         norm = total.sqrt()
         scale = max_norm / (norm.item() + 1e-6)

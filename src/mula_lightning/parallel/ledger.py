@@ -19,8 +19,9 @@ all_to_all     sum of input splits   sum of output splits   input bytes minus th
 Levels: a group's level is the narrowest piece of hardware that holds all its ranks, from the ZeRO-topo paper's
 three bandwidth tiers: ``"gcd"`` (ranks on one physical GPU: the two GCDs of an MI250X, the two tiles of an Intel
 Max GPU), ``"intra_node"``, ``"inter_node"``; ``"self"`` for a group of one. It is derived from a
-:class:`Topology` (by default read from ``MULA_RANKS_PER_NODE`` / ``LOCAL_WORLD_SIZE`` and ``MULA_RANKS_PER_GPU``,
-or discovered from ``MULA_NODE_NAME`` / host names) unless the caller passes an explicit label such as ``"ep"``.
+:class:`~mula_lightning.parallel.hardware.HardwareTopology` (by default read from ``MULA_RANKS_PER_NODE`` /
+``LOCAL_WORLD_SIZE`` and ``MULA_RANKS_PER_GPU``, or discovered from ``MULA_NODE_NAME`` / host names) unless the
+caller passes an explicit label such as ``"ep"``.
 
 Cost when not recording: collectives check :func:`is_recording` (one global read) and skip everything else.
 Recording is process-wide, not per thread, because autograd may run backward collectives on its own threads;
@@ -29,8 +30,6 @@ appends take a lock, so concurrent recording is safe.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,19 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mula_lightning.parallel.hardware import LEVELS, HardwareTopology
+
 __all__ = [
     "LEVELS",
     "CommLedger",
     "CommRecord",
     "CommTotals",
-    "Topology",
     "is_recording",
     "record_collective",
     "ring_bytes_sent",
 ]
-
-#: Topology levels, narrowest first.
-LEVELS = ("self", "gcd", "intra_node", "inter_node")
 
 
 def ring_bytes_sent(op: str, group_size: int, bytes_in: int, self_bytes: int = 0) -> int:
@@ -76,77 +73,6 @@ def ring_bytes_sent(op: str, group_size: int, bytes_in: int, self_bytes: int = 0
     if op == "all_to_all":
         return bytes_in - self_bytes
     raise ValueError(f"unknown collective {op!r}; expected all_gather, reduce_scatter, all_reduce or all_to_all")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Which node and which physical GPU each global rank lives on.
-
-    Attributes:
-        nodes: node index of every global rank.
-        gpus: global physical-GPU index of every global rank (ranks sharing a GPU share the index).
-    """
-
-    nodes: tuple[int, ...]
-    gpus: tuple[int, ...]
-
-    @classmethod
-    def uniform(cls, world_size: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Topology:
-        """Consecutive ranks fill a GPU, then a node (the layout torchrun, SLURM and ``run_distributed_test`` use)."""
-        if ranks_per_node < 1 or world_size % ranks_per_node or ranks_per_gpu < 1 or ranks_per_node % ranks_per_gpu:
-            raise ValueError(
-                f"ranks_per_node ({ranks_per_node}) must divide world_size ({world_size}) and ranks_per_gpu "
-                f"({ranks_per_gpu}) must divide ranks_per_node"
-            )
-        return cls(
-            nodes=tuple(r // ranks_per_node for r in range(world_size)),
-            gpus=tuple(r // ranks_per_gpu for r in range(world_size)),
-        )
-
-    @classmethod
-    def from_env(cls, world_size: int | None = None) -> Topology:
-        """The uniform layout described by the launcher's variables, without any communication.
-
-        Ranks per node come from ``MULA_RANKS_PER_NODE``, else ``LOCAL_WORLD_SIZE``, else everything is one node;
-        ranks per GPU from ``MULA_RANKS_PER_GPU`` (default 1). The world size is the default group's, else
-        ``WORLD_SIZE``, else 1.
-        """
-        if world_size is None:
-            world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        per_node = int(os.environ.get("MULA_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-        per_gpu = int(os.environ.get("MULA_RANKS_PER_GPU") or 1)
-        return cls.uniform(world_size, per_node, per_gpu)
-
-    @classmethod
-    def discover(cls, group: Any = None) -> Topology:
-        """Learn the layout by all-gathering every rank's node name and local rank (a collective: call on all ranks).
-
-        Works for any rank placement. The node name is ``MULA_NODE_NAME`` if set (simulated nodes), else the host
-        name; nodes are numbered in order of their first rank. Communication: one ``all_gather_object`` of a short
-        string and two ints per rank.
-        """
-        name = os.environ.get("MULA_NODE_NAME") or socket.gethostname()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        per_gpu = int(os.environ.get("MULA_RANKS_PER_GPU") or 1)
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (name, local_rank, per_gpu), group=group)
-        node_ids: dict[str, int] = {}
-        nodes, gpus, gpu_ids = [], [], {}
-        for node_name, local, rpg in gathered:
-            node = node_ids.setdefault(node_name, len(node_ids))
-            nodes.append(node)
-            gpus.append(gpu_ids.setdefault((node, local // rpg), len(gpu_ids)))
-        return cls(nodes=tuple(nodes), gpus=tuple(gpus))
-
-    def level_of(self, ranks: Sequence[int]) -> str:
-        """The narrowest level holding all ``ranks`` (global ranks): self, gcd, intra_node or inter_node."""
-        if len(set(ranks)) <= 1:
-            return "self"
-        if len({self.gpus[r] for r in ranks}) == 1:
-            return "gcd"
-        if len({self.nodes[r] for r in ranks}) == 1:
-            return "intra_node"
-        return "inter_node"
 
 
 @dataclass(frozen=True)
@@ -189,19 +115,19 @@ class CommLedger:
     """Captures the collectives of this process while active (``with CommLedger() as ledger: ...``).
 
     Several ledgers may be active at once (nested captures); each gets every record. Entering without a
-    topology reads :meth:`Topology.from_env` at that moment.
+    topology reads :meth:`HardwareTopology.from_env` at that moment.
 
     Attributes:
         topology: the layout used to derive levels; ``None`` until entered, unless given.
     """
 
-    topology: Topology | None = None
+    topology: HardwareTopology | None = None
     _records: list[CommRecord] = field(default_factory=list, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __enter__(self) -> CommLedger:
         if self.topology is None:
-            self.topology = Topology.from_env()
+            self.topology = HardwareTopology.from_env()
         _activate(self)
         return self
 
@@ -234,7 +160,7 @@ class CommLedger:
         """Append one record; ``level`` defaults to the topology level of ``ranks``."""
         ranks = tuple(ranks)
         if level is None:
-            topology = self.topology or Topology.from_env()
+            topology = self.topology or HardwareTopology.from_env()
             level = topology.level_of(ranks)
         record = CommRecord(op, ranks, rank, level, str(dtype), bytes_in, bytes_out, bytes_sent, phase, tag)
         with self._lock:

@@ -27,8 +27,9 @@ from torch import nn
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.transformer import MulaDecoderLayer, MulaForCausalLM, init_parameter
 from mula_lightning.parallel.expert_parallel import apply_expert_parallel
-from mula_lightning.parallel.sharded_optimizer import is_expert_param, logical_name
+from mula_lightning.parallel.params import is_expert_param, logical_name
 from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.utils.dist import is_distributed
 
 
 def parallelize(
@@ -102,7 +103,7 @@ def materialize_and_broadcast(
             _initialise(model, topology, seed)
     else:
         model.to(device)
-    if broadcast and dist.is_available() and dist.is_initialized() and topology.world_size > 1:
+    if broadcast and is_distributed() and topology.world_size > 1:
         for name, tensor in model.state_dict().items():
             if is_expert_param(name) and topology.ep_size > 1:
                 if topology.dp_size > 1:

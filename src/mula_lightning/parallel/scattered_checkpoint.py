@@ -32,8 +32,9 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
-from mula_lightning.parallel.sharded_optimizer import is_expert_param
+from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.utils.dist import is_distributed
 
 
 def _shard_index(fqn: str, offsets: Any, sizes: Any, ep_size: int) -> int:
@@ -93,7 +94,7 @@ def reads_model_key(name: str, topology: MoETopology) -> bool:
 
 def broadcast_model(model: nn.Module, topology: MoETopology) -> None:
     """Send every model tensor from its reader (see :func:`reads_model_key`) to its replicas, in place."""
-    if not (dist.is_available() and dist.is_initialized()) or topology.world_size == 1:
+    if not is_distributed() or topology.world_size == 1:
         return
     for name, tensor in model.state_dict().items():
         if is_expert_param(name) and topology.ep_size > 1:
@@ -105,7 +106,7 @@ def broadcast_model(model: nn.Module, topology: MoETopology) -> None:
 
 def load_model_once(model_state: dict[str, Any], topology: MoETopology) -> dict[str, Any]:
     """The part of a logical model state dict this rank must read; call :func:`broadcast_model` after the load."""
-    if not (dist.is_available() and dist.is_initialized()) or topology.world_size == 1:
+    if not is_distributed() or topology.world_size == 1:
         return model_state
     return {k: v for k, v in model_state.items() if reads_model_key(k, topology)}
 

@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mula_lightning.parallel.collectives import _all_gather_single, _reduce_scatter_single
+from mula_lightning.parallel.collectives import all_gather_single, reduce_scatter_single
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
+from mula_lightning.parallel.params import is_expert_param, logical_name
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.precision import at_least_float32
 
@@ -85,22 +86,6 @@ def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
     else:
         non_expert = FamilyPlan("non_expert", world if w > 1 else None, w, topo.rank, None, 1)
     return {"non_expert": non_expert, "expert": expert}
-
-
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def logical_name(name: str) -> str:
-    """A parameter name without the segments wrappers insert (activation checkpointing, compile), i.e. the
-    single-device name that checkpoints and optimizer states are keyed by."""
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
-
-
-def is_expert_param(name: str) -> bool:
-    """Expert weights are the fused tensors under an ``experts`` module (``...mlp.experts.gate_up_proj``)."""
-    return ".experts." in f".{name}"
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -259,7 +244,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         work, out = None, None
         if plan.shard_size > 1:
             out = torch.empty(b.shard_numel, dtype=reduce_dtype, device=view.device)
-            work = _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=plan.shard_group, async_op=True)
+            work = reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=plan.shard_group, async_op=True)
             _record("reduce_scatter", plan.shard_group, plan.shard_size, send, out, fam)
         elif plan.cross_size > 1 and plan.cross_group is not None:
             work = dist.all_reduce(send, group=plan.cross_group, async_op=True)
@@ -361,7 +346,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             lo, hi = b.shard_range(plan.shard_rank)
             full = buf.params[b.start : b.start + b.numel]
             shard = buf.params[lo:hi].clone()
-            _all_gather_single(full, shard, group=plan.shard_group)
+            all_gather_single(full, shard, group=plan.shard_group)
             _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mula_lightning.utils.dist import is_distributed
+
 
 @dataclass
 class MoETopology:
@@ -102,7 +104,7 @@ def build_topology(ep_size: int, world_size: int | None = None, rank: int | None
     Raises:
         ValueError: when ``ep_size`` does not divide the world size.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         if ep_size != 1:
             raise ValueError(f"ep_size ({ep_size}) > 1 needs an initialised process group of ep_size ranks or more")
         return MoETopology(dp_size=1, ep_size=1, rank=0)

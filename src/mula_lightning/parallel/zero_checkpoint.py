@@ -18,20 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mula_lightning.parallel.checkpoint import _sharded_vector
+from mula_lightning.parallel.checkpoint import sharded_vector
 from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
 from mula_lightning.parallel.zero_collectives import all_gather_chunks
+from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
 METADATA_KEY = "metadata"
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _vectors(engine: HierarchicalZeroAdamW, unit: Any) -> dict[str, torch.Tensor]:
@@ -66,8 +62,8 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
             ]
             for key, vec in vectors.items():
                 local = [vec[s.local_start : s.local_start + s.numel] for s in mine]
-                if _distributed():
-                    out[f"state.{slot.name}.{key}"] = _sharded_vector(local, shards, slot.numel, vec.device, vec.dtype)
+                if is_distributed():
+                    out[f"state.{slot.name}.{key}"] = sharded_vector(local, shards, slot.numel, vec.device, vec.dtype)
                 else:
                     out[f"state.{slot.name}.{key}"] = torch.cat(local) if local else vec.new_zeros(0)
     return out
@@ -100,7 +96,7 @@ def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, A
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     for u in engine.units:
         vectors = _vectors(engine, u)
-        if not _distributed():
+        if not is_distributed():
             for seg in u.buf.segments:
                 for key, vec in vectors.items():
                     src = state.get(f"state.{seg.slot.name}.{key}")

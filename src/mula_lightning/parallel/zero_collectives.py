@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula_lightning.parallel.collectives import _all_gather_single, _reduce_scatter_single
+from mula_lightning.parallel.collectives import all_gather_single, reduce_scatter_single
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
 from mula_lightning.parallel.quantization import Quantized, dequantize, pack, packed_bytes, quantize, unpack
 
@@ -74,7 +74,7 @@ class WeightGather:
             q = prequantized if prequantized is not None else quantize(chunk, *quant)
             self.send = pack(q)
             self.recv = torch.empty(size * self.send.numel(), dtype=torch.uint8, device=full.device)
-        self.work = _all_gather_single(self.recv, self.send, group=group, async_op=True)
+        self.work = all_gather_single(self.recv, self.send, group=group, async_op=True)
         _record("all_gather", group, size, self.send, self.recv, phase, tag)
 
     def wait(self) -> list[Quantized] | None:
@@ -129,7 +129,7 @@ def reduce_scatter_chunks(
     if quant is None:
         send = torch.cat(ordered)
         out = torch.empty(n, dtype=full.dtype, device=full.device)
-        _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
         _record("reduce_scatter", group, size, send, out, "backward", tag)
         return out
     bits, block = quant

@@ -29,10 +29,9 @@ ZeRO-topo is ``w = G, g = P, o = world, s = w``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from mula_lightning.parallel.hardware import env_sizes
 
 
 @dataclass(frozen=True)
@@ -133,11 +132,7 @@ class ZeroTopoLayout:
     @classmethod
     def from_env(cls, world_size: int | None = None, **sizes: int) -> ZeroTopoLayout:
         """Ranks per node from ``MULA_RANKS_PER_NODE`` / ``LOCAL_WORLD_SIZE``, per GPU from ``MULA_RANKS_PER_GPU``."""
-        if world_size is None:
-            world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        per_node = int(os.environ.get("MULA_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-        per_gpu = int(os.environ.get("MULA_RANKS_PER_GPU") or 1)
-        return cls(world_size, per_node, per_gpu, **{k: v for k, v in sizes.items() if v})
+        return cls(*env_sizes(world_size), **{k: v for k, v in sizes.items() if v})
 
     @classmethod
     def preset(cls, name: str, world_size: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> ZeroTopoLayout:

@@ -35,7 +35,7 @@ from torch import nn
 from mula_lightning.parallel import zero_checkpoint as zc
 from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
 from mula_lightning.parallel.parallelize import materialize_and_broadcast
-from mula_lightning.parallel.sharded_optimizer import logical_name
+from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.parallel.zero_layout import ZeroTopoLayout
 from mula_lightning.strategies.common import (
