@@ -3,7 +3,8 @@
 The architecture is OLMo / OLMoE (pre-norm decoder, RMSNorm, q/k-norm, RoPE, SwiGLU, untied embeddings,
 vocabulary 50304). A config with ``num_experts == 0`` is dense; otherwise every decoder layer's feed-forward
 (or only those listed in ``moe_layers``) is a sparse MoE block of ``num_experts`` SwiGLU experts of width
-``intermediate_size``, ``top_k`` chosen per token.
+``intermediate_size``, ``top_k`` chosen per token. The MoE blocks are built from ``config.moe``, the
+:class:`~mula_lightning.moe.config.MoEConfig` these fields describe (``moe/`` never sees the model config).
 
 Presets (``MulaConfig.from_name``) reproduce Table 1 of "Scalable Pretraining of Large Mixture of Experts
 Language Models on Aurora Super Computer" (layers, hidden size, heads, head size 128, intermediate size,
@@ -14,12 +15,10 @@ aux loss 0.01, z loss 0.001, no top-k renormalisation). Context length 2048 as i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-RouterKind = Literal["softmax_topk", "topk_softmax"]
-ROUTER_KINDS = ("softmax_topk", "topk_softmax")
+from mula_lightning.moe.config import MoEConfig, RouterKind
 
 
 @dataclass
@@ -137,12 +136,8 @@ class MulaConfig:
                     f"({self.num_layers})); offending: {bad_layers or 'duplicates or empty'}"
                 )
             self.moe_layers = sorted(layers)
-        if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
-        if self.router_kind not in ROUTER_KINDS:
-            raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
+        if self.num_experts > 0:
+            self.moe  # noqa: B018 - MoEConfig checks top_k, router_kind and capacity_factor, naming the values
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "default"):
@@ -152,6 +147,24 @@ class MulaConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe(self) -> MoEConfig | None:
+        """The MoE part of the config, what the MoE blocks are built from (``None`` for a dense model)."""
+        if not self.is_moe:
+            return None
+        return MoEConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            router_kind=self.router_kind,
+            norm_topk_prob=self.norm_topk_prob,
+            capacity_factor=self.capacity_factor,
+            aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef,
+            forced_uniform_routing=self.forced_uniform_routing,
+        )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has an MoE FFN (``moe_layers``; all layers when it is None)."""
@@ -187,9 +200,9 @@ class MulaConfig:
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MulaConfig:
         """Build the config of a transformers ``OlmoeConfig``, ``MixtralConfig`` or ``LlamaConfig``."""
-        from mula_lightning.models.hf_convert import config_from_hf
+        from mula_lightning.models.hf_config import mula_config_values
 
-        return config_from_hf(hf_config)
+        return cls(**mula_config_values(hf_config))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -276,8 +289,3 @@ TABLE1_BILLIONS: dict[str, tuple[float, float]] = {
     "mula-100b-a7b": (100.0, 7.6),
     "mula-220b-a10b": (220.0, 10.0),
 }
-
-
-def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Tokens one expert may take: ``ceil(capacity_factor * S * K / E)`` for S source tokens."""
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)

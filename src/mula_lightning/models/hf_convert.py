@@ -28,87 +28,21 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mula_lightning.models.config import MulaConfig
-from mula_lightning.models.transformer import MulaForCausalLM
+from mula_lightning.models.hf_config import mula_config_values
 
-SUPPORTED_MODEL_TYPES = ("olmoe", "mixtral", "llama")
+if TYPE_CHECKING:  # the model class is handed in by MulaForCausalLM.from_hf: no import cycle with transformer.py
+    from mula_lightning.models.transformer import MulaForCausalLM
 
 
 # ----------------------------------------------------------------------------------------------- configs
-def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    scaling = getattr(hf_config, "rope_scaling", None) or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind in (None, "default"):
-        return float(theta), None
-    if kind != "llama3":
-        raise ValueError(f"rope type {kind!r} of this checkpoint is not supported (known: 'default', 'llama3')")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
-
-
 def config_from_hf(hf_config: Any, **overrides: Any) -> MulaConfig:
     """The ``MulaConfig`` computing the same function as a transformers OLMoE / Mixtral / Llama config."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (Mula uses SwiGLU with silu)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(hf_config, flag, False):
-            raise ValueError(f"{flag}=True is not supported (Mula has no biases)")
-    if getattr(hf_config, "clip_qkv", None) is not None:
-        raise ValueError(f"clip_qkv={hf_config.clip_qkv} is not supported")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < hf_config.max_position_embeddings:
-        raise ValueError(f"sliding_window={window} is not supported (full causal attention only)")
-    theta, scaling = _rope_from_hf(hf_config)
-    values: dict[str, Any] = dict(
-        name=getattr(hf_config, "_name_or_path", "") or f"hf-{model_type}",
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=hf_config.num_attention_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-        intermediate_size=hf_config.intermediate_size,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=hf_config.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        init_std=getattr(hf_config, "initializer_range", 0.02),
-    )
-    if model_type == "olmoe" and hf_config.num_experts == 1:
-        # A one-expert OLMoE is a dense model (softmax over one logit is 1): how dense q/k-norm models export.
-        values.update(num_experts=0, top_k=0, qk_norm=True)
-    elif model_type == "olmoe":
-        values.update(
-            num_experts=hf_config.num_experts,
-            top_k=hf_config.num_experts_per_tok,
-            router_kind="softmax_topk",
-            norm_topk_prob=bool(hf_config.norm_topk_prob),
-            aux_loss_coef=hf_config.router_aux_loss_coef,
-            qk_norm=True,
-        )
-    elif model_type == "mixtral":
-        values.update(
-            num_experts=hf_config.num_local_experts,
-            top_k=hf_config.num_experts_per_tok,
-            router_kind="topk_softmax",
-            aux_loss_coef=hf_config.router_aux_loss_coef,
-            z_loss_coef=0.0,
-            qk_norm=False,
-        )
-    else:
-        values.update(num_experts=0, top_k=0, qk_norm=False)
-    values.update(overrides)
-    return MulaConfig(**values)
+    return MulaConfig(**{**mula_config_values(hf_config), **overrides})
 
 
 def hf_family(config: MulaConfig) -> str:
@@ -303,8 +237,8 @@ def load_hf_directory(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------------------------------- models
-def load_from_hf(hf_model_or_path: Any, **overrides: Any) -> MulaForCausalLM:
-    """Build a ``MulaForCausalLM`` holding the weights of a transformers model or HF directory."""
+def load_from_hf(hf_model_or_path: Any, model_cls: type[MulaForCausalLM], **overrides: Any) -> MulaForCausalLM:
+    """Build a ``model_cls`` (``MulaForCausalLM``) holding the weights of a transformers model or HF directory."""
     if isinstance(hf_model_or_path, (str, Path)):
         hf_config, state_dict = load_hf_directory(hf_model_or_path)
     else:  # copy, so that training one model never changes the other
@@ -313,7 +247,7 @@ def load_from_hf(hf_model_or_path: Any, **overrides: Any) -> MulaForCausalLM:
     config = config_from_hf(hf_config, **overrides)
     sd = hf_to_mula_state_dict(state_dict, config)
     with torch.device("meta"):
-        model = MulaForCausalLM(config)
+        model = model_cls(config)
     _check_keys(set(sd), set(model.state_dict()), f"loading a {hf_config.model_type} checkpoint into Mula")
     model.load_state_dict(sd, assign=True)
     if config.tie_word_embeddings:

@@ -24,26 +24,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from mula_lightning.models.config import MulaConfig
+from mula_lightning.moe.block import FastSparseMoEBlock
 from mula_lightning.moe.reference import MoEAux, ReferenceMoEBlock
 from mula_lightning.utils.precision import upcast
 
-
-def _moe_impls() -> dict[str, type[nn.Module]]:
-    impls: dict[str, type[nn.Module]] = {"reference": ReferenceMoEBlock}
-    try:  # the fast block lives in mula_lightning.moe.block once built
-        from mula_lightning.moe.block import FastSparseMoEBlock
-
-        impls["fast"] = FastSparseMoEBlock
-    except ImportError:
-        pass
-    return impls
+#: ``MulaConfig.moe_impl`` -> the MoE block class built from ``config.moe``.
+MOE_IMPLS: dict[str, type[nn.Module]] = {"fast": FastSparseMoEBlock, "reference": ReferenceMoEBlock}
 
 
 def build_moe_block(config: MulaConfig) -> nn.Module:
-    impls = _moe_impls()
-    if config.moe_impl not in impls:
-        raise ValueError(f"moe_impl {config.moe_impl!r} is not available; known: {sorted(impls)}")
-    return impls[config.moe_impl](config)
+    """The MoE block of a decoder layer: ``MOE_IMPLS[config.moe_impl]`` built from the model's ``config.moe``."""
+    if config.moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl {config.moe_impl!r} is not available; known: {sorted(MOE_IMPLS)}")
+    return MOE_IMPLS[config.moe_impl](config.moe)
 
 
 class RMSNorm(nn.Module):
@@ -255,7 +248,7 @@ class MulaForCausalLM(nn.Module):
         """
         from mula_lightning.models.hf_convert import load_from_hf
 
-        return load_from_hf(hf_model_or_path, **config_overrides)
+        return load_from_hf(hf_model_or_path, cls, **config_overrides)
 
     def to_hf(self) -> Any:
         """The equivalent transformers model (OLMoE, Mixtral or Llama; see ``hf_convert.to_hf``)."""

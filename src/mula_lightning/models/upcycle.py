@@ -51,9 +51,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mula_lightning.models.config import ROUTER_KINDS, MulaConfig
+from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.transformer import MulaForCausalLM, init_parameter, stable_seed
 from mula_lightning.models.upcycle_source import DenseSource, open_dense_source
+from mula_lightning.moe.config import ROUTER_KINDS
 
 
 @dataclass

@@ -2,11 +2,14 @@
 
 ``ReferenceMoEBlock`` is the plain loop every fast path is checked against; ``FastSparseMoEBlock`` is Algorithm 1
 of the Aurora paper (token counting, index generation, grouped GEMMs, weighted combine) and the default MoE block
-of ``MulaForCausalLM``; ``patch_hf_moe`` swaps it into transformers' OLMoE and Mixtral models.
+of ``MulaForCausalLM``; ``patch_hf_moe`` swaps it into transformers' OLMoE and Mixtral models. Both are built from a
+``MoEConfig`` (the leaf ``moe/config.py``; a model config hands its own over as ``config.moe``): this package
+imports nothing from ``models/``.
 """
 
 from mula_lightning.moe.block import FastSparseMoEBlock, patch_hf_moe
 from mula_lightning.moe.combine import combine_expert_outputs
+from mula_lightning.moe.config import MoEConfig
 from mula_lightning.moe.dispatch import DispatchPlan, build_dispatch_plan, count_tokens, reduce_rows_to_tokens
 from mula_lightning.moe.experts import GroupedExperts, grouped_mm, grouped_mm_available
 from mula_lightning.moe.reference import ExpertWeights, MoEAux, ReferenceMoEBlock
@@ -18,6 +21,7 @@ __all__ = [
     "FastSparseMoEBlock",
     "GroupedExperts",
     "MoEAux",
+    "MoEConfig",
     "ReferenceMoEBlock",
     "Router",
     "RouterOutput",

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mula_lightning.models.config import MulaConfig
 from mula_lightning.moe.combine import combine_expert_outputs
+from mula_lightning.moe.config import MoEConfig, as_moe_config
 from mula_lightning.moe.dispatch import build_dispatch_plan
 from mula_lightning.moe.experts import GroupedExperts
 from mula_lightning.moe.reference import MoEAux
@@ -39,14 +39,15 @@ from mula_lightning.utils.precision import upcast
 
 
 class FastSparseMoEBlock(nn.Module):
-    """Router + dispatch plan + grouped experts + weighted combine (Algorithm 1), for a :class:`MulaConfig`.
+    """Router + dispatch plan + grouped experts + weighted combine (Algorithm 1), for an :class:`MoEConfig`.
 
     ``forward(x)`` returns the block output with the shape and dtype of ``x``; ``forward_with_aux(x)`` also
     returns the :class:`~mula_lightning.moe.reference.MoEAux` of the layer (auxiliary losses in the graph,
     tokens per expert, dropped pairs).
 
     Args:
-        config: the model config (hidden size, experts, top-k, router kind, capacity, loss coefficients).
+        config: the layer's :class:`MoEConfig` (hidden and expert sizes, experts, top-k, router kind, capacity, loss
+            coefficients), or a model config whose ``.moe`` is one.
         device: where to allocate the parameters.
         use_grouped_mm: use ``torch._grouped_mm`` where the operands allow it; ``False`` runs one GEMM per
             expert (same results, for checking and for devices without a grouped kernel).
@@ -57,14 +58,13 @@ class FastSparseMoEBlock(nn.Module):
 
     def __init__(
         self,
-        config: MulaConfig,
+        config: MoEConfig | Any,
         device: torch.device | str | None = None,
         use_grouped_mm: bool = True,
         reuse_dead_activations: bool = True,
     ) -> None:
         super().__init__()
-        if not config.is_moe:
-            raise ValueError(f"FastSparseMoEBlock needs num_experts > 0, got {config.num_experts}")
+        config = as_moe_config(config)
         self.config = config
         self.num_experts = config.num_experts
         self.top_k = config.top_k
@@ -167,13 +167,8 @@ class FastSparseMoEBlock(nn.Module):
         gate, experts = hf_block.gate, hf_block.experts
         hf_config = experts.config
         is_mixtral = type(hf_block).__name__.startswith("Mixtral")
-        config = MulaConfig(
-            name=f"from_hf:{type(hf_block).__name__}",
-            vocab_size=1,
+        config = MoEConfig(
             hidden_size=experts.hidden_dim,
-            num_layers=1,
-            num_heads=1,
-            head_dim=2,
             intermediate_size=experts.intermediate_dim,
             num_experts=experts.num_experts,
             top_k=gate.top_k,
@@ -181,7 +176,6 @@ class FastSparseMoEBlock(nn.Module):
             norm_topk_prob=True if is_mixtral else bool(gate.norm_topk_prob),
             aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
             z_loss_coef=0.0,
-            moe_impl="fast",
         )
         block = cls(config, device="meta", use_grouped_mm=use_grouped_mm)
         block.gate = gate  # the transformers router itself: same routing, same parameter, same output hooks

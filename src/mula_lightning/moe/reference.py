@@ -17,12 +17,13 @@ experts' outputs weighted by the router weights (dropped pairs contribute zero).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mula_lightning.models.config import MulaConfig
+from mula_lightning.moe.config import MoEConfig, as_moe_config
 from mula_lightning.moe.router import Router, RouterOutput
 from mula_lightning.utils.precision import upcast
 
@@ -90,8 +91,9 @@ class ExpertWeights(nn.Module):
 class ReferenceMoEBlock(nn.Module):
     """Router + a Python loop over experts. Slow, simple, the ground truth."""
 
-    def __init__(self, config: MulaConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: MoEConfig | Any, device: torch.device | str | None = None) -> None:
         super().__init__()
+        config = as_moe_config(config)  # an MoEConfig, or a model config's .moe
         self.config = config
         self.gate = Router(
             config.hidden_size,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mula_lightning.models.config import ROUTER_KINDS, capacity
+from mula_lightning.moe.config import ROUTER_KINDS, capacity
 from mula_lightning.utils.precision import upcast
 
 

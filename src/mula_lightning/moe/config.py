@@ -1,0 +1,88 @@
+"""``MoEConfig``: what an MoE layer needs to know, and nothing about the model around it.
+
+A leaf: it imports nothing from the package, so ``moe/`` depends on no model code. The model config
+(:class:`~mula_lightning.models.config.MulaConfig`) hands its MoE part over as ``config.moe``; a transformers block
+converted by :meth:`~mula_lightning.moe.block.FastSparseMoEBlock.from_hf` builds one directly, with no made-up model
+(vocabulary, layers, heads) around it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = ["ROUTER_KINDS", "MoEConfig", "RouterKind", "as_moe_config", "capacity"]
+
+RouterKind = Literal["softmax_topk", "topk_softmax"]
+ROUTER_KINDS = ("softmax_topk", "topk_softmax")
+
+
+def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Tokens one expert may take: ``ceil(capacity_factor * S * K / E)`` for S source tokens."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of one sparse MoE layer.
+
+    Args:
+        hidden_size: token width H (the layer's input and output).
+        intermediate_size: SwiGLU width of one expert.
+        num_experts: experts of the layer (E >= 1).
+        top_k: experts chosen per token (1 <= K <= E).
+        router_kind: ``"softmax_topk"`` (OLMoE, "ST": softmax over all experts, then top-k) or ``"topk_softmax"``
+            (Mixtral: top-k logits, then softmax over those k).
+        norm_topk_prob: renormalise the k chosen probabilities to sum to one (``softmax_topk`` only).
+        capacity_factor: tokens an expert may take, as a multiple of its fair share ``S * K / E``; ``None`` is
+            dropless.
+        aux_loss_coef: weight of the Switch / OLMoE load-balancing loss.
+        z_loss_coef: weight of the router z-loss.
+        forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks, scaling studies).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    router_kind: RouterKind = "softmax_topk"
+    norm_topk_prob: bool = False
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    forced_uniform_routing: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size}
+        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v <= 0}
+        if bad:
+            raise ValueError(f"these MoE config values must be positive integers: {bad}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"num_experts ({self.num_experts}) must be >= 1 for an MoE layer")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
+        if self.router_kind not in ROUTER_KINDS:
+            raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def as_moe_config(config: Any) -> MoEConfig:
+    """``config`` itself when it is a :class:`MoEConfig`, else its ``.moe`` (a model config holding one).
+
+    Raises:
+        ValueError: for a model config without MoE layers (``num_experts == 0``).
+        TypeError: for anything else.
+    """
+    if isinstance(config, MoEConfig):
+        return config
+    if hasattr(config, "moe"):
+        moe = config.moe
+        if moe is None:
+            raise ValueError(f"an MoE layer needs num_experts > 0, got {getattr(config, 'num_experts', 0)}")
+        return moe
+    raise TypeError(f"expected an MoEConfig or a model config with .moe, got {type(config).__name__}")
