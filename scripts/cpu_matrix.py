@@ -10,6 +10,7 @@ Usage, from the project root (``make test-cpus`` runs the default)::
 
     .venv/bin/python scripts/cpu_matrix.py                 # the parity and distributed tests (-m distributed)
     .venv/bin/python scripts/cpu_matrix.py tests/parallel -q # any pytest arguments
+    .venv/bin/python scripts/cpu_matrix.py --by-file tests/parallel/test_expert_parallel.py  # worst case per file
 
 Exit code 1 when any setting fails.
 """
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SETTINGS = ["native", "ATEN_CPU_CAPABILITY=default", "ATEN_CPU_CAPABILITY=avx2", "OMP_NUM_THREADS=1"]
 
@@ -37,9 +39,10 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def worst_by_dtype(log: Path) -> tuple[dict[str, tuple[float, float, str]], int]:
-    """Per dtype: (largest / tol, largest, what) of the comparison with the least margin; and how many failed."""
-    worst: dict[str, tuple[float, float, str]] = {}
+def worst_by_dtype(log: Path, by_file: bool = False) -> tuple[dict[Any, tuple[float, float, str]], int]:
+    """Per dtype (and test file): (largest / tol, largest, what) of the comparison with the least margin; and how
+    many comparisons were over their tolerance."""
+    worst: dict[Any, tuple[float, float, str]] = {}
     over = 0
     if not log.exists():
         return worst, over
@@ -49,12 +52,15 @@ def worst_by_dtype(log: Path) -> tuple[dict[str, tuple[float, float, str]], int]
         if ratio > 1:
             over += 1
             continue
-        if ratio >= worst.get(r["dtype"], (-1.0,))[0]:
-            worst[r["dtype"]] = (ratio, r["largest"], r["msg"])
+        key = (r.get("test", "").split("::")[0], r["dtype"]) if by_file else r["dtype"]
+        if ratio >= worst.get(key, (-1.0,))[0]:
+            worst[key] = (ratio, r["largest"], r["msg"])
     return worst, over
 
 
 def main(argv: list[str]) -> int:
+    by_file = "--by-file" in argv
+    argv = [a for a in argv if a != "--by-file"]
     args = argv or ["-m", "distributed", "tests"]
     print(f"CPU: {cpu_name()}")
     status = 0
@@ -73,9 +79,10 @@ def main(argv: list[str]) -> int:
             mark = "pass" if proc.returncode == 0 else "FAIL"
             status = status or int(proc.returncode != 0)
             print(f"{setting:<28} {mark:<4} {summary.strip('= ')}")
-            worst, over = worst_by_dtype(log)
-            for dtype, (ratio, largest, what) in sorted(worst.items()):
-                print(f"    {dtype:<8} worst difference/tolerance {ratio:.3g} (difference {largest:.3g}: {what})")
+            worst, over = worst_by_dtype(log, by_file)
+            for key, (ratio, largest, what) in sorted(worst.items()):
+                label = " ".join(key) if isinstance(key, tuple) else key
+                print(f"    {label:<8} worst difference/tolerance {ratio:.3g} (difference {largest:.3g}: {what})")
             if over:
                 print(
                     f"    {over} comparison(s) over tolerance (the injected bugs of the mutation tests, or a failure)"

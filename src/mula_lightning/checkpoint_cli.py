@@ -3,8 +3,10 @@
 Checkpoints written before mula_lightning stopped pickling carry their metadata (the Trainer's loops, callbacks and
 schedulers) as a ``pickle.dumps`` blob inside the DCP directory. Loaders now read data only
 (:mod:`mula_lightning.utils.safe_load`): such a blob still loads when it holds plain values only; one that holds
-tensors or objects is refused and the error names this command. Converting needs the standard unpickler once, which
-runs whatever the file names, so it happens only here, only with ``--trust``, and the command says what it trusts.
+tensors or objects is refused and the error names this command. Converting must import and call what the blob
+names, which is exactly what a hostile file would abuse, so it happens only here, only with ``--trust``: the command
+lists every global the blob names (read with ``pickletools``, nothing run), prints them, and unpickles with an
+allow-list of exactly those.
 
 Example::
 
@@ -17,7 +19,6 @@ conversion runs in one process and holds the whole checkpoint in memory once.
 
 from __future__ import annotations
 
-import pickle
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from mula_lightning.utils.safe_load import (
     dumps_data,
     load_full_dcp,
     loads_data,
+    pickle_globals,
+    restricted_loads,
 )
 
 METADATA_KEY = "metadata"
@@ -71,8 +74,10 @@ def convert(old: str | Path, new: str | Path, trust: bool = False) -> dict[str, 
         except UnsafeCheckpointError as err:
             if not trust:
                 raise PermissionError(f"{err.args[0].split(';')[0]}; pass --trust to unpickle it") from None
-            print(f"mula checkpoint: trusting {old}: unpickling its metadata with the standard unpickler", flush=True)
-            metadata = pickle.loads(raw)  # noqa: S301 - the user vouched for this file with --trust
+            named = pickle_globals(raw)
+            print(f"mula checkpoint: trusting {old}: its metadata imports and calls {named}", flush=True)
+            extra = {tuple(g.rsplit(".", 1)) for g in named}
+            metadata = restricted_loads(raw, old, extra=extra)
     data = dumps_data(metadata)
     loads_data(data, new)  # refuse now, not at the next load, what is still not data (a custom object)
     new.mkdir(parents=True)

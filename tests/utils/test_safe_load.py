@@ -21,7 +21,7 @@ from mula_lightning.models.checkpoint_io import load_model_only, save_model_only
 from mula_lightning.parallel import zero_checkpoint
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.strategies.common import load_sharded_checkpoint, save_sharded_checkpoint
-from mula_lightning.utils.safe_load import UnsafeCheckpointError, loads_data, restricted_loads
+from mula_lightning.utils.safe_load import UnsafeCheckpointError, loads_data, pickle_globals, restricted_loads
 
 
 class _Hostile:
@@ -168,7 +168,8 @@ def test_legacy_checkpoints_load_when_plain_and_convert_once_with_trust(tmp_path
     assert mula(["checkpoint", "convert", str(old), str(new)]) == 1
     assert "pass --trust" in capsys.readouterr().err and not new.exists()
     assert mula(["checkpoint", "convert", "--trust", str(old), str(new)]) == 0
-    assert f"trusting {old}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"trusting {old}" in out and "torch._utils._rebuild_tensor_v2" in out  # it says what it trusts
     target = {"state_dict": _Holder(_model()), "step": 0}
     rest = load_sharded_checkpoint(new, target, MoETopology(1, 1))
     assert target["step"] == 5 and torch.equal(rest["callbacks"]["best"], torch.tensor(0.25))
@@ -178,7 +179,8 @@ def test_legacy_checkpoints_load_when_plain_and_convert_once_with_trust(tmp_path
 
 
 def test_plain_blobs_read_and_unknown_globals_are_named():
-    """The allow-list unpickler builds containers, torch sizes and dtypes; any other global is refused by name."""
+    """The allow-list unpickler builds containers, torch sizes and dtypes; any other global is refused by name;
+    pickle_globals lists what a stream names without running it."""
     value = {"a": [1, 2.5, "x", None], "b": (torch.Size([2, 3]), torch.bfloat16), "c": {1, 2}}
     assert restricted_loads(pickle.dumps(value), "blob") == value
     buffer = io.BytesIO()
@@ -186,3 +188,6 @@ def test_plain_blobs_read_and_unknown_globals_are_named():
     assert torch.equal(loads_data(buffer.getvalue(), "blob")["t"], torch.arange(3))
     with pytest.raises(UnsafeCheckpointError, match=r"blob: refused to load 'posix.system'|'nt.system'"):
         restricted_loads(pickle.dumps(os.system), "blob")
+    assert pickle_globals(pickle.dumps({"f": os.system, "t": torch.Size([1])})) == sorted(
+        [f"{os.system.__module__}.system", "torch.Size"]
+    )

@@ -22,7 +22,7 @@ with ``scale=`` :func:`adamw_parameter_scale` (plus the parameters' own size): i
 a real bug moves parameters by ~lr; in float32 it is of order lr, which is why float32 runs compare gradients and
 losses, not parameters after Adam steps.
 
-Setting ``MULA_PARITY_LOG=/path/file.jsonl`` appends one JSON line per comparison (message, dtype, largest
+Setting ``MULA_PARITY_LOG=/path/file.jsonl`` appends one JSON line per comparison (test, message, dtype, largest
 difference, tolerance), which is how the CPU matrix (``make test-cpus``) reports the worst case of each setting.
 """
 
@@ -125,6 +125,7 @@ def _log(msg: str, dtype: torch.dtype, largest: float, tol: float) -> None:
     path = os.environ.get("MULA_PARITY_LOG")
     if not path:
         return
-    record = {"msg": msg, "dtype": str(dtype).replace("torch.", ""), "largest": largest, "tol": tol}
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]  # set by pytest while a test runs
+    record = {"test": test, "msg": msg, "dtype": str(dtype).replace("torch.", ""), "largest": largest, "tol": tol}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")

@@ -1,4 +1,8 @@
-"""Small utilities shared across the package (device and backend selection)."""
+"""Leaf helpers shared across the package; they import nothing else from it.
+
+``device`` (device and backend selection), ``dist`` (process-group and object-collective helpers), ``io`` (atomic
+writes), ``precision`` (the compute dtype of sensitive steps), ``safe_load`` (checkpoint readers that build data only).
+"""
 
 from mula_lightning.utils.device import (
     BACKEND_FOR_DEVICE,

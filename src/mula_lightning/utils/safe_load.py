@@ -36,6 +36,7 @@ __all__ = [
     "load_full_dcp",
     "load_torch_file",
     "loads_data",
+    "pickle_globals",
     "restricted_loads",
 ]
 
@@ -125,6 +126,34 @@ def restricted_loads(data: bytes, source: str | Path, extra: set[tuple[str, str]
         raise
     except Exception as err:  # truncated or corrupt stream
         raise ValueError(f"{source}: unreadable ({type(err).__name__}: {err})") from err
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global (``module.name``) a pickle stream names, read with ``pickletools`` without running anything.
+
+    For ``mula checkpoint convert --trust``: the user is shown exactly what the file would import and call, and the
+    allow-list unpickler is then given exactly that list.
+    """
+    import pickletools
+
+    found: list[str] = []
+    strings: list[Any] = []  # values pushed by string opcodes (STACK_GLOBAL takes the last two)
+    memo: dict[int, Any] = {}
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            module, name = str(arg).split(" ", 1)
+            found.append(f"{module}.{name}")
+        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"):
+            strings.append(arg)
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = strings[-1] if strings else None
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(arg)] = strings[-1] if strings else None
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            strings.append(memo.get(int(arg)))
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            found.append(f"{strings[-2]}.{strings[-1]}")
+    return sorted(set(found))
 
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
