@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 __all__ = [
     "SafeFileSystemReader",
@@ -216,15 +217,6 @@ def loads_data(data: bytes, source: str | Path) -> Any:
         except pickle.UnpicklingError as err:
             raise UnsafeCheckpointError(source, _refused_from(err)) from None
     return restricted_loads(data, source, hint=f"it was written by an earlier mula_lightning; {CONVERT_HINT}")
-
-
-def _dcp_classes() -> tuple[type, type]:
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-
-    return FileSystemReader, DefaultLoadPlanner
-
-
-FileSystemReader, DefaultLoadPlanner = _dcp_classes()
 
 
 class SafeFileSystemReader(FileSystemReader):
