@@ -23,7 +23,7 @@ import torch
 
 from mula_lightning.models import MulaConfig
 from mula_lightning.moe import FastSparseMoEBlock
-from mula_lightning.parallel.expert_parallel import ExpertParallelMoEBlock
+from mula_lightning.parallel import apply_expert_parallel
 from mula_lightning.parallel.ledger import CommLedger
 from mula_lightning.parallel.topology import build_topology
 from mula_lightning.testing import run_distributed_test
@@ -45,7 +45,7 @@ def _measure(rank: int, world_size: int) -> dict:
         cfg = _config(name)
         for dispatcher in ("allgather", "alltoall"):
             torch.manual_seed(0)
-            block = ExpertParallelMoEBlock(FastSparseMoEBlock(cfg), topo.ep_group, dispatcher)
+            block = apply_expert_parallel(FastSparseMoEBlock(cfg), topo.ep_group, dispatcher)
             for p in block.parameters():
                 torch.nn.init.normal_(p, std=0.02)
             x = torch.randn(1, TOKENS, cfg.hidden_size, requires_grad=True)

@@ -112,3 +112,14 @@ def test_no_empty_package():
         ):
             empty.append(str(init.parent.relative_to(PACKAGE)))
     assert not empty, f"empty packages: {empty}"
+
+
+def test_the_moe_block_is_never_subclassed():
+    """One MoE forward: expert parallelism and every other transport swap the block's token dispatcher in place
+    (``TokenDispatcher``); no class of the package derives from FastSparseMoEBlock to repeat its forward."""
+    subclasses = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any("FastSparseMoEBlock" in ast.unparse(b) for b in node.bases):
+                subclasses.append(f"{path.relative_to(PACKAGE)}:{node.lineno} class {node.name}")
+    assert not subclasses, subclasses

@@ -17,7 +17,7 @@ import torch
 
 from mula_lightning.models import MulaConfig
 from mula_lightning.moe import FastSparseMoEBlock
-from mula_lightning.parallel.expert_parallel import ExpertParallelMoEBlock, apply_expert_parallel
+from mula_lightning.parallel import apply_expert_parallel
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.topology import build_topology
 from mula_lightning.testing import DistributedTestError, assert_parity, run_distributed_test
@@ -72,33 +72,39 @@ def _step(block, x, weights):
 
 def _inject(bug):
     """Break expert parallelism on purpose (in the rank process): the parity check must then fail."""
-    import torch.distributed as dist
-
-    import mula_lightning.parallel.expert_parallel as ep_module
+    import mula_lightning.parallel.token_dispatchers as dispatchers
 
     if bug == "dropped_token":  # the first (token, k) pair gathered from rank 0 never reaches its expert
-        build = ep_module.build_dispatch_plan
+        build = dispatchers.build_dispatch_plan
 
         def build_dropping_one(indices_SK, *args, **kwargs):
             indices_SK = indices_SK.clone()
             indices_SK[0, 0] = -1
             return build(indices_SK, *args, **kwargs)
 
-        ep_module.build_dispatch_plan = build_dropping_one
-    elif bug == "world_group":  # tokens gathered and combined over every rank instead of the EP group
-        init = ep_module.ExpertParallelMoEBlock.__init__
-
-        def init_on_world(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.ep_group = dist.group.WORLD
-
-        ep_module.ExpertParallelMoEBlock.__init__ = init_on_world
+        dispatchers.build_dispatch_plan = build_dropping_one
 
 
-def _ep_run(rank, world_size, ep, dispatcher, case, dtype, bug=None):
+def _expert_parallel(block, group, dispatcher, where, bug=None):
+    """``apply_expert_parallel`` on the bare block, or on a model that holds it; returns the (same) block."""
+    import torch.distributed as dist
+
+    if where == "bare":
+        assert apply_expert_parallel(block, group, dispatcher) is block
+    else:
+        model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": block})])})
+        assert apply_expert_parallel(model, group, dispatcher) is model
+        assert model["layers"][0]["mlp"] is block
+    if bug == "world_group":  # tokens gathered and combined over every rank instead of the EP group
+        block.dispatcher.ep_group = dist.group.WORLD
+    return block
+
+
+def _ep_run(rank, world_size, ep, dispatcher, case, dtype, bug=None, where="bare"):
     _inject(bug)
     topo = build_topology(ep)
-    block = ExpertParallelMoEBlock(_block(case, dtype), topo.ep_group, dispatcher)
+    block = _expert_parallel(_block(case, dtype), topo.ep_group, dispatcher, where, bug)
+    assert type(block) is FastSparseMoEBlock and block.dispatcher.name == dispatcher
     x, w = _batch(rank, case, dtype)
     out, x_grad, grads, aux = _step(block, x, w)
     return out, x_grad, grads, aux.num_dropped.item(), aux.tokens_per_expert
@@ -123,25 +129,26 @@ def _check_ep(results, refs, world_size, ep, dispatcher, dtype):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world_size,ep,case,dtype",
+    "world_size,ep,case,dtype,where",
     [
-        (2, 2, "random", torch.float64),
-        (4, 2, "skewed", torch.float64),
-        (4, 4, "capacity", torch.float64),
-        (2, 2, "random", torch.float32),  # the grouped GEMM kernels
+        (2, 2, "random", torch.float64, "bare"),
+        (4, 2, "skewed", torch.float64, "model"),
+        (4, 4, "capacity", torch.float64, "bare"),
+        (2, 2, "random", torch.float32, "model"),  # the grouped GEMM kernels
     ],
-    ids=["2-2-random-f64", "4-2-skewed-f64", "4-4-capacity-f64", "2-2-random-f32"],
+    ids=["2-2-random-f64-bare", "4-2-skewed-f64-model", "4-4-capacity-f64-bare", "2-2-random-f32-model"],
 )
-def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dtype):
+def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dtype, where):
     """Both dispatchers equal the unsharded block: outputs, input/router grads, and summed expert-slice grads.
 
     Cases: random routing; a routing where one EP rank receives no token; capacity factor 1.0 with drops; in
     float64 (bound ~1e-13 relative) and, for random routing, in float32 through the grouped GEMM kernels.
+    ``apply_expert_parallel`` is given the bare block, or a model holding it (2 and 4 processes each).
     """
     refs = [_step(_block(case, dtype), *_batch(r, case, dtype)) for r in range(world_size)]
     for dispatcher in ("allgather", "alltoall"):
         results = run_distributed_test(
-            _ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, dtype=dtype, timeout=120
+            _ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, dtype=dtype, where=where, timeout=120
         )
         _check_ep(results, refs, world_size, ep, dispatcher, dtype)
     if case == "skewed":
@@ -166,7 +173,7 @@ def test_parity_check_catches_injected_bugs(bug):
 
 def _ledger_run(rank, world_size):
     topo = build_topology(world_size)
-    block = ExpertParallelMoEBlock(_block("random", torch.float32), topo.ep_group, "allgather")
+    block = apply_expert_parallel(_block("random", torch.float32), topo.ep_group, "allgather")
     x, w = _batch(rank, "random", torch.float32)
     with CommLedger() as ledger:
         _step(block, x, w)
@@ -195,7 +202,7 @@ def test_allgather_dispatch_bytes_equal_the_closed_form():
 
 def _unequal_tokens(rank, world_size):
     topo = build_topology(world_size)
-    block = ExpertParallelMoEBlock(_block("random"), topo.ep_group, "allgather")
+    block = apply_expert_parallel(_block("random"), topo.ep_group, "allgather")
     block(torch.randn(1, 4 + rank, H))
 
 
@@ -222,3 +229,41 @@ def _bad_sizes(rank, world_size):
         apply_expert_parallel(model, dist.group.WORLD)
     except ValueError as e:
         raise ValueError(f"{first}; {e}") from e
+
+
+def _reapply(rank, world_size):
+    import torch.distributed as dist
+
+    topo = build_topology(world_size)
+    block = apply_expert_parallel(_block("random"), topo.ep_group, "allgather")
+    slice_before = block.experts.gate_up_proj.detach().clone()
+    apply_expert_parallel(block, topo.ep_group, "alltoall")  # same group: only the transport changes
+    swapped = (block.dispatcher.name, torch.equal(block.experts.gate_up_proj, slice_before))
+    other = dist.new_group(list(range(world_size)))
+    try:
+        apply_expert_parallel(block, other, "alltoall")
+        other_group = "accepted"
+    except ValueError as e:
+        other_group = str(e)
+    wrong = _block("random")
+    wrong.experts.expert_range = (0, E // world_size) if rank else (E // world_size, E)
+    for p in (wrong.experts.gate_up_proj, wrong.experts.down_proj):
+        p.data = p.data[: E // world_size].clone()
+    try:
+        apply_expert_parallel(wrong, topo.ep_group)
+        wrong_slice = "accepted"
+    except ValueError as e:
+        wrong_slice = str(e)
+    return swapped, other_group, wrong_slice
+
+
+@pytest.mark.distributed
+def test_reapplying_swaps_the_transport_and_refuses_foreign_layouts():
+    """Applying expert parallelism again over the same group swaps the dispatcher and keeps the expert slice; over
+    another group, or onto an expert slice that is not this rank's, it is refused with the values named."""
+    for rank, (swapped, other_group, wrong_slice) in enumerate(run_distributed_test(_reapply, 2)):
+        assert swapped == ("alltoall", True)
+        assert "already expert parallel over another process group" in other_group
+        assert f"expected all {E} or this EP rank's {E // 2} experts [{rank * E // 2}, {(rank + 1) * E // 2}]" in (
+            wrong_slice
+        )

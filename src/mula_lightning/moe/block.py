@@ -3,14 +3,21 @@
 Legend: B = batch, T = sequence, S = B*T tokens, H = hidden, E = experts, K = experts per token,
 RT = routed rows (local (token, k) pairs, grouped by expert).
 
-Forward, single device (Stage 1's all-gather is the identity here; expert parallelism wraps the same stages):
+One forward, on one device and under expert parallelism alike; only the token dispatcher changes:
 
-1. route: ``gate`` (fp32 router: top-k, capacity drops, forced uniform routing, auxiliary losses);
-2. + 3. :func:`~mula_lightning.moe.dispatch.build_dispatch_plan` counts tokens and generates the indices for the
+1. route: ``gate`` (fp32 router: top-k, capacity drops, forced uniform routing, auxiliary losses), always on the
+   rank that holds the tokens;
+2. + 3. ``dispatcher.dispatch`` moves the tokens to the ranks of their experts (nothing to move with the default
+   :class:`~mula_lightning.moe.token_dispatcher.LocalDispatcher`) and
+   :func:`~mula_lightning.moe.dispatch.build_dispatch_plan` counts tokens and generates the indices for the
    local experts ``[n_start, n_end]``;
-4. :class:`~mula_lightning.moe.experts.GroupedExperts` gathers the routed rows and runs every expert with three
-   grouped GEMMs;
-5. :func:`~mula_lightning.moe.combine.combine_expert_outputs` weights and sums each token's expert outputs.
+4. :class:`~mula_lightning.moe.experts.GroupedExperts` gathers the routed rows and runs every local expert with
+   three grouped GEMMs;
+5. ``dispatcher.combine`` weights and sums each token's expert outputs
+   (:func:`~mula_lightning.moe.combine.combine_expert_outputs`) and brings them back to the token's rank.
+
+:func:`mula_lightning.parallel.apply_expert_parallel` makes a block (or every block of a model) expert parallel in
+place: it cuts the expert tensors to the rank's slice and sets an all-gather or all-to-all dispatcher.
 
 The parameters are ``gate.weight`` (E, H), ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj``
 (E, H, I), exactly those of :class:`~mula_lightning.moe.reference.ReferenceMoEBlock` and of transformers 5.x's
@@ -29,12 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mula_lightning.moe.combine import combine_expert_outputs
 from mula_lightning.moe.config import MoEConfig, as_moe_config
-from mula_lightning.moe.dispatch import build_dispatch_plan
 from mula_lightning.moe.experts import GroupedExperts
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
+from mula_lightning.moe.token_dispatcher import LocalDispatcher, TokenDispatcher
 from mula_lightning.utils.precision import upcast
 
 
@@ -68,8 +74,9 @@ class FastSparseMoEBlock(nn.Module):
         self.config = config
         self.num_experts = config.num_experts
         self.top_k = config.top_k
-        self.n_start, self.n_end = 0, config.num_experts - 1
         self.jitter_noise = 0.0
+        #: the token transport; :func:`~mula_lightning.parallel.apply_expert_parallel` swaps it in place
+        self.dispatcher: TokenDispatcher = LocalDispatcher(config.num_experts)
         self.gate: nn.Module = Router(
             config.hidden_size,
             config.num_experts,
@@ -88,6 +95,19 @@ class FastSparseMoEBlock(nn.Module):
             use_grouped_mm=use_grouped_mm,
             reuse_dead_activations=reuse_dead_activations,
         )
+
+    @property
+    def n_start(self) -> int:
+        """First expert (global id) held here: 0 unless the block is expert parallel."""
+        return self.dispatcher.n_start
+
+    @property
+    def n_end(self) -> int:
+        """Last expert (global id, inclusive) held here."""
+        return self.dispatcher.n_end
+
+    def extra_repr(self) -> str:
+        return f"dispatcher={self.dispatcher!r}"
 
     @property
     def use_grouped_mm(self) -> bool:
@@ -124,9 +144,8 @@ class FastSparseMoEBlock(nn.Module):
             num_dropped=indices_SK.new_zeros(()),
         )
 
-    def _every_pair_routed_here(self) -> bool:
-        dropless = not isinstance(self.gate, Router) or self.gate.capacity_factor is None
-        return dropless and self.n_start == 0 and self.n_end == self.num_experts - 1
+    def _router_is_dropless(self) -> bool:
+        return not isinstance(self.gate, Router) or self.gate.capacity_factor is None
 
     def forward_with_aux(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         shape = x_BTH.shape
@@ -134,16 +153,10 @@ class FastSparseMoEBlock(nn.Module):
             noise = torch.empty_like(x_BTH).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             x_BTH = x_BTH * noise
         x_SH = x_BTH.reshape(-1, shape[-1])
-        routed = self.route(x_SH)
-        plan = build_dispatch_plan(
-            routed.indices_SK,
-            self.num_experts,
-            self.n_start,
-            self.n_end,
-            all_routed=True if self._every_pair_routed_here() else None,
-        )
-        y_RH = self.experts(x_SH, plan)
-        out_SH = combine_expert_outputs(y_RH, routed.weights_SK, plan, self.reuse_dead_activations)
+        routed = self.route(x_SH)  # 1.
+        tokens = self.dispatcher.dispatch(x_SH, routed, dropless=self._router_is_dropless())  # 2. + 3.
+        y_RH = self.experts(tokens.x_SH, tokens.plan)  # 4.
+        out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations)  # 5.
         aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
         return out_SH.to(x_BTH.dtype).reshape(shape), aux
 

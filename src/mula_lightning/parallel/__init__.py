@@ -1,7 +1,9 @@
 """parallel: expert parallelism, process-group and hardware topology, autograd collectives, the communication ledger.
 
 ``collectives`` holds the Algorithm 1 collectives (``forward_allgather_backward_reducescatter`` ...) and plain
-functional wrappers; ``ledger`` records the bytes each of them sends, per topology level.
+functional wrappers; ``ledger`` records the bytes each of them sends, per topology level. ``apply_expert_parallel``
+cuts a model's (or a bare block's) experts to the rank's slice and sets an ``AllGatherDispatcher`` or
+``AllToAllDispatcher`` (``token_dispatchers``) on each MoE block, in place.
 """
 
 from mula_lightning.parallel.collectives import (
@@ -17,8 +19,11 @@ from mula_lightning.parallel.collectives import (
 from mula_lightning.parallel.expert_parallel import apply_expert_parallel, gather_expert_parallel_state_dict
 from mula_lightning.parallel.hardware import HardwareTopology
 from mula_lightning.parallel.ledger import CommLedger, CommRecord, CommTotals, is_recording, ring_bytes_sent
+from mula_lightning.parallel.token_dispatchers import AllGatherDispatcher, AllToAllDispatcher
 
 __all__ = [
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
     "CommLedger",
     "CommRecord",
     "CommTotals",

@@ -47,7 +47,7 @@ class EPSOSettings:
         if self.sharded_optimizer not in MODES:
             raise ValueError(f"sharded_optimizer ({self.sharded_optimizer!r}) must be one of {MODES}")
         if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"dispatcher ({self.dispatcher!r}) must be one of {DISPATCHERS}")
+            raise ValueError(f"dispatcher ({self.dispatcher!r}) must be one of {tuple(DISPATCHERS)}")
         if isinstance(self.reduce_dtype, str):
             self.reduce_dtype = getattr(torch, self.reduce_dtype.replace("torch.", ""))
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):
