@@ -4,7 +4,7 @@ Run: ``.venv/bin/python benchmarks/zero_topo.py`` (CPU, gloo). Options: ``--step
 ``--loss-world 4``, ``--skip-loss``.
 
 Part 1 (8 processes = 2 nodes x 2 GPUs x 2 GCDs, ``mula-tiny-dense``, fp32): one training step of five
-configurations of the same engine (:class:`~mula_lightning.parallel.hierarchical_zero.HierarchicalZeroAdamW`):
+configurations of the same engine (:class:`~mula_lightning.parallel.zero.engine.HierarchicalZeroAdamW`):
 ZeRO-3 (w = g = o = s = 8), ZeRO++ (hpZ secondary partition in the node, INT8 weights, INT4 gradients),
 zero_topo unquantized, zero_topo quantized (secondary degree 2) and zero_topo quantized with secondary degree 4.
 For every collective tag it prints, per rank, the ledger's bytes, our closed form ((d-1)/d x numel x bytes + fp32
@@ -28,7 +28,7 @@ import torch
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.ledger import CommLedger
-from mula_lightning.parallel.quantization import packed_bytes
+from mula_lightning.parallel.zero.quantization import packed_bytes
 from mula_lightning.testing import run_distributed_test
 
 BLOCK = 256
@@ -67,8 +67,8 @@ def _demo_tokens(data_dir: Path = DATA_DIR) -> torch.Tensor:
 
 
 def _bytes_step(rank: int, world_size: int) -> dict:
-    from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
-    from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 
     out = {}
     tokens = _demo_tokens()
@@ -155,8 +155,8 @@ def part1() -> None:
 
 
 def _train(rank: int, world_size: int, model_name: str, steps: int, quant: bool) -> list[float]:
-    from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
-    from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 
     cfg = MulaConfig.from_name(model_name, max_seq_len=64)
     model = init_weights(MulaForCausalLM(cfg), seed=0)

@@ -114,9 +114,9 @@ def test_fabric_zero_topo_trains_saves_resumes_and_reshards(tmp_path):
         assert_parity(torch.tensor(losses, dtype=DTYPE), expected, **f32, msg=f"rank {rank} losses")
         assert_parity(torch.tensor(resumed, dtype=DTYPE), expected[SAVE_AT:], **f32, msg=f"rank {rank} resumed")
 
-    from mula_lightning.parallel import zero_checkpoint as zc
-    from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
-    from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+    from mula_lightning.parallel.zero import state_dict as zc
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 
     model = MulaForCausalLM(_config()).to(DTYPE)
     engine = HierarchicalZeroAdamW(model, ZeroTopoLayout(1, 1, 1), **HP, block_size=16)

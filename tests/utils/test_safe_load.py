@@ -18,8 +18,8 @@ from mula_lightning.callbacks.slots import RNG_NAME, load_rng
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models.checkpoint_io import load_model_only, save_model_only
-from mula_lightning.parallel import zero_checkpoint
 from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.parallel.zero import state_dict as zero_checkpoint
 from mula_lightning.strategies.common import load_sharded_checkpoint, save_sharded_checkpoint
 from mula_lightning.utils.safe_load import UnsafeCheckpointError, loads_data, pickle_globals, restricted_loads
 

@@ -3,7 +3,7 @@
 One description of the hardware for everything that cares (the communication ledger's levels, the hierarchical ZeRO
 layout's group sizes), parsed from the launcher's environment in one place (:func:`env_sizes`) or discovered with
 one collective. It is beside, not part of, the process-group topologies (:class:`~mula_lightning.parallel.topology.
-MoETopology`, :class:`~mula_lightning.parallel.zero_layout.ZeroTopoLayout`), which say how ranks are grouped.
+MoETopology`, :class:`~mula_lightning.parallel.zero.layout.ZeroTopoLayout`), which say how ranks are grouped.
 
 Levels, from the ZeRO-topo paper's three bandwidth tiers: ``"gcd"`` (ranks on one physical GPU: the two GCDs of an
 MI250X, the two tiles of an Intel Max GPU), ``"intra_node"``, ``"inter_node"``; ``"self"`` for a group of one.

@@ -1,7 +1,7 @@
 """The ``"zero_topo"`` strategy: hierarchical 3-level ZeRO with block-quantized collectives, for Fabric and Trainer.
 
 Both classes are thin: Lightning's DDP strategies launch the processes and own the default group; the work is
-done by :class:`~mula_lightning.parallel.hierarchical_zero.HierarchicalZeroAdamW` (its docstring has the
+done by :class:`~mula_lightning.parallel.zero.engine.HierarchicalZeroAdamW` (its docstring has the
 communication plan and the memory per rank):
 
 * setup: materialise the model (meta device -> real tensors, drawn once from ``seed`` and broadcast), no DDP
@@ -14,7 +14,7 @@ communication plan and the memory per rank):
 * gradient accumulation: every micro-batch reduce-scatters inside the gradient group (the shard accumulates), the
   cross-node all-reduce runs once per optimizer step; clipping by the global L2 norm;
 * checkpoints: ``torch.distributed.checkpoint`` directories with logical keys
-  (:mod:`~mula_lightning.parallel.zero_checkpoint`), loadable at another layout or in one process.
+  (:mod:`~mula_lightning.parallel.zero.state_dict`), loadable at another layout or in one process.
 
 Precision: ``32-true`` or ``bf16-true`` (bf16 weights, fp32 masters in the optimizer), as for ``"epso"``.
 """
@@ -32,12 +32,12 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from torch import nn
 
-from mula_lightning.parallel import zero_checkpoint as zc
-from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
 from mula_lightning.parallel.parallelize import materialize_and_broadcast
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.topology import MoETopology
-from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+from mula_lightning.parallel.zero import state_dict as zc
+from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 from mula_lightning.strategies.common import (
     InPlaceCheckpointRestore,
     ShardedFabricHooks,

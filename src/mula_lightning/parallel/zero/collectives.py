@@ -2,7 +2,7 @@
 
 Chunk order: a group's ranks are its sorted global ranks (``torch.distributed.new_group`` order); the rank at
 group index ``k`` holds (or receives) chunk ``positions[k]`` of the buffer, so a nested layout
-(:mod:`~mula_lightning.parallel.zero_layout`) maps onto ordinary collectives by reordering chunks.
+(:mod:`~mula_lightning.parallel.zero.layout`) maps onto ordinary collectives by reordering chunks.
 
 * :class:`WeightGather` (qwZ-like): each rank sends its chunk of ``n`` elements; all ranks receive every chunk into
   the full buffer. Quantized, a chunk travels as ``pack(quantize(chunk, bits, block))``; every rank, the owner
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mula_lightning.parallel.collectives import all_gather_single, reduce_scatter_single
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
-from mula_lightning.parallel.quantization import Quantized, dequantize, pack, packed_bytes, quantize, unpack
+from mula_lightning.parallel.zero.quantization import Quantized, dequantize, pack, packed_bytes, quantize, unpack
 
 
 def _record(op: str, group: Any, size: int, tin: torch.Tensor, tout: torch.Tensor, phase: str | None, tag: str):

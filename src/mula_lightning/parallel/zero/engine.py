@@ -4,7 +4,7 @@ The model is cut into *units*: every decoder layer (``layers.<i>``) and a root u
 (embeddings, final norm, head), hooked on the deepest module that holds them all. Each unit's parameters live in
 one :class:`FlatBuffer` (padded so every chunk is a whole number of quantization blocks); the sizes ``w``, ``s``,
 ``g``, ``o`` and the nested chunk of every rank come from
-:class:`~mula_lightning.parallel.zero_layout.ZeroTopoLayout` (``N`` = padded elements of a unit).
+:class:`~mula_lightning.parallel.zero.layout.ZeroTopoLayout` (``N`` = padded elements of a unit).
 
 Communication plan of one step, per unit (``q`` = quantized when enabled; tags as in the ledger):
 
@@ -47,14 +47,14 @@ from torch.autograd.graph import register_multi_grad_hook
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.sharded_optimizer import adamw_update_
-from mula_lightning.parallel.zero_collectives import (
+from mula_lightning.parallel.zero.collectives import (
     WeightGather,
     all_gather_chunks,
     all_reduce_,
     reduce_scatter_chunks,
     slice_quantized,
 )
-from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.precision import at_least_float32
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from mula_lightning.parallel.zero_layout import ZeroTopoLayout, shard_positions
+from mula_lightning.parallel.zero.layout import ZeroTopoLayout, shard_positions
 
 
 def _range(pos, count, n=720720):

@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mula_lightning.parallel.checkpoint import sharded_vector
-from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
-from mula_lightning.parallel.zero_collectives import all_gather_chunks
+from mula_lightning.parallel.zero.collectives import all_gather_chunks
+from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
 from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mula_lightning.parallel.quantization import QMAX, dequantize, pack, packed_bytes, quantize, unpack
+from mula_lightning.parallel.zero.quantization import QMAX, dequantize, pack, packed_bytes, quantize, unpack
 
 
 def _data(n, seed=0):

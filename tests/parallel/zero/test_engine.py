@@ -14,7 +14,7 @@ import torch
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
-from mula_lightning.parallel.quantization import packed_bytes
+from mula_lightning.parallel.zero.quantization import packed_bytes
 from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
@@ -50,7 +50,7 @@ def _batch(step, rank):
 
 def _inject(bug):
     """Break the engine on purpose (in the rank process): the parity check must then fail."""
-    import mula_lightning.parallel.hierarchical_zero as hz
+    import mula_lightning.parallel.zero.engine as hz
 
     if bug == "no_cross_node_reduce":  # gradient shards summed inside the node only, not over the other nodes
         group = hz.HierarchicalZeroAdamW._group
@@ -72,8 +72,8 @@ def _inject(bug):
 
 
 def _train(rank, world_size, configs, bug=None):
-    from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
-    from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 
     _inject(bug)
     results = {}
@@ -246,7 +246,7 @@ def test_four_processes_other_group_sizes_match_one_process():
 def _collectives(rank, world_size):
     import torch.distributed as dist
 
-    from mula_lightning.parallel.zero_collectives import WeightGather, reduce_scatter_chunks
+    from mula_lightning.parallel.zero.collectives import WeightGather, reduce_scatter_chunks
 
     positions = [0, 2, 1, 3]  # the gradient positions of w=2, g=4: group index k holds chunk positions[k]
     n = 4 * BLOCK
@@ -266,7 +266,7 @@ def test_quantized_collectives_follow_the_precise_semantics():
     source-rank order, of every source's dequantized INT4 chunk for it (and within the INT4 error bound of the
     exact sum; the unquantized path gives the exact sum). INT8 weight gather: every rank, the owner included, holds
     the same dequantized values at the right positions, and the sent chunk is not modified."""
-    from mula_lightning.parallel.quantization import QMAX, dequantize, quantize
+    from mula_lightning.parallel.zero.quantization import QMAX, dequantize, quantize
 
     results = run_distributed_test(_collectives, 4, timeout=120)
     n = 4 * BLOCK
@@ -293,8 +293,8 @@ def test_full_weights_live_only_around_their_use_with_one_layer_prefetched():
     """One process, 4 layers: while layer i runs forward, the full buffers allocated are the root's, layer i's and the
     prefetched layer i+1's only; in backward likewise (layer i and the prefetched i-1); after the step every full
     buffer is freed and the engine's update equals torch AdamW (the one-process parity of the same engine)."""
-    from mula_lightning.parallel.hierarchical_zero import HierarchicalZeroAdamW
-    from mula_lightning.parallel.zero_layout import ZeroTopoLayout
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 
     cfg = MulaConfig.from_name(
         "mula-tiny-dense",
