@@ -25,8 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("mula_lightning.lightning_cli:validate", "validation loss and perplexity of a checkpoint"),
     "test": ("mula_lightning.lightning_cli:test", "evaluate a checkpoint on the held-out split"),
     "report": ("mula_lightning.report:main", "PNG plots (loss, lr, tokens/s, expert load) of a run's CSV log"),
-    "export": ("mula_lightning.callbacks.export:main", "any checkpoint (full or model-only) to a HF directory"),
-    "checkpoint": ("mula_lightning.checkpoint_cli:main", "convert a checkpoint of the earlier pickled format: --trust"),
+    "export": ("mula_lightning.checkpoint.export:main", "any checkpoint (full or model-only) to a HF directory"),
+    "checkpoint": ("mula_lightning.checkpoint.cli:main", "convert a checkpoint of the earlier pickled format: --trust"),
 }
 
 

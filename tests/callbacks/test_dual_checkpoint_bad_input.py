@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from mula_lightning.callbacks import DualCheckpoint
-from mula_lightning.callbacks.slots import (
+from mula_lightning.checkpoint.slots import (
     MARKER_NAME,
     CheckpointIntegrityError,
     CheckpointWriteError,

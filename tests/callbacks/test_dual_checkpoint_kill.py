@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mula_lightning.callbacks.slots import load_rng, resolve_last, save_slot, slot_step
-from mula_lightning.parallel.checkpoint import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from mula_lightning.checkpoint.slots import load_rng, resolve_last, save_slot, slot_step
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
+from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.topology import build_topology
 
 TRIALS = 20

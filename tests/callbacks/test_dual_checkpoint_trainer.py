@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from mula_lightning.callbacks import DualCheckpoint
-from mula_lightning.callbacks.slots import MARKER_NAME, SLOT_NAMES, read_marker
+from mula_lightning.checkpoint.slots import MARKER_NAME, SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import EPSOStrategy

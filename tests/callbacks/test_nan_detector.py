@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from mula_lightning.callbacks import NAN_EXIT_CODE, DualCheckpoint, ModelOnlyCheckpoint, NaNDetector
 from mula_lightning.callbacks.model_only_checkpoint import directory_bytes, restore_weights
-from mula_lightning.callbacks.slots import SLOT_NAMES, read_marker
+from mula_lightning.checkpoint.slots import SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import EPSOStrategy
 from mula_lightning.testing import DistributedTestError, run_distributed_test

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mula_lightning.callbacks.slots import RNG_NAME, load_rng
+from mula_lightning.checkpoint.slots import RNG_NAME, load_rng
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models.checkpoint_io import load_model_only, save_model_only

@@ -2,7 +2,7 @@
 NaN detection) and monitoring (MoE statistics, throughput).
 
 The classes are imported lazily (PEP 562), so that code which only needs the checkpoint protocol
-(:mod:`mula_lightning.callbacks.slots`, no Lightning dependency) does not pay for importing Lightning.
+(:mod:`mula_lightning.checkpoint.slots`, no Lightning dependency) does not pay for importing Lightning.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why: Lightning's ``ModelCheckpoint`` overwrites ``last.ckpt`` (and a sharded checkpoint directory) in place, so a
 job killed during that save has nothing to resume from; the Aurora paper keeps two checkpoints and overwrites the
-older one. The write and resume protocol lives in :mod:`mula_lightning.callbacks.slots`; this module maps it onto
+older one. The write and resume protocol lives in :mod:`mula_lightning.checkpoint.slots`; this module maps it onto
 Lightning:
 
 * Trainer: every ``every_n_train_steps`` optimizer steps (at the end of the batch that completed the step, never
@@ -30,7 +30,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from mula_lightning.callbacks.slots import (
+from mula_lightning.checkpoint.slots import (
     MARKER_NAME,
     SLOT_NAMES,
     STATE_NAME,
@@ -58,7 +58,7 @@ def _module_signature(strategy: Any, module: nn.Module) -> dict[str, list[int]]:
     module = getattr(module, "module", module)  # Fabric's wrapper
     topology = getattr(strategy, "topology", None)
     if topology is not None:
-        from mula_lightning.parallel.checkpoint import model_state_dict
+        from mula_lightning.parallel.state_dict import model_state_dict
 
         return model_signature(model_state_dict(module, topology))
     return model_signature(module.state_dict())

@@ -15,11 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mula_lightning.parallel.checkpoint import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner, broadcast_model, load_model_once
 from mula_lightning.parallel.expert_parallel import DISPATCHERS
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
-from mula_lightning.parallel.scattered_checkpoint import DPScatteredSavePlanner, broadcast_model, load_model_once
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
+from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.topology import MoETopology, build_topology
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 

@@ -11,7 +11,7 @@ and delegate the work to :mod:`mula_lightning.parallel`:
 * gradient clipping goes to the sharded global-norm clip (value clipping raises); gradient accumulation
   reduces once per optimizer step;
 * checkpoints are ``torch.distributed.checkpoint`` directories with logical keys
-  (:mod:`mula_lightning.parallel.checkpoint`), loadable at another layout.
+  (:mod:`mula_lightning.parallel.state_dict`), loadable at another layout.
 
 Precision is owned by the strategy: ``32-true`` (fp32 parameters) or ``bf16-true`` (bf16 parameters with an fp32
 master copy in the optimizer); ``bf16-mixed`` is rejected because its fp32 parameters would make the bf16
@@ -255,12 +255,12 @@ class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
             yield
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from mula_lightning.parallel.checkpoint import model_state_dict
+        from mula_lightning.parallel.state_dict import model_state_dict
 
         return model_state_dict(self.model, self.topology)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        from mula_lightning.parallel.checkpoint import optimizer_state_dict
+        from mula_lightning.parallel.state_dict import optimizer_state_dict
 
         return optimizer_state_dict(unwrap_optimizer(optimizer))
 

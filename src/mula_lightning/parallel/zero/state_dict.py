@@ -1,6 +1,6 @@
 """DCP checkpoints of the hierarchical ZeRO engine with logical keys (reshard on load), DP-scattered writes.
 
-Same format as :mod:`mula_lightning.parallel.checkpoint`, so a run can be resumed at another layout, another world
+Same format as :mod:`mula_lightning.parallel.state_dict`, so a run can be resumed at another layout, another world
 size or in one process:
 
 * model: the single-device ``state_dict`` (full tensors, unquantized, gathered from the primary chunks);
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mula_lightning.parallel.checkpoint import sharded_vector
+from mula_lightning.parallel.state_dict import sharded_vector
 from mula_lightning.parallel.zero.collectives import all_gather_chunks
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
 from mula_lightning.utils.dist import is_distributed

@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mula_lightning.parallel.checkpoint import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
+from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.topology import build_topology
 from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
 

@@ -9,9 +9,9 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from torch.distributed.checkpoint import filesystem
 
+from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
-from mula_lightning.parallel.scattered_checkpoint import DPScatteredSavePlanner
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.testing import run_distributed_test
 

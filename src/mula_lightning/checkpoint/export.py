@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from jsonargparse import ArgumentParser
 
-from mula_lightning.callbacks.slots import STATE_NAME, resolve_last
+from mula_lightning.checkpoint.slots import STATE_NAME, resolve_last
 from mula_lightning.utils.safe_load import UnsafeCheckpointError, load_full_dcp, load_torch_file, loads_data
 
 _ANCHOR = "model.embed_tokens.weight"

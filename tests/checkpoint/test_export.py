@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from mula_lightning.callbacks.slots import save_slot
+from mula_lightning.checkpoint.slots import save_slot
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.models.checkpoint_io import save_model_only
