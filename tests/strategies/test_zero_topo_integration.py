@@ -114,6 +114,7 @@ def test_fabric_zero_topo_trains_saves_resumes_and_reshards(tmp_path):
         assert_parity(torch.tensor(losses, dtype=DTYPE), expected, **f32, msg=f"rank {rank} losses")
         assert_parity(torch.tensor(resumed, dtype=DTYPE), expected[SAVE_AT:], **f32, msg=f"rank {rank} resumed")
 
+    from mula_lightning.checkpoint.dcp_format import load_dcp
     from mula_lightning.parallel.zero import state_dict as zc
     from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
     from mula_lightning.parallel.zero.layout import ZeroTopoLayout
@@ -121,7 +122,7 @@ def test_fabric_zero_topo_trains_saves_resumes_and_reshards(tmp_path):
     model = MulaForCausalLM(_config()).to(DTYPE)
     engine = HierarchicalZeroAdamW(model, ZeroTopoLayout(1, 1, 1), **HP, block_size=16)
     targets = {"model": zc.model_state_dict(engine, model), "optimizer": zc.optimizer_state_dict(engine, True)}
-    meta = zc.load_checkpoint(__import__("pathlib").Path(path), targets)
+    meta = load_dcp(__import__("pathlib").Path(path), targets)
     zc.load_model_state_dict(engine, targets["model"])
     zc.apply_optimizer_state_dict(engine, targets["optimizer"])
     assert meta["step"] == SAVE_AT and engine._step == SAVE_AT

@@ -14,12 +14,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from mula_lightning.checkpoint.dcp_format import load_dcp
 from mula_lightning.checkpoint.slots import RNG_NAME, load_rng
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models.checkpoint_io import load_model_only, save_model_only
 from mula_lightning.parallel.topology import MoETopology
-from mula_lightning.parallel.zero import state_dict as zero_checkpoint
 from mula_lightning.strategies.common import load_sharded_checkpoint, save_sharded_checkpoint
 from mula_lightning.utils.safe_load import UnsafeCheckpointError, loads_data, pickle_globals, restricted_loads
 
@@ -92,7 +92,8 @@ def _sharded(path, metadata_item=None, metadata_file=None):
 @pytest.mark.parametrize("where", ["metadata_item", "legacy_metadata_blob", "dcp_metadata_file"])
 def test_dcp_loaders_refuse_hostile_metadata(tmp_path, capsys, where):
     """A DCP directory carrying the payload as its metadata item (new or legacy pickled form) or as DCP's own
-    ``.metadata`` file: the strategies' loader, the hierarchical ZeRO loader and `mula export` all refuse it."""
+    ``.metadata`` file: the EPSO strategies' loader, the shared DCP format loader (zero_topo's) and `mula export`
+    all refuse it."""
     marker, path = tmp_path / "marker", tmp_path / "ckpt"
     if where == "metadata_item":
         _sharded(path, metadata_item=_Hostile(marker))
@@ -104,7 +105,7 @@ def test_dcp_loaders_refuse_hostile_metadata(tmp_path, capsys, where):
         load_sharded_checkpoint(path, {"state_dict": _Holder(_model())}, MoETopology(1, 1), strict=False)
     _refused(err.value, path)
     with pytest.raises(UnsafeCheckpointError) as err:
-        zero_checkpoint.load_checkpoint(path, {}, strict=False)
+        load_dcp(path, {}, strict=False)
     _refused(err.value, path)
     assert mula(["export", str(path), "--to", "hf", str(tmp_path / "out"), "--config", "mula-tiny-moe"]) == 1
     _refused(capsys.readouterr().err, path)

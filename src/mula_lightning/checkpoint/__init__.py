@@ -1,5 +1,7 @@
 """checkpoint: the formats and protocols of everything a run writes (Aurora paper, Section 4).
 
+* ``dcp_format``: the one on-disk format of sharded checkpoints, written by both sharded strategies: a
+  ``torch.distributed.checkpoint`` directory of logical-key tensors plus one metadata item (data only).
 * ``slots``: the dual-slot protocol (two slots, a durable marker written last, agreed completion and resume,
   ``ckpt_path="last"``) that :class:`~mula_lightning.callbacks.DualCheckpoint` drives; no Lightning dependency.
 * ``scattered``: the DP-scattered DCP save planner (replicated tensors written from DP index ``m % DP``, so the
@@ -22,6 +24,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "load_dcp": "mula_lightning.checkpoint.dcp_format",
+    "save_dcp": "mula_lightning.checkpoint.dcp_format",
     "DPScatteredSavePlanner": "mula_lightning.checkpoint.scattered",
     "broadcast_model": "mula_lightning.checkpoint.scattered",
     "load_model_once": "mula_lightning.checkpoint.scattered",

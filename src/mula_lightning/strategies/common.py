@@ -12,18 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp, saved_keys
 from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner, broadcast_model, load_model_once
 from mula_lightning.parallel.expert_parallel import DISPATCHERS
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
 from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.topology import MoETopology, build_topology
-from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
-
-METADATA_KEY = "metadata"
 
 
 @dataclass
@@ -271,10 +268,8 @@ def save_sharded_checkpoint(
             tensors[key] = value
         else:
             extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
-    tensors[METADATA_KEY] = dumps_data(extra)
-    path.mkdir(parents=True, exist_ok=True)
     # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
-    dcp.save(tensors, checkpoint_id=str(path), planner=DPScatteredSavePlanner(topology.dp_size, topology.ep_size))
+    save_dcp(path, tensors, extra, planner=DPScatteredSavePlanner(topology.dp_size, topology.ep_size))
 
 
 def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopology, strict: bool = True):
@@ -284,18 +279,16 @@ def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopo
     from the metadata (``load_state_dict`` when they have one). Returns the metadata entries that are
     not in ``state`` (Fabric's contract; for the Trainer, the rest of its checkpoint dict).
     """
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
-    saved_keys = {k.split(".")[0] for k in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    saved = saved_keys(path)
     targets: dict[str, Any] = {}
     modules: list[nn.Module] = []
     for key, value in state.items():
         saveable = _to_saveable(value, topology)
         if saveable is None:
             continue
-        if key not in saved_keys:
+        if key not in saved:
             if strict:
-                raise KeyError(f"{path}: the checkpoint has no {key!r} (it holds {sorted(saved_keys)})")
+                raise KeyError(f"{path}: the checkpoint has no {key!r} (it holds {sorted(saved)})")
             continue
         if isinstance(value, nn.Module):  # weights: one reader per shard, broadcast to the replicas after the load
             modules.append(value)
@@ -303,14 +296,12 @@ def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopo
             if not saveable:
                 continue
         targets[key] = saveable  # optimizer shards: read by their owners
-    targets[METADATA_KEY] = b""
-    dcp_load(targets, path, strict)
+    metadata = load_dcp(path, targets, strict)
     for module in modules:
         broadcast_model(module, topology)
     for key, value in state.items():
         if key in targets and isinstance(unwrap_optimizer(value), ShardedAdamW):
             apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
-    metadata = loads_data(targets[METADATA_KEY], path)
     for key in list(state):
         if key in targets or key not in metadata or isinstance(state[key], nn.Module):
             continue

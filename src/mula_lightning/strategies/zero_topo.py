@@ -32,6 +32,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from torch import nn
 
+from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
 from mula_lightning.parallel.parallelize import materialize_and_broadcast
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.topology import MoETopology
@@ -167,14 +168,12 @@ class FabricZeroTopoStrategy(ShardedFabricHooks, FabricDDPStrategy):
         if storage_options is not None or filter is not None:
             raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
         tensors, extra = _split_state(state, self.engine, for_load=False)
-        zc.save_checkpoint(
-            Path(path), tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()}
-        )
+        save_dcp(Path(path), tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()})
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
         state = state or {}
         targets, _ = _split_state(state, self.engine, for_load=True)
-        metadata = zc.load_checkpoint(Path(path), targets, strict)
+        metadata = load_dcp(Path(path), targets, strict)
         for key, value in state.items():
             if key not in targets:
                 if key in metadata and hasattr(value, "load_state_dict"):
@@ -260,7 +259,7 @@ class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
         tensors = {"state_dict": rest.pop("state_dict")}
         for i, opt_state in enumerate(rest.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = opt_state
-        zc.save_checkpoint(Path(filepath), tensors, rest)
+        save_dcp(Path(filepath), tensors, rest)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         engine = self.engine
@@ -271,7 +270,7 @@ class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
         else:
             targets = {"state_dict": zc.model_state_dict(engine, self.model)}
             targets["optimizer_0"] = zc.optimizer_state_dict(engine, for_load=True)
-        metadata = zc.load_checkpoint(Path(checkpoint_path), targets, strict=engine is not None)
+        metadata = load_dcp(Path(checkpoint_path), targets, strict=engine is not None)
         if engine is None:
             self.model.load_state_dict(targets["state_dict"])
         else:

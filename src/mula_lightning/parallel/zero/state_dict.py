@@ -1,7 +1,8 @@
-"""DCP checkpoints of the hierarchical ZeRO engine with logical keys (reshard on load), DP-scattered writes.
+"""Logical-key state dicts of the hierarchical ZeRO engine (reshard on load), DP-scattered writes.
 
-Same format as :mod:`mula_lightning.parallel.state_dict`, so a run can be resumed at another layout, another world
-size or in one process:
+The same keys as :mod:`mula_lightning.parallel.state_dict` (EPSO), written in the one checkpoint format of
+:mod:`mula_lightning.checkpoint.dcp_format`, so a run can be resumed at another layout, another world size or in one
+process:
 
 * model: the single-device ``state_dict`` (full tensors, unquantized, gathered from the primary chunks);
   replicated on every rank, DCP's planner writes each tensor once;
@@ -14,19 +15,15 @@ size or in one process:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from mula_lightning.parallel.state_dict import sharded_vector
 from mula_lightning.parallel.zero.collectives import all_gather_chunks
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
 from mula_lightning.utils.dist import is_distributed
-from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
-METADATA_KEY = "metadata"
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
 
 
@@ -109,29 +106,3 @@ def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, A
             own.copy_(u.master)
             group, size, positions = engine._group("post_step")
             all_gather_chunks(own.clone(), u.primary, group, size, positions, "weights.post_step")
-
-
-def save_checkpoint(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Write a DCP directory of ``tensors`` (state dicts built above) plus ``metadata`` (tensors and plain data,
-    readable without unpickling code: :func:`~mula_lightning.utils.safe_load.dumps_data`)."""
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save({**tensors, METADATA_KEY: dumps_data(metadata)}, checkpoint_id=str(path))
-
-
-def load_checkpoint(path: Path, targets: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-    """Fill ``targets`` (state dicts built above) in place from ``path``; return the metadata.
-
-    Reads data only (:class:`~mula_lightning.utils.safe_load.SafeFileSystemReader`, ``weights_only`` items): a file
-    that names anything else raises :class:`~mula_lightning.utils.safe_load.UnsafeCheckpointError`.
-    """
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
-    reader = SafeFileSystemReader(str(path))
-    saved = {k.split(".")[0] for k in reader.read_metadata().state_dict_metadata}
-    missing = [k for k in targets if k not in saved]
-    if missing and strict:
-        raise KeyError(f"{path}: the checkpoint has no {missing} (it holds {sorted(saved)})")
-    targets = {k: v for k, v in targets.items() if k in saved}
-    targets[METADATA_KEY] = b""
-    dcp_load(targets, path, strict)
-    return loads_data(targets.pop(METADATA_KEY), path)

@@ -1,0 +1,80 @@
+"""The one on-disk format of sharded checkpoints: a DCP directory of logical-key tensors plus a metadata item.
+
+Both sharded strategies (``epso`` and ``zero_topo``) write it, so ``mula export``, the dual-slot protocol and a
+resume at another layout read one format:
+
+* tensors: whatever state dicts the caller built with logical keys (model ``state_dict`` keys; optimizer states as
+  ``state.<param>.<exp_avg | exp_avg_sq | master>`` 1-D vectors), saved by ``torch.distributed.checkpoint``, which
+  reshards on load (a checkpoint written at DP=2 x EP=2 loads at DP=1 x EP=4 or in one process);
+* ``metadata``: one bytes item holding tensors and plain data (loops, callbacks, schedulers, the step, the config),
+  written by :func:`~mula_lightning.utils.safe_load.dumps_data` and read back with ``weights_only`` semantics.
+
+Reading never unpickles code: DCP's own ``.metadata`` file goes through
+:class:`~mula_lightning.utils.safe_load.SafeFileSystemReader` and every item through the safe load planner; a file
+that names anything else raises :class:`~mula_lightning.utils.safe_load.UnsafeCheckpointError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
+
+__all__ = ["METADATA_KEY", "load_dcp", "save_dcp", "saved_keys"]
+
+#: the DCP item that holds the non-tensor state
+METADATA_KEY = "metadata"
+
+
+def save_dcp(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], planner: Any = None) -> None:
+    """Write ``tensors`` (logical-key state dicts) and ``metadata`` (tensors and plain data) as a DCP directory.
+
+    Args:
+        path: the directory (created if needed).
+        tensors: top-level key -> state dict (or tensor); must not use the key ``"metadata"``.
+        metadata: the non-tensor state.
+        planner: a DCP save planner (the DP-scattered one spreads replicated writes over nodes); DCP's default
+            when None.
+    """
+    if METADATA_KEY in tensors:
+        raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save({**tensors, METADATA_KEY: dumps_data(metadata)}, checkpoint_id=str(path), planner=planner)
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The top-level keys a DCP directory holds (``metadata`` included).
+
+    Raises:
+        FileNotFoundError: when ``path`` is not a ``torch.distributed.checkpoint`` directory.
+    """
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file)")
+    return {k.split(".")[0] for k in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
+
+
+def load_dcp(path: Path, targets: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    """Fill ``targets`` (state dicts shaped like the saved ones, at this run's layout) in place; return the metadata.
+
+    Args:
+        path: a :func:`save_dcp` directory.
+        targets: top-level key -> state dict to fill; keys the checkpoint lacks are dropped from ``targets`` when
+            ``strict`` is False.
+        strict: a key of ``targets`` missing from the checkpoint (or a tensor missing inside a state dict) raises.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a DCP directory.
+        KeyError: with ``strict``, naming the missing keys and those the checkpoint holds.
+    """
+    saved = saved_keys(path)
+    missing = [k for k in targets if k not in saved]
+    if missing and strict:
+        raise KeyError(f"{path}: the checkpoint has no {missing} (it holds {sorted(saved)})")
+    for key in missing:
+        del targets[key]
+    targets[METADATA_KEY] = b""
+    dcp_load(targets, path, strict)
+    return loads_data(targets.pop(METADATA_KEY), path)
