@@ -37,6 +37,7 @@ from torchmetrics import MeanMetric
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.topology import check_divisible
+from mula_lightning.strategies.protocol import ShardingStrategy, strategy_ep_size
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, minimum: float) -> float:
@@ -137,8 +138,7 @@ class MulaLM(LightningModule):
                 self.config = MulaConfig(**{**self.config.to_dict(), "vocab_size": vocab})
         if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
             self._check_accumulation(datamodule)
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        ep_size = getattr(getattr(strategy, "settings", None), "ep_size", 1)
+        ep_size = strategy_ep_size(self._strategy())
         if ep_size > 1:
             if not self.config.is_moe:
                 raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {self.config.name} is dense")
@@ -158,13 +158,17 @@ class MulaLM(LightningModule):
                 f"but trainer.accumulate_grad_batches is {accumulate}; set it to {need}"
             )
 
+    def _strategy(self) -> Any:
+        """The Trainer's strategy, or None outside a Trainer."""
+        return self.trainer.strategy if self._trainer is not None else None
+
     def configure_model(self) -> None:
         """Build the model: on the meta device under ``epso`` (the strategy materialises it), else for real."""
         if self.model is not None:
             return
-        settings = getattr(self.trainer.strategy, "settings", None) if self._trainer is not None else None
-        if settings is not None and hasattr(settings, "seed"):  # a sharded strategy materialises from the meta device
-            settings.seed = self.hparams.seed
+        strategy = self._strategy()
+        if isinstance(strategy, ShardingStrategy) and strategy.builds_on_meta:  # it materialises from the meta device
+            strategy.init_seed = self.hparams.seed
             with torch.device("meta"):
                 self.model = MulaForCausalLM(self.config)
             return
@@ -245,12 +249,9 @@ class MulaLM(LightningModule):
 
     def _grad_norm(self, optimizer: Any) -> torch.Tensor:
         """The global L2 norm of the (reduced) gradients, under any strategy."""
-        inner = optimizer
-        while hasattr(inner, "_optimizer"):
-            inner = inner._optimizer
-        if hasattr(inner, "owned_grad_norm"):  # ShardedAdamW: reduce the buckets, then norm of the owned shards
-            inner.finish_grad_sync()
-            return inner.owned_grad_norm()
+        strategy = self._strategy()
+        if isinstance(strategy, ShardingStrategy):  # sharded gradients: the strategy reduces, then norms the shards
+            return strategy.global_grad_norm(optimizer)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)

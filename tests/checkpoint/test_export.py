@@ -5,13 +5,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from mula_lightning.checkpoint.sharded import save_sharded_checkpoint
 from mula_lightning.checkpoint.slots import save_slot
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.models.checkpoint_io import save_model_only
 from mula_lightning.models.hf_convert import mula_to_hf_state_dict
 from mula_lightning.parallel.topology import MoETopology
-from mula_lightning.strategies.common import save_sharded_checkpoint
 
 OVERRIDES = dict(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=8,
                  num_experts=4, top_k=2)  # fmt: skip

@@ -15,12 +15,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from mula_lightning.checkpoint.dcp_format import load_dcp
+from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from mula_lightning.checkpoint.slots import RNG_NAME, load_rng
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models.checkpoint_io import load_model_only, save_model_only
 from mula_lightning.parallel.topology import MoETopology
-from mula_lightning.strategies.common import load_sharded_checkpoint, save_sharded_checkpoint
 from mula_lightning.utils.safe_load import UnsafeCheckpointError, loads_data, pickle_globals, restricted_loads
 
 

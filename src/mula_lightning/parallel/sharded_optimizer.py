@@ -396,3 +396,10 @@ def _record(op: str, group: Any, size: int, tensor_in: torch.Tensor, tensor_out:
 
 def _params(buf: FlatBuffer) -> Iterable[nn.Parameter]:
     return (s.param for s in buf.slots)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's / Fabric's wrappers."""
+    while hasattr(optimizer, "_optimizer"):
+        optimizer = optimizer._optimizer
+    return optimizer

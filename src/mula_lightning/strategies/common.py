@@ -1,57 +1,80 @@
-"""What the Fabric and Trainer flavours of a sharded strategy share: settings, setup, precision, checkpoints.
+"""What the Fabric and Trainer flavours of both sharded strategies share: Lightning hooks, arguments, precision.
 
 Kept apart from the strategy classes so that each strategy file stays a thin mapping of Lightning's hooks onto
-:mod:`mula_lightning.parallel`.
+:mod:`mula_lightning.parallel`. Strategy-specific helpers live in their strategy's file (``epso.py``,
+``zero_topo.py``); checkpoint formats in :mod:`mula_lightning.checkpoint`.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from pathlib import Path
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
-from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp, saved_keys
-from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner, broadcast_model, load_model_once
-from mula_lightning.parallel.expert_parallel import DISPATCHERS
-from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
-from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
-from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
-from mula_lightning.parallel.topology import MoETopology, build_topology
+from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
+
+#: Lightning DDP-strategy arguments that mean something to a sharding strategy. No DDP wrapper is ever built, so the
+#: wrapper's own arguments (``find_unused_parameters``, ``static_graph``, ``ddp_comm_hook``, ...) mean nothing here.
+DDP_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
 
 
-@dataclass
-class EPSOSettings:
-    """The user's choices for a DP x EP run (validated on construction)."""
+def ddp_arguments(strategy: type, options: Any, ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments to forward to Lightning's DDP strategy base of ``strategy``; refuse every other one.
 
-    ep_size: int = 1
-    sharded_optimizer: str = "ep_aware"
-    dispatcher: str = "allgather"
-    reduce_dtype: torch.dtype = torch.float32
-    bucket_numel: int | None = 40_000_000
-    seed: int = 0
-    activation_checkpointing: bool = False
-    compile: bool | dict[str, Any] = False
-    init_from_dense: str | None = None
-    upcycle: dict[str, Any] | None = None
+    Args:
+        strategy: the strategy class being constructed.
+        options: the callable whose signature lists the strategy's own arguments (for the error message).
+        ddp_kwargs: the keywords the constructor did not take itself.
 
-    def __post_init__(self) -> None:
-        if self.ep_size < 1:
-            raise ValueError(f"ep_size ({self.ep_size}) must be >= 1")
-        if self.sharded_optimizer not in MODES:
-            raise ValueError(f"sharded_optimizer ({self.sharded_optimizer!r}) must be one of {MODES}")
-        if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"dispatcher ({self.dispatcher!r}) must be one of {tuple(DISPATCHERS)}")
-        if isinstance(self.reduce_dtype, str):
-            self.reduce_dtype = getattr(torch, self.reduce_dtype.replace("torch.", ""))
-        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"reduce_dtype ({self.reduce_dtype}) must be torch.float32 or torch.bfloat16")
+    Raises:
+        TypeError: naming the unknown keywords, the strategy's own arguments and the DDP arguments it forwards (a
+            misspelled ``ep_szie=2`` or a not-yet-supported ``tp_size=2`` is never silently ignored).
+    """
+    base = next(c for c in strategy.__mro__ if c.__module__.startswith("lightning.") and c.__name__ == "DDPStrategy")
+    accepted = [k for k in DDP_ARGUMENTS if k in inspect.signature(base.__init__).parameters]
+    unknown = sorted(set(ddp_kwargs) - set(accepted))
+    if unknown:
+        own = [n for n, p in inspect.signature(options).parameters.items() if n != "self" and p.kind != p.VAR_KEYWORD]
+        raise TypeError(
+            f"{strategy.__name__} got unknown keyword arguments {unknown}; its own arguments are {own}, and of "
+            f"Lightning's DDP strategy it takes {accepted}"
+        )
+    return ddp_kwargs
 
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
+
+class ShardingOptions:
+    """Base of a sharding strategy's options mixin: the parts of the
+    :class:`~mula_lightning.strategies.protocol.ShardingStrategy` protocol every such strategy answers the same way
+    (the model is built on the meta device and materialised from ``settings.seed``), and the hook that lets the
+    Fabric or Trainer flavour set its own attributes after Lightning's constructor ran."""
+
+    builds_on_meta = True
+    settings: Any
+
+    def _init_flavour(self) -> None:
+        """The Fabric or Trainer flavour's own attributes, set after Lightning's constructor."""
+
+    @property
+    def init_seed(self) -> int:
+        return self.settings.seed
+
+    @init_seed.setter
+    def init_seed(self, seed: int) -> None:
+        self.settings.seed = int(seed)
 
 
 class ShardedFabricHooks:
@@ -63,6 +86,7 @@ class ShardedFabricHooks:
 
     strategy_name = "sharded"
 
+    @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None):
         module = self.setup_module(module)
         optimizers = [self.setup_optimizer(o) for o in optimizers]
@@ -70,6 +94,7 @@ class ShardedFabricHooks:
             repoint_scheduler(scheduler, optimizers[0])
         return module, optimizers, scheduler
 
+    @override
     def clip_gradients_norm(
         self, module: nn.Module, optimizer: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite=True
     ) -> torch.Tensor:
@@ -82,6 +107,7 @@ class ShardedFabricHooks:
             raise RuntimeError(f"the total norm of the gradients is non-finite ({norm.item()}); not clipping")
         return norm
 
+    @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Any, clip_val: float) -> None:
         raise ValueError(
             f"gradient clipping by value is not supported by the {self.strategy_name} strategy (gradients are "
@@ -96,17 +122,21 @@ class InPlaceCheckpointRestore:
     and Lightning's own model / optimizer restore steps become no-ops. Mix in before the Lightning base class.
     """
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in place by load_checkpoint
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded in place by load_checkpoint
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
@@ -130,13 +160,6 @@ def repoint_scheduler(scheduler: Any, optimizer: Any) -> None:
 
     tracked_step._wrapped_by_lr_sched = True
     optimizer.step = tracked_step
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The optimizer inside Lightning's / Fabric's wrappers."""
-    while hasattr(optimizer, "_optimizer"):
-        optimizer = optimizer._optimizer
-    return optimizer
 
 
 def check_precision(plugin: Any) -> None:
@@ -168,145 +191,3 @@ def _clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
         "gradient_clip_algorithm='value' is not supported with sharded gradients; use the default 'norm' "
         f"(gradient_clip_val={clip_val})"
     )
-
-
-def setup_epso_module(
-    module: nn.Module, settings: EPSOSettings, device: torch.device, topology: MoETopology | None = None
-) -> MoETopology:
-    """Topology, then :func:`parallelize` (EP -> AC -> compile), then materialise and broadcast the weights."""
-    topology = topology or build_topology(settings.ep_size)
-    parallelize(
-        module,
-        topology,
-        dispatcher=settings.dispatcher,
-        activation_checkpointing=settings.activation_checkpointing,
-        compile=settings.compile,
-    )
-    materialize_and_broadcast(module, topology, device, seed=settings.seed)
-    if settings.init_from_dense:
-        initialise_from_dense(module, settings.init_from_dense, topology, settings.upcycle or {})
-    return topology
-
-
-@torch.no_grad()
-def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, options: dict[str, Any]) -> None:
-    """Online upcycling at setup: each rank builds only its own experts from a dense checkpoint's shards.
-
-    The MoE shape (experts, top-k, router kind, renormalisation, capacity factor) is the model's own config; the
-    dense checkpoint (HF Llama directory or Mula model-only checkpoint, read tensor by tensor) supplies every other
-    weight; ``options`` are :func:`~mula_lightning.models.upcycle.upcycle`'s ``granularity``, ``noise`` and
-    ``seed``. Every rank reads only the FFN slices of its experts, so no rank ever holds the full MoE.
-
-    Raises:
-        ValueError: when the upcycled tensors do not have the shapes of the model being trained (the dense
-            checkpoint does not fit the model config), naming the first offending tensors.
-    """
-    from mula_lightning.models.transformer import MulaForCausalLM
-    from mula_lightning.models.upcycle import upcycle
-
-    unknown = set(options) - {"granularity", "noise", "seed", "layers"}
-    if unknown:
-        raise ValueError(f"unknown upcycle options {sorted(unknown)}; known: granularity, noise, seed, layers")
-    targets = [m for m in module.modules() if isinstance(m, MulaForCausalLM)]
-    if not targets:
-        raise ValueError("init_from_dense needs a MulaForCausalLM inside the module being set up")
-    for target in targets:
-        cfg = target.config
-        if not cfg.is_moe:
-            raise ValueError(f"init_from_dense upcycles into an MoE; the model config ({cfg.name}) has no experts")
-        local = upcycle(
-            path,
-            num_experts=cfg.num_experts,
-            top_k=cfg.top_k,
-            router=cfg.router_kind,
-            norm_topk_prob=cfg.norm_topk_prob,
-            capacity_factor=cfg.capacity_factor,
-            ep_rank=topology.ep_rank,
-            ep_size=topology.ep_size,
-            dtype=next(target.parameters()).dtype,
-            **options,
-        )
-        have, got = target.state_dict(), local.state_dict()
-        wrong = [
-            f"{k}: model {tuple(have[k].shape) if k in have else None} vs upcycled {tuple(v.shape)}"
-            for k, v in got.items()
-            if k not in have or have[k].shape != v.shape
-        ] + [f"{k}: missing from the upcycled model" for k in have if k not in got]
-        if wrong:
-            raise ValueError(f"the dense checkpoint {path} does not fit the model config: " + "; ".join(wrong[:6]))
-        for k, v in got.items():
-            have[k].copy_(v)
-
-
-def _to_saveable(value: Any, topology: MoETopology) -> Any:
-    if isinstance(value, nn.Module):
-        return model_state_dict(value, topology)
-    if isinstance(unwrap_optimizer(value), ShardedAdamW):
-        return optimizer_state_dict(unwrap_optimizer(value))
-    return None
-
-
-def save_sharded_checkpoint(
-    path: Path, state: dict[str, Any], topology: MoETopology, metadata: dict[str, Any] | None = None
-) -> None:
-    """Write a DCP directory: modules and sharded optimizers by logical key, everything else as metadata.
-
-    The metadata holds tensors and plain data only (``torch.save`` bytes, read back with ``weights_only=True``).
-
-    Args:
-        state: modules, (wrapped) sharded optimizers, state dicts made by the Trainer's hooks, or plain objects
-            (those go to the metadata, as their ``state_dict()`` when they have one).
-        metadata: more entries (the Trainer's loops, callbacks, schedulers, ...): tensors and plain data.
-    """
-    tensors: dict[str, Any] = {}
-    extra: dict[str, Any] = dict(metadata or {})
-    for key, value in state.items():
-        saveable = _to_saveable(value, topology)
-        if saveable is not None:
-            tensors[key] = saveable
-        elif isinstance(value, dict) and (key == "state_dict" or key.startswith("optimizer_")):
-            tensors[key] = value
-        else:
-            extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
-    # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
-    save_dcp(path, tensors, extra, planner=DPScatteredSavePlanner(topology.dp_size, topology.ep_size))
-
-
-def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopology, strict: bool = True):
-    """Load a :func:`save_sharded_checkpoint` directory into ``state`` in place, at any layout.
-
-    Modules and sharded optimizers in ``state`` are filled from their logical keys; other entries are restored
-    from the metadata (``load_state_dict`` when they have one). Returns the metadata entries that are
-    not in ``state`` (Fabric's contract; for the Trainer, the rest of its checkpoint dict).
-    """
-    saved = saved_keys(path)
-    targets: dict[str, Any] = {}
-    modules: list[nn.Module] = []
-    for key, value in state.items():
-        saveable = _to_saveable(value, topology)
-        if saveable is None:
-            continue
-        if key not in saved:
-            if strict:
-                raise KeyError(f"{path}: the checkpoint has no {key!r} (it holds {sorted(saved)})")
-            continue
-        if isinstance(value, nn.Module):  # weights: one reader per shard, broadcast to the replicas after the load
-            modules.append(value)
-            saveable = load_model_once(saveable, topology)
-            if not saveable:
-                continue
-        targets[key] = saveable  # optimizer shards: read by their owners
-    metadata = load_dcp(path, targets, strict)
-    for module in modules:
-        broadcast_model(module, topology)
-    for key, value in state.items():
-        if key in targets and isinstance(unwrap_optimizer(value), ShardedAdamW):
-            apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
-    for key in list(state):
-        if key in targets or key not in metadata or isinstance(state[key], nn.Module):
-            continue
-        if hasattr(state[key], "load_state_dict"):
-            state[key].load_state_dict(metadata.pop(key))
-        else:
-            state[key] = metadata.pop(key)
-    return {k: v for k, v in metadata.items() if k not in state}

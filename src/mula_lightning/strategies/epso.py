@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +31,183 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from torch import nn
+from typing_extensions import override
 
-from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW
+from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
+from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
+from mula_lightning.parallel.state_dict import model_state_dict, optimizer_state_dict
+from mula_lightning.parallel.token_dispatchers import DISPATCHERS
+from mula_lightning.parallel.topology import MoETopology, build_topology
 from mula_lightning.strategies.common import (
-    EPSOSettings,
     InPlaceCheckpointRestore,
     ShardedFabricHooks,
+    ShardingOptions,
     check_precision,
-    load_sharded_checkpoint,
+    ddp_arguments,
     repoint_scheduler,
-    save_sharded_checkpoint,
-    setup_epso_module,
-    unwrap_optimizer,
 )
+
+
+@dataclass
+class EPSOSettings:
+    """The user's choices for a DP x EP run (validated on construction)."""
+
+    ep_size: int = 1
+    sharded_optimizer: str = "ep_aware"
+    dispatcher: str = "allgather"
+    reduce_dtype: torch.dtype = torch.float32
+    bucket_numel: int | None = 40_000_000
+    seed: int = 0
+    activation_checkpointing: bool = False
+    compile: bool | dict[str, Any] = False
+    init_from_dense: str | None = None
+    upcycle: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size ({self.ep_size}) must be >= 1")
+        if self.sharded_optimizer not in MODES:
+            raise ValueError(f"sharded_optimizer ({self.sharded_optimizer!r}) must be one of {MODES}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher ({self.dispatcher!r}) must be one of {tuple(DISPATCHERS)}")
+        if isinstance(self.reduce_dtype, str):
+            self.reduce_dtype = getattr(torch, self.reduce_dtype.replace("torch.", ""))
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"reduce_dtype ({self.reduce_dtype}) must be torch.float32 or torch.bfloat16")
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
+
+
+def setup_epso_module(
+    module: nn.Module, settings: EPSOSettings, device: torch.device, topology: MoETopology | None = None
+) -> MoETopology:
+    """Topology, then :func:`parallelize` (EP -> AC -> compile), then materialise and broadcast the weights."""
+    topology = topology or build_topology(settings.ep_size)
+    parallelize(
+        module,
+        topology,
+        dispatcher=settings.dispatcher,
+        activation_checkpointing=settings.activation_checkpointing,
+        compile=settings.compile,
+    )
+    materialize_and_broadcast(module, topology, device, seed=settings.seed)
+    if settings.init_from_dense:
+        initialise_from_dense(module, settings.init_from_dense, topology, settings.upcycle or {})
+    return topology
+
+
+@torch.no_grad()
+def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, options: dict[str, Any]) -> None:
+    """Online upcycling at setup: each rank builds only its own experts from a dense checkpoint's shards.
+
+    The MoE shape (experts, top-k, router kind, renormalisation, capacity factor) is the model's own config; the
+    dense checkpoint (HF Llama directory or Mula model-only checkpoint, read tensor by tensor) supplies every other
+    weight; ``options`` are :func:`~mula_lightning.models.upcycle.upcycle`'s ``granularity``, ``noise`` and
+    ``seed``. Every rank reads only the FFN slices of its experts, so no rank ever holds the full MoE.
+
+    Raises:
+        ValueError: when the upcycled tensors do not have the shapes of the model being trained (the dense
+            checkpoint does not fit the model config), naming the first offending tensors.
+    """
+    from mula_lightning.models.transformer import MulaForCausalLM
+    from mula_lightning.models.upcycle import upcycle
+
+    unknown = set(options) - {"granularity", "noise", "seed", "layers"}
+    if unknown:
+        raise ValueError(f"unknown upcycle options {sorted(unknown)}; known: granularity, noise, seed, layers")
+    targets = [m for m in module.modules() if isinstance(m, MulaForCausalLM)]
+    if not targets:
+        raise ValueError("init_from_dense needs a MulaForCausalLM inside the module being set up")
+    for target in targets:
+        cfg = target.config
+        if not cfg.is_moe:
+            raise ValueError(f"init_from_dense upcycles into an MoE; the model config ({cfg.name}) has no experts")
+        local = upcycle(
+            path,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            router=cfg.router_kind,
+            norm_topk_prob=cfg.norm_topk_prob,
+            capacity_factor=cfg.capacity_factor,
+            ep_rank=topology.ep_rank,
+            ep_size=topology.ep_size,
+            dtype=next(target.parameters()).dtype,
+            **options,
+        )
+        have, got = target.state_dict(), local.state_dict()
+        wrong = [
+            f"{k}: model {tuple(have[k].shape) if k in have else None} vs upcycled {tuple(v.shape)}"
+            for k, v in got.items()
+            if k not in have or have[k].shape != v.shape
+        ] + [f"{k}: missing from the upcycled model" for k in have if k not in got]
+        if wrong:
+            raise ValueError(f"the dense checkpoint {path} does not fit the model config: " + "; ".join(wrong[:6]))
+        for k, v in got.items():
+            have[k].copy_(v)
+
+
+class EPSOOptions(ShardingOptions):
+    """The constructor and the :class:`~mula_lightning.strategies.protocol.ShardingStrategy` protocol shared by
+    :class:`FabricEPSOStrategy` and :class:`EPSOStrategy` (mixed in first, before Lightning's DDP strategy).
+
+    Args:
+        ep_size: expert-parallel degree (divides the world size and every MoE layer's experts).
+        sharded_optimizer: ``"ep_aware"`` (EPSO), ``"dp"`` (SO / ZeRO-1 over DP) or ``"none"`` (replicated).
+        dispatcher: MoE token dispatch, ``"allgather"`` (Aurora) or ``"alltoall"``.
+        reduce_dtype: dtype gradients are reduced in (``torch.float32``, or ``torch.bfloat16`` as in the paper).
+        bucket_numel: elements per gradient-reduction bucket.
+        seed: initialisation seed for models built on the meta device (weights are a function of (seed, name)).
+        activation_checkpointing: recompute decoder layers in backward.
+        compile: regional ``torch.compile`` of attention and norms (a dict is passed to ``compile``).
+        init_from_dense: a dense checkpoint (HF Llama directory or Mula model-only checkpoint) to upcycle into the
+            model at setup, online: each rank builds only its own experts (see :func:`initialise_from_dense`).
+        upcycle: options of that upcycling: ``granularity``, ``noise``, ``seed``, ``layers``.
+        **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
+            parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
+            start_method); any other keyword raises a ``TypeError`` that names it.
+    """
+
+    def __init__(
+        self,
+        ep_size: int = 1,
+        sharded_optimizer: str = "ep_aware",
+        dispatcher: str = "allgather",
+        reduce_dtype: torch.dtype = torch.float32,
+        bucket_numel: int | None = 40_000_000,
+        seed: int = 0,
+        activation_checkpointing: bool = False,
+        compile: bool | dict[str, Any] = False,
+        init_from_dense: str | None = None,
+        upcycle: dict[str, Any] | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
+        self.settings = EPSOSettings(
+            ep_size,
+            sharded_optimizer,
+            dispatcher,
+            reduce_dtype,
+            bucket_numel,
+            seed,
+            activation_checkpointing,
+            compile,
+            init_from_dense,
+            upcycle,
+        )
+        self.topology: MoETopology | None = None
+        self._init_flavour()
+
+    @property
+    def ep_size(self) -> int:
+        return self.settings.ep_size
+
+    def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""
+        sharded = unwrap_optimizer(optimizer)
+        sharded.finish_grad_sync()
+        return sharded.owned_grad_norm()
 
 
 class _ShardedBackwardSync(_BackwardSyncControl):
@@ -68,77 +233,42 @@ def _sync_disabled(optimizer: ShardedAdamW) -> Generator[None, None, None]:
         optimizer.require_grad_sync = previous
 
 
-class FabricEPSOStrategy(ShardedFabricHooks, FabricDDPStrategy):
+class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDDPStrategy):
     """DP x EP with EPSO for ``lightning.fabric.Fabric`` (``Fabric(strategy="epso")`` or an instance).
 
-    Args:
-        ep_size: expert-parallel degree (divides the world size and every MoE layer's experts).
-        sharded_optimizer: ``"ep_aware"`` (EPSO), ``"dp"`` (SO / ZeRO-1 over DP) or ``"none"`` (replicated).
-        dispatcher: MoE token dispatch, ``"allgather"`` (Aurora) or ``"alltoall"``.
-        reduce_dtype: dtype gradients are reduced in (``torch.float32``, or ``torch.bfloat16`` as in the paper).
-        bucket_numel: elements per gradient-reduction bucket.
-        seed: initialisation seed for models built on the meta device (``fabric.init_module(empty_init=True)``).
-        activation_checkpointing: recompute decoder layers in backward.
-        compile: regional ``torch.compile`` of attention and norms (a dict is passed to ``compile``).
-        init_from_dense: a dense checkpoint (HF Llama directory or Mula model-only checkpoint) to upcycle into the
-            model at setup, online: each rank builds only its own experts (see
-            :func:`~mula_lightning.strategies.common.initialise_from_dense`).
-        upcycle: options of that upcycling: ``granularity``, ``noise``, ``seed``, ``layers``.
-        **kwargs: Lightning's DDP strategy arguments (accelerator, parallel_devices, cluster_environment, ...).
+    Arguments: see :class:`EPSOOptions`.
     """
 
     strategy_name = "epso"
 
-    def __init__(
-        self,
-        ep_size: int = 1,
-        sharded_optimizer: str = "ep_aware",
-        dispatcher: str = "allgather",
-        reduce_dtype: torch.dtype = torch.float32,
-        bucket_numel: int | None = 40_000_000,
-        seed: int = 0,
-        activation_checkpointing: bool = False,
-        compile: bool | dict[str, Any] = False,
-        init_from_dense: str | None = None,
-        upcycle: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.settings = EPSOSettings(
-            ep_size,
-            sharded_optimizer,
-            dispatcher,
-            reduce_dtype,
-            bucket_numel,
-            seed,
-            activation_checkpointing,
-            compile,
-            init_from_dense,
-            upcycle,
-        )
+    def _init_flavour(self) -> None:
         self._backward_sync_control = _ShardedBackwardSync(self)
-        self.topology = None
         self.sharded_optimizer: ShardedAdamW | None = None
         self._module: nn.Module | None = None
         self._names_by_id: dict[int, str] = {}
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         check_precision(self.precision)
 
+    @override
     def module_init_context(self, empty_init: bool | None = None):
         return torch.device("meta") if empty_init else super().module_init_context(empty_init)
 
+    @override
     def module_to_device(self, module: nn.Module) -> None:
         if not any(p.is_meta for p in module.parameters()):  # meta modules are materialised in setup_module
             module.to(self.root_device)
 
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._names_by_id = {id(p): n for n, p in module.named_parameters()}  # before materialising replaces them
         self.topology = setup_epso_module(module, self.settings, self.root_device, self.topology)
         self._module = module
         return module
 
+    @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedAdamW:
         if self._module is None:
             raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
@@ -151,6 +281,7 @@ class FabricEPSOStrategy(ShardedFabricHooks, FabricDDPStrategy):
         )
         return self.sharded_optimizer
 
+    @override
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         if storage_options is not None or filter is not None:
             raise TypeError(
@@ -158,66 +289,42 @@ class FabricEPSOStrategy(ShardedFabricHooks, FabricDDPStrategy):
             )
         save_sharded_checkpoint(Path(path), state, self.topology)
 
+    @override
     def load_checkpoint(
         self, path, state=None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         return load_sharded_checkpoint(Path(path), state or {}, self.topology, strict)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("epso", cls, description="DP x EP with the EP-aware sharded optimizer (EPSO)")
 
 
-class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
+class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDDPStrategy):
     """DP x EP with EPSO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="epso")`` or an instance).
 
     The LightningModule builds its model in ``configure_model`` (ideally on the meta device:
-    ``with torch.device("meta")``); the strategy parallelises, materialises and broadcasts it. Arguments as in
-    :class:`FabricEPSOStrategy`.
+    ``with torch.device("meta")``); the strategy parallelises, materialises and broadcasts it. Arguments: see
+    :class:`EPSOOptions`.
     """
 
     strategy_name = "epso"
-
-    def __init__(
-        self,
-        ep_size: int = 1,
-        sharded_optimizer: str = "ep_aware",
-        dispatcher: str = "allgather",
-        reduce_dtype: torch.dtype = torch.float32,
-        bucket_numel: int | None = 40_000_000,
-        seed: int = 0,
-        activation_checkpointing: bool = False,
-        compile: bool | dict[str, Any] = False,
-        init_from_dense: str | None = None,
-        upcycle: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.settings = EPSOSettings(
-            ep_size,
-            sharded_optimizer,
-            dispatcher,
-            reduce_dtype,
-            bucket_numel,
-            seed,
-            activation_checkpointing,
-            compile,
-            init_from_dense,
-            upcycle,
-        )
-        self.topology = None
 
     @property
     def sharded_optimizer(self) -> ShardedAdamW | None:
         return unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         check_precision(self.precision_plugin)
 
+    @override
     def tensor_init_context(self, empty_init: bool | None = None):
         return torch.device("meta") if empty_init else super().tensor_init_context(empty_init)
 
+    @override
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -242,28 +349,30 @@ class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
             self.optimizers = opts
         self.setup_precision_plugin()
 
+    @override
     def model_to_device(self) -> None:
         pass  # setup_epso_module materialises / moves the model
 
+    @override
     def configure_ddp(self) -> None:
         pass  # no DDP wrapper: the sharded optimizer reduces gradients
 
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         opt = self.sharded_optimizer
         with _sync_disabled(opt) if opt is not None else nullcontext():
             yield
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from mula_lightning.parallel.state_dict import model_state_dict
-
         return model_state_dict(self.model, self.topology)
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        from mula_lightning.parallel.state_dict import optimizer_state_dict
-
         return optimizer_state_dict(unwrap_optimizer(optimizer))
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError("the epso strategy saves torch.distributed.checkpoint directories: no storage_options")
@@ -273,6 +382,7 @@ class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
             state[f"optimizer_{i}"] = opt_state
         save_sharded_checkpoint(Path(filepath), state, self.topology, metadata=rest)
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         state: dict[str, Any] = {"state_dict": self.model}
         for i, opt in enumerate(self.optimizers):
@@ -280,8 +390,9 @@ class EPSOStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
         return load_sharded_checkpoint(Path(checkpoint_path), state, self.topology, strict=True)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("epso", cls, description="DP x EP with the EP-aware sharded optimizer (EPSO)")
 
 
-__all__ = ["MODES", "EPSOStrategy", "FabricEPSOStrategy"]
+__all__ = ["MODES", "EPSOOptions", "EPSOSettings", "EPSOStrategy", "FabricEPSOStrategy"]

@@ -31,10 +31,12 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from torch import nn
+from typing_extensions import override
 
 from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
 from mula_lightning.parallel.parallelize import materialize_and_broadcast
 from mula_lightning.parallel.params import logical_name
+from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.parallel.zero import state_dict as zc
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
@@ -42,9 +44,10 @@ from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 from mula_lightning.strategies.common import (
     InPlaceCheckpointRestore,
     ShardedFabricHooks,
+    ShardingOptions,
     check_precision,
+    ddp_arguments,
     repoint_scheduler,
-    unwrap_optimizer,
 )
 
 
@@ -116,6 +119,68 @@ def _split_state(state: dict[str, Any], engine: HierarchicalZeroAdamW | None, fo
     return tensors, extra
 
 
+class ZeroTopoOptions(ShardingOptions):
+    """The constructor and the :class:`~mula_lightning.strategies.protocol.ShardingStrategy` protocol shared by
+    :class:`FabricZeroTopoStrategy` and :class:`ZeroTopoStrategy` (mixed in first, before Lightning's DDP strategy).
+
+    Args:
+        weight_size: ranks a weight is sharded over (0 = the paper's default: the ranks of one GPU).
+        grad_size: ranks gradients are reduce-scattered over (0 = the ranks of one node).
+        optimizer_size: ranks optimizer states are sharded over (0 = every rank).
+        secondary_size: ranks of the secondary weight partition (0 = none).
+        ranks_per_node: processes per node (None = from the launcher's environment).
+        ranks_per_gpu: processes per GPU (tiles / GCDs; None = from the environment, else 1).
+        quantize_weights: block-quantized weight all-gather (ZeRO++ qwZ).
+        quantize_grads: block-quantized all-to-all gradient reduce-scatter (ZeRO++ qgZ).
+        weight_bits: bits of quantized weights (8 or 4).
+        grad_bits: bits of quantized gradients (8 or 4).
+        block_size: values per quantization block (one scale each).
+        seed: initialisation seed for models built on the meta device.
+        **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
+            parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
+            start_method); any other keyword raises a ``TypeError`` that names it.
+    """
+
+    ep_size = 1  # experts are sharded like every other weight
+
+    def __init__(
+        self,
+        weight_size: int = 0,
+        grad_size: int = 0,
+        optimizer_size: int = 0,
+        secondary_size: int = 0,
+        ranks_per_node: int | None = None,
+        ranks_per_gpu: int | None = None,
+        quantize_weights: bool = False,
+        quantize_grads: bool = False,
+        weight_bits: int = 8,
+        grad_bits: int = 4,
+        block_size: int = 256,
+        seed: int = 0,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(**ddp_arguments(type(self), ZeroTopoOptions.__init__, ddp_kwargs))
+        self.settings = ZeroTopoSettings(
+            weight_size,
+            grad_size,
+            optimizer_size,
+            secondary_size,
+            ranks_per_node,
+            ranks_per_gpu,
+            quantize_weights,
+            quantize_grads,
+            weight_bits,
+            grad_bits,
+            block_size,
+            seed,
+        )
+        self._init_flavour()
+
+    def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""
+        return unwrap_optimizer(optimizer).global_grad_norm()
+
+
 class _NoReduceControl(_BackwardSyncControl):
     """``no_backward_sync`` is free: gradients are always reduce-scattered into the accumulating shard."""
 
@@ -123,53 +188,57 @@ class _NoReduceControl(_BackwardSyncControl):
         return nullcontext()
 
 
-class FabricZeroTopoStrategy(ShardedFabricHooks, FabricDDPStrategy):
+class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDDPStrategy):
     """Hierarchical ZeRO for ``lightning.fabric.Fabric`` (``Fabric(strategy="zero_topo")`` or an instance).
 
-    Args: the fields of :class:`ZeroTopoSettings`, then Lightning's DDP strategy arguments.
+    Arguments: see :class:`ZeroTopoOptions`.
     """
 
     strategy_name = "zero_topo"
 
-    def __init__(self, **kwargs: Any) -> None:
-        own = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroTopoSettings.__dataclass_fields__}
-        super().__init__(**kwargs)
-        self.settings = ZeroTopoSettings(**own)
+    def _init_flavour(self) -> None:
         self._backward_sync_control = _NoReduceControl()
         self.engine: HierarchicalZeroAdamW | None = None
         self._module: nn.Module | None = None
         self._names: dict[int, str] = {}
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         check_precision(self.precision)
         self.settings.layout(self.world_size)  # validate the sizes before any model is built
 
+    @override
     def module_init_context(self, empty_init: bool | None = None):
         return torch.device("meta") if empty_init else super().module_init_context(empty_init)
 
+    @override
     def module_to_device(self, module: nn.Module) -> None:
         if not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
 
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._names = {id(p): n for n, p in module.named_parameters()}
         _materialize(module, self.root_device, self.global_rank, self.world_size, self.settings.seed)
         self._module = module
         return module
 
+    @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> HierarchicalZeroAdamW:
         if self._module is None:
             raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
         self.engine = build_engine(self._module, optimizer, self.settings, self.world_size, self._names)
         return self.engine
 
+    @override
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         if storage_options is not None or filter is not None:
             raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
         tensors, extra = _split_state(state, self.engine, for_load=False)
         save_dcp(Path(path), tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()})
 
+    @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
         state = state or {}
         targets, _ = _split_state(state, self.engine, for_load=True)
@@ -187,36 +256,35 @@ class FabricZeroTopoStrategy(ShardedFabricHooks, FabricDDPStrategy):
         return metadata
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("zero_topo", cls, description="hierarchical 3-level ZeRO with quantized collectives")
 
 
-class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
+class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDDPStrategy):
     """Hierarchical ZeRO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="zero_topo")`` or an instance).
 
     The LightningModule builds its model in ``configure_model`` (ideally on the meta device) and returns
-    ``torch.optim.AdamW`` from ``configure_optimizers``. Arguments as in :class:`FabricZeroTopoStrategy`.
+    ``torch.optim.AdamW`` from ``configure_optimizers``. Arguments: see :class:`ZeroTopoOptions`.
     """
 
     strategy_name = "zero_topo"
-
-    def __init__(self, **kwargs: Any) -> None:
-        own = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroTopoSettings.__dataclass_fields__}
-        super().__init__(**kwargs)
-        self.settings = ZeroTopoSettings(**own)
 
     @property
     def engine(self) -> HierarchicalZeroAdamW | None:
         return unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         check_precision(self.precision_plugin)
         self.settings.layout(self.world_size)
 
+    @override
     def tensor_init_context(self, empty_init: bool | None = None):
         return torch.device("meta") if empty_init else super().tensor_init_context(empty_init)
 
+    @override
     def setup(self, trainer) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
 
@@ -235,23 +303,29 @@ class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
             self.optimizers = [engine]
         self.setup_precision_plugin()
 
+    @override
     def model_to_device(self) -> None:
         pass  # materialised in setup
 
+    @override
     def configure_ddp(self) -> None:
         pass  # no DDP wrapper: the engine's hooks gather weights and reduce gradients
 
+    @override
     def block_backward_sync(self):
         return nullcontext()
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return self.model.state_dict()
         return zc.model_state_dict(self.engine, self.model)
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return zc.optimizer_state_dict(unwrap_optimizer(optimizer))
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
@@ -261,6 +335,7 @@ class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
             tensors[f"optimizer_{i}"] = opt_state
         save_dcp(Path(filepath), tensors, rest)
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         engine = self.engine
         if engine is None:  # validate / predict: plain full tensors
@@ -279,6 +354,7 @@ class ZeroTopoStrategy(InPlaceCheckpointRestore, TrainerDDPStrategy):
         return metadata
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("zero_topo", cls, description="hierarchical 3-level ZeRO with quantized collectives")
 

@@ -308,14 +308,19 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
+    def global_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients (each element counted once); runs the pending reductions first."""
         self.finish_grad_sync()
         total = sum(self._owned_grads(u).pow(2).sum() for u in self.units)
         total = total / (self.layout.world_size // self.layout.optimizer_size)  # optimizer chunks are replicated
         if is_distributed():
             all_reduce_(total, None, self.layout.world_size, "grads.norm")
-        norm = total.sqrt()
+        return total.sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
+        norm = self.global_grad_norm()
         scale = max_norm / (norm.item() + 1e-6)
         if scale < 1.0:
             for u in self.units:
