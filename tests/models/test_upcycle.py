@@ -10,7 +10,7 @@ from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.models import upcycle_source as source_module
 from mula_lightning.models.checkpoint_io import load_model_only, save_model_only
 from mula_lightning.models.hf_convert import save_hf
-from mula_lightning.models.upcycle import expert_scale, upcycle, upcycle_state_dict
+from mula_lightning.models.upcycle import UpcycleSpec, expert_scale, upcycle, upcycle_state_dict
 
 VOCAB = 211
 
@@ -262,7 +262,7 @@ def test_expert_memory_per_rank_is_the_rank_share_of_the_full_moe(llama_dir, cap
     path, _ = llama_dir
     rows = []
     for ep in (1, 2, 4, 8):
-        st = upcycle_state_dict(str(path), num_experts=8, top_k=2, ep_rank=ep - 1, ep_size=ep)
+        st = upcycle_state_dict(str(path), UpcycleSpec(num_experts=8, top_k=2), ep_rank=ep - 1, ep_size=ep)
         rows.append((ep, st.expert_bytes, st.bytes_read, st.full_expert_bytes))
         assert st.expert_bytes * ep == st.full_expert_bytes
         if ep > 1:
@@ -369,6 +369,19 @@ def test_bad_arguments_name_the_values(tiny_dense):
         args.update(kw)
         with pytest.raises(ValueError, match=pattern):
             upcycle(tiny_dense, **args)
+
+
+def test_spec_for_a_model_takes_its_moe_shape_and_refuses_unknown_options():
+    """UpcycleSpec.for_model copies the MoE shape a training job's model config fixes (experts, top-k, router,
+    renormalisation, capacity) and accepts only the training options; a dense target config is named."""
+    moe = MulaConfig.from_name("mula-tiny-moe", router_kind="softmax_topk", norm_topk_prob=True, capacity_factor=2.0)
+    spec = UpcycleSpec.for_model(moe, granularity=2, noise=0.1)
+    assert (spec.num_experts, spec.top_k, spec.router) == (moe.num_experts, moe.top_k, "softmax_topk")
+    assert (spec.norm_topk_prob, spec.capacity_factor, spec.granularity, spec.noise) == (True, 2.0, 2, 0.1)
+    with pytest.raises(ValueError, match=r"unknown upcycle options \['top_k'\]; known: granularity, noise"):
+        UpcycleSpec.for_model(moe, top_k=4)
+    with pytest.raises(ValueError, match=r"the model config \(mula-tiny-dense\) has no experts"):
+        UpcycleSpec.for_model(MulaConfig.from_name("mula-tiny-dense"))
 
 
 def test_moe_checkpoints_given_as_dense_are_refused(tmp_path):

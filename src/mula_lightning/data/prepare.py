@@ -108,27 +108,16 @@ def prepare(
         ValueError: inconsistent arguments, empty inputs, a dtype too small for the vocabulary, a ``seq_len``
             larger than the data, or an ``output`` folder holding another dataset.
     """
-    inputs = [input] if isinstance(input, str) else list(input or [])
-    if (tokenizer is None) == (train_tokenizer is None):
-        raise ValueError("give exactly one of tokenizer (a tokenizer.json or folder) and train_tokenizer (vocab size)")
-    if seq_len < 1:
-        raise ValueError(f"seq_len ({seq_len}) must be positive")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction ({val_fraction}) must be in [0, 1)")
-    if format not in ("npy", "litdata"):
-        raise ValueError(f"format {format!r} must be 'npy' or 'litdata'")
+    _check_arguments(tokenizer, train_tokenizer, seq_len, val_fraction, format)
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     work = out / WORK_DIR
-
     clock = _Clock()
-    units = sources.discover_units(inputs, text_field=text_field, max_bytes=max_bytes)
-    sources.checksum_units(units)
-    for unit in units:  # empty files inside a folder are skipped (no document); an input of nothing is an error
-        if unit.kind != "hf_disk" and sum(f["bytes"] for f in unit.files) == 0:
-            what = f"input file {unit.files[0]['path']!r}" if len(unit.files) == 1 else f"input {unit.name!r}"
-            raise ValueError(f"{what} is empty (0 bytes)")
+
+    # 1. plan: units, checksums, the plan record; a finished dataset of the same plan is returned as it is
+    inputs = [input] if isinstance(input, str) else list(input or [])
+    units = _discover_inputs(inputs, text_field, max_bytes)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     plan = {
         "inputs": [{"name": u.name, "kind": u.kind, "split": u.split, "files": u.files} for u in units],
@@ -150,41 +139,24 @@ def prepare(
     work.mkdir(exist_ok=True)
     _remove_temporaries(out)
     atomic_write_json(work / "plan.json", plan)
-    if given is not None:
-        tok = given
-    elif resuming and (out / TOKENIZER_FILE).is_file():
-        tok = load_tokenizer(out / TOKENIZER_FILE)  # trained by the interrupted run of this same plan
-    else:
-        budget = sources.budget_for(units, max_bytes)
-        tok = train_bpe((doc for unit in units for doc in sources.iter_documents(unit, budget)), train_tokenizer)
-    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode())
+    tok = _resolve_tokenizer(out, units, given, resuming, train_tokenizer, max_bytes)
     vocab_size = vocab_size_of(tok)
     token_dtype = choose_dtype(vocab_size, dtype, f"tokenizer {plan['tokenizer']}")
     eos_id = find_eos_id(tok, tokenizer, eos_token)
+    clock.lap("plan")
 
-    clock.lap("plan")  # discovery, checksums, tokenizer
+    # 2. tokenize
     stats = _tokenize_units(units, work, tok, eos_id, token_dtype, workers, max_bytes, progress)
     _check_stats(units, stats, seq_len, max_bytes)
     per_unit = [s["tokens"] // seq_len for s in stats]
-    total = sum(per_unit)
-    n_val = round(total * val_fraction)
-    if val_fraction > 0 and n_val == 0 and total >= 2:
-        n_val = 1
-    if total - n_val < 1:
-        raise ValueError(
-            f"{total} instances of seq_len {seq_len} leave none for training after val_fraction {val_fraction}"
-        )
     clock.lap("tokenize")
-    order = np.random.default_rng(seed).permutation(total)
-    reader = InstanceReader(work, per_unit, seq_len, token_dtype)
-    split_ids = {"train": order[n_val:], "val": order[:n_val]}
-    if format == "npy":
-        per_shard = max(1, shard_tokens // seq_len)
-        splits = {name: write_npy_split(out, name, ids, reader, per_shard) for name, ids in split_ids.items()}
-    else:
-        from mula_lightning.data.litdata_io import write_litdata_split
 
-        splits = {name: write_litdata_split(out, name, ids, reader, shard_tokens) for name, ids in split_ids.items()}
+    # 3. shuffle, 4. shard
+    split_ids = _shuffle_and_split(sum(per_unit), seq_len, val_fraction, seed)
+    reader = InstanceReader(work, per_unit, seq_len, token_dtype)
+    splits = _write_shards(out, split_ids, reader, format, seq_len, shard_tokens)
+
+    # 5. manifest, written last
     content: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -198,7 +170,7 @@ def prepare(
         "val_fraction": val_fraction,
         "num_documents": sum(s["documents"] for s in stats),
         "num_tokens": sum(s["tokens"] for s in stats),
-        "num_instances": total,
+        "num_instances": sum(per_unit),
         "num_dropped_tokens": sum(s["tokens"] - n * seq_len for s, n in zip(stats, per_unit)),
         "inputs": [
             {"name": u.name, "documents": s["documents"], "tokens": s["tokens"], "instances": n}
@@ -214,6 +186,68 @@ def prepare(
     manifest = DataManifest.load(out)
     manifest.timings = clock.laps
     return manifest
+
+
+def _check_arguments(tokenizer: Any, train_tokenizer: Any, seq_len: int, val_fraction: float, format: str) -> None:
+    if (tokenizer is None) == (train_tokenizer is None):
+        raise ValueError("give exactly one of tokenizer (a tokenizer.json or folder) and train_tokenizer (vocab size)")
+    if seq_len < 1:
+        raise ValueError(f"seq_len ({seq_len}) must be positive")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction ({val_fraction}) must be in [0, 1)")
+    if format not in ("npy", "litdata"):
+        raise ValueError(f"format {format!r} must be 'npy' or 'litdata'")
+
+
+def _discover_inputs(inputs: list[str], text_field: str, max_bytes: int | None) -> list:
+    """Step 1a: the units of work with the checksums of their files; an input of nothing is an error."""
+    units = sources.discover_units(inputs, text_field=text_field, max_bytes=max_bytes)
+    sources.checksum_units(units)
+    for unit in units:  # empty files inside a folder are skipped (no document); an input of nothing is an error
+        if unit.kind != "hf_disk" and sum(f["bytes"] for f in unit.files) == 0:
+            what = f"input file {unit.files[0]['path']!r}" if len(unit.files) == 1 else f"input {unit.name!r}"
+            raise ValueError(f"{what} is empty (0 bytes)")
+    return units
+
+
+def _resolve_tokenizer(out: Path, units: list, given: Any, resuming: bool, vocab: int | None, max_bytes: int | None):
+    """Step 1b: the given tokenizer, the one an interrupted run of this plan trained, or a newly trained BPE;
+    saved beside the data either way."""
+    if given is not None:
+        tok = given
+    elif resuming and (out / TOKENIZER_FILE).is_file():
+        tok = load_tokenizer(out / TOKENIZER_FILE)  # trained by the interrupted run of this same plan
+    else:
+        budget = sources.budget_for(units, max_bytes)
+        tok = train_bpe((doc for unit in units for doc in sources.iter_documents(unit, budget)), vocab)
+    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode())
+    return tok
+
+
+def _shuffle_and_split(total: int, seq_len: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
+    """Step 3: one permutation of all instances from ``seed``; its first ``round(N * val_fraction)`` entries (at
+    least one when asked for and possible) are the validation split."""
+    n_val = round(total * val_fraction)
+    if val_fraction > 0 and n_val == 0 and total >= 2:
+        n_val = 1
+    if total - n_val < 1:
+        raise ValueError(
+            f"{total} instances of seq_len {seq_len} leave none for training after val_fraction {val_fraction}"
+        )
+    order = np.random.default_rng(seed).permutation(total)
+    return {"train": order[n_val:], "val": order[:n_val]}
+
+
+def _write_shards(
+    out: Path, split_ids: dict[str, np.ndarray], reader: InstanceReader, format: str, seq_len: int, shard_tokens: int
+) -> dict[str, Any]:
+    """Step 4: the permuted instances of each split into ``.npy`` shards or litdata chunks."""
+    if format == "npy":
+        per_shard = max(1, shard_tokens // seq_len)
+        return {name: write_npy_split(out, name, ids, reader, per_shard) for name, ids in split_ids.items()}
+    from mula_lightning.data.litdata_io import write_litdata_split
+
+    return {name: write_litdata_split(out, name, ids, reader, shard_tokens) for name, ids in split_ids.items()}
 
 
 class _Clock:

@@ -80,24 +80,64 @@ class UpcycledState:
     keys_read: list[str] = field(default_factory=list)
 
 
+@dataclass
+class UpcycleSpec:
+    """Which MoE to make of a dense model: the choices of the construction in the module docstring.
+
+    Attributes:
+        num_experts, top_k, router, granularity, noise, layers, seed, norm_topk_prob, capacity_factor: the
+            :class:`UpcycleSpec` (which MoE to build; its attributes document each).
+        overrides: other MulaConfig fields of the MoE (``aux_loss_coef``, ``moe_impl``, ...).
+    """
+
+    num_experts: int
+    top_k: int
+    router: str = "topk_softmax"
+    granularity: int = 1
+    noise: float = 0.0
+    layers: str | Sequence[int] | None = "all"
+    seed: int = 0
+    norm_topk_prob: bool = False
+    capacity_factor: float | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    #: the choices a training job may make when upcycling into a model whose MoE shape its config already fixes
+    TRAINING_OPTIONS = ("granularity", "noise", "seed", "layers")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.noise <= 1.0:
+            raise ValueError(f"noise ({self.noise}) must be a fraction in [0, 1]")
+
+    @classmethod
+    def for_model(cls, config: MulaConfig, **options: Any) -> UpcycleSpec:
+        """The spec that upcycles into the MoE shape of ``config`` (experts, top-k, router, renormalisation,
+        capacity factor); ``options`` are the :attr:`TRAINING_OPTIONS`."""
+        unknown = set(options) - set(cls.TRAINING_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown upcycle options {sorted(unknown)}; known: {', '.join(cls.TRAINING_OPTIONS)}")
+        if not config.is_moe:
+            raise ValueError(f"upcycling builds an MoE; the model config ({config.name}) has no experts")
+        return cls(
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            router=config.router_kind,
+            norm_topk_prob=config.norm_topk_prob,
+            capacity_factor=config.capacity_factor,
+            **options,
+        )
+
+
 def expert_scale(config: MulaConfig, granularity: int) -> float:
     """The factor ``s`` the experts are multiplied by (see the module docstring)."""
     normalised = config.router_kind == "topk_softmax" or config.norm_topk_prob
     return float(granularity) if normalised else config.num_experts * granularity / config.top_k
 
 
-def upcycled_config(
-    dense: MulaConfig,
-    num_experts: int,
-    top_k: int,
-    router: str = "topk_softmax",
-    granularity: int = 1,
-    layers: str | Sequence[int] | None = "all",
-    norm_topk_prob: bool = False,
-    capacity_factor: float | None = None,
-    **overrides: Any,
-) -> MulaConfig:
+def upcycled_config(dense: MulaConfig, spec: UpcycleSpec) -> MulaConfig:
     """The MoE config derived from a dense one, with errors that name the values that do not fit."""
+    num_experts, top_k, router, granularity, layers = (
+        spec.num_experts, spec.top_k, spec.router, spec.granularity, spec.layers
+    )  # fmt: skip
     if dense.is_moe:
         raise ValueError(
             f"upcycling needs a dense model, but {dense.name!r} is already a MoE (num_experts={dense.num_experts}, "
@@ -136,11 +176,11 @@ def upcycled_config(
         top_k=top_k,
         moe_layers=moe_layers,
         router_kind=router,
-        norm_topk_prob=norm_topk_prob,
-        capacity_factor=capacity_factor,
+        norm_topk_prob=spec.norm_topk_prob,
+        capacity_factor=spec.capacity_factor,
         intermediate_size=inter // granularity,
     )
-    values.update(overrides)
+    values.update(spec.overrides)
     return MulaConfig(**values)
 
 
@@ -220,30 +260,19 @@ def _upcycle_layer(
 
 def upcycle_state_dict(
     dense_model_or_state: Any,
-    num_experts: int,
-    top_k: int,
-    router: str = "topk_softmax",
-    granularity: int = 1,
-    noise: float = 0.0,
-    layers: str | Sequence[int] | None = "all",
-    seed: int = 0,
-    norm_topk_prob: bool = False,
-    capacity_factor: float | None = None,
+    spec: UpcycleSpec,
+    *,
     ep_rank: int = 0,
     ep_size: int = 1,
     ep_group: Any = None,
     config: MulaConfig | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-    **overrides: Any,
 ) -> UpcycledState:
     """The MoE config and (local) state dict; :func:`upcycle` documents the arguments."""
-    if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"noise ({noise}) must be a fraction in [0, 1]")
+    num_experts, granularity, noise, seed = spec.num_experts, spec.granularity, spec.noise, spec.seed
     src = open_dense_source(dense_model_or_state, config)
-    moe = upcycled_config(
-        src.config, num_experts, top_k, router, granularity, layers, norm_topk_prob, capacity_factor, **overrides
-    )
+    moe = upcycled_config(src.config, spec)
     ep_rank, ep_size = _resolve_ep(ep_rank, ep_size, ep_group, num_experts)
     per_rank = num_experts // ep_size
     expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
@@ -335,15 +364,30 @@ def upcycle(
         config: the dense config of a state dict (ignored for models and directories).
         dtype: cast every tensor to this dtype (default: keep the checkpoint's).
         device: build the tensors on this device (default: CPU).
-        overrides: other MulaConfig fields of the MoE (``aux_loss_coef``, ``moe_impl``, ...).
+        overrides: ``UpcycleSpec.overrides``, other MulaConfig fields of the MoE (``aux_loss_coef``, ...).
 
     Returns:
         The MoE model; with ``ep_size > 1`` its expert tensors hold only the local experts.
     """
-    state = upcycle_state_dict(
-        dense_model_or_state, num_experts, top_k, router, granularity, noise, layers, seed, norm_topk_prob,
-        capacity_factor, ep_rank, ep_size, ep_group, config, dtype, device, **overrides,
+    spec = UpcycleSpec(
+        num_experts, top_k, router, granularity, noise, layers, seed, norm_topk_prob, capacity_factor, overrides
+    )
+    return build_upcycled(
+        dense_model_or_state, spec, ep_rank=ep_rank, ep_size=ep_size, ep_group=ep_group, config=config, dtype=dtype,
+        device=device,
     )  # fmt: skip
+
+
+def build_upcycled(dense_model_or_state: Any, spec: UpcycleSpec, **placement: Any) -> MulaForCausalLM:
+    """The upcycled model for an :class:`UpcycleSpec`.
+
+    Args:
+        dense_model_or_state: the dense source (see :func:`upcycle`).
+        spec: which MoE to build.
+        placement: :func:`upcycle_state_dict`'s keywords (``ep_rank``, ``ep_size``, ``ep_group``, ``config``,
+            ``dtype``, ``device``).
+    """
+    state = upcycle_state_dict(dense_model_or_state, spec, **placement)
     with torch.device("meta"):
         model = MulaForCausalLM(state.config)
     start, stop = state.expert_range

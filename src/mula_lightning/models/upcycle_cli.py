@@ -67,11 +67,10 @@ def parse_layers(text: str) -> str | list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     from mula_lightning.models.checkpoint_io import save_model_only
     from mula_lightning.models.hf_convert import hf_family, save_hf
-    from mula_lightning.models.upcycle import upcycle
+    from mula_lightning.models.upcycle import UpcycleSpec, build_upcycled
 
     args = build_parser().parse_args(list(argv or []))
-    model = upcycle(
-        args.source,
+    spec = UpcycleSpec(
         num_experts=args.experts,
         top_k=args.top_k,
         router=args.router,
@@ -81,8 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         norm_topk_prob=args.norm_topk_prob,
         capacity_factor=args.capacity_factor,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
     )
+    model = build_upcycled(args.source, spec, dtype=DTYPES[args.dtype] if args.dtype else None)
     config = model.config
     if args.hf_out:
         family = hf_family(config)  # fails here, before any file is written, when HF cannot express the model

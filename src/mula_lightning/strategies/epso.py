@@ -112,11 +112,8 @@ def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, o
             checkpoint does not fit the model config), naming the first offending tensors.
     """
     from mula_lightning.models.transformer import MulaForCausalLM
-    from mula_lightning.models.upcycle import upcycle
+    from mula_lightning.models.upcycle import UpcycleSpec, build_upcycled
 
-    unknown = set(options) - {"granularity", "noise", "seed", "layers"}
-    if unknown:
-        raise ValueError(f"unknown upcycle options {sorted(unknown)}; known: granularity, noise, seed, layers")
     targets = [m for m in module.modules() if isinstance(m, MulaForCausalLM)]
     if not targets:
         raise ValueError("init_from_dense needs a MulaForCausalLM inside the module being set up")
@@ -124,17 +121,12 @@ def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, o
         cfg = target.config
         if not cfg.is_moe:
             raise ValueError(f"init_from_dense upcycles into an MoE; the model config ({cfg.name}) has no experts")
-        local = upcycle(
+        local = build_upcycled(
             path,
-            num_experts=cfg.num_experts,
-            top_k=cfg.top_k,
-            router=cfg.router_kind,
-            norm_topk_prob=cfg.norm_topk_prob,
-            capacity_factor=cfg.capacity_factor,
+            UpcycleSpec.for_model(cfg, **options),
             ep_rank=topology.ep_rank,
             ep_size=topology.ep_size,
             dtype=next(target.parameters()).dtype,
-            **options,
         )
         have, got = target.state_dict(), local.state_dict()
         wrong = [
