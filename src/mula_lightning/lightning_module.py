@@ -34,6 +34,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
+from mula_lightning.checkpoint.export import CHECKPOINT_KEY
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.topology import check_divisible
@@ -125,6 +126,7 @@ class MulaLM(LightningModule):
         self.flops_per_batch: float | None = None  # model FLOPs of the step over all ranks, for MFU
         self.last_moe_aux: list[MoEAux] = []  # the last training micro-batch's MoE statistics, for MoEStats
         self.val_loss = MeanMetric()
+        self.data_info: dict[str, Any] | None = None  # the training data's tokenizer and EOS id, once known
 
     # ------------------------------------------------------------------------------------------ building
     def setup(self, stage: str) -> None:
@@ -132,6 +134,11 @@ class MulaLM(LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         manifest = getattr(datamodule, "manifest", None) if datamodule is not None else None  # checks tokenizer
         if manifest is not None:
+            self.data_info = {  # travels with every checkpoint, so that an export holds the training tokenizer
+                "eos_id": manifest.eos_id,
+                "vocab_size": manifest.vocab_size,
+                "tokenizer_json": manifest.tokenizer_path.read_text(),
+            }
             vocab = manifest.resolve_vocab_size(self.hparams.vocab_size)
             if vocab != self.config.vocab_size:
                 rank_zero_info(f"MulaLM: vocab_size {vocab} from the data in {manifest.root}")
@@ -157,6 +164,11 @@ class MulaLM(LightningModule):
                 f"({datamodule.micro_batch_size}) x data-parallel ranks ({dp}) x {need} accumulated micro-batches, "
                 f"but trainer.accumulate_grad_batches is {accumulate}; set it to {need}"
             )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the resolved model config (vocabulary from the data included) and the data's tokenizer and EOS id
+        under ``checkpoint["mula"]``: ``mula export`` then needs no ``--config`` and writes the tokenizer."""
+        checkpoint[CHECKPOINT_KEY] = {"config": self.config.to_dict(), "data": self.data_info}
 
     def _strategy(self) -> Any:
         """The Trainer's strategy, or None outside a Trainer."""

@@ -10,9 +10,15 @@ Example::
 it), a :class:`~mula_lightning.callbacks.DualCheckpoint` directory (its newest complete slot is used, checksums
 verified), one slot, a DCP directory written by the ``epso`` strategy (any DP x EP layout: DCP reassembles the
 full tensors; only the model's tensors are read, not the optimizer states) or a Lightning ``.ckpt`` file. Full
-checkpoints carry no model config: ``--config`` names a preset, a ``config.json`` or a model-only directory,
-unless the checkpoint's ``hyper_parameters`` hold a ``MulaConfig``. The HF family (OLMoE, Mixtral, Llama) follows
-from the config (:func:`mula_lightning.models.hf_convert.save_hf`).
+checkpoints written by ``mula fit`` carry the resolved model config and the training data's tokenizer under
+``checkpoint["mula"]`` (:meth:`~mula_lightning.lightning_module.MulaLM.on_save_checkpoint`), so no ``--config`` is
+needed; ``--config`` (a preset, a ``config.json`` or a model-only directory) overrides it, and is required for a
+checkpoint of another LightningModule. The HF family (OLMoE, Mixtral, Llama) follows from the config
+(:func:`mula_lightning.models.hf_convert.save_hf`).
+
+With the tokenizer known, the export is ready for ``AutoTokenizer`` / ``generate``: ``tokenizer.json`` and
+``tokenizer_config.json`` (EOS named, padding with EOS), ``eos_token_id`` / ``pad_token_id`` of the data in
+``config.json`` and a ``generation_config.json`` that stops at EOS.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from mula_lightning.checkpoint.slots import STATE_NAME, resolve_last
 from mula_lightning.utils.safe_load import UnsafeCheckpointError, load_full_dcp, load_torch_file, loads_data
 
 _ANCHOR = "model.embed_tokens.weight"
+#: the checkpoint entry ``MulaLM`` writes: ``{"config": MulaConfig fields, "data": {eos_id, vocab_size,
+#: tokenizer_json} or None}``
+CHECKPOINT_KEY = "mula"
 
 
 def build_parser() -> ArgumentParser:
@@ -100,19 +109,31 @@ def _strip_prefix(flat: dict[str, torch.Tensor], path: Path) -> dict[str, torch.
 
 def load_any(checkpoint: str | Path, config: Any = None) -> Any:
     """A ``MulaForCausalLM`` with the full weights of any of our checkpoints (see the module docstring)."""
+    return read_checkpoint(checkpoint, config)[0]
+
+
+def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, dict[str, Any] | None]:
+    """(model, data info) of any of our checkpoints; data info is the training data's ``eos_id``, ``vocab_size``
+    and ``tokenizer_json`` when the checkpoint holds them (``mula fit`` checkpoints do), else None."""
     from mula_lightning.models import MulaForCausalLM
     from mula_lightning.models.checkpoint_io import is_model_only_dir, load_model_only
 
     path = Path(checkpoint)
     if is_model_only_dir(path):
-        return load_model_only(path)
+        return load_model_only(path), None
     path = _full_checkpoint_path(path)
     flat, extra = _read_full(path)
+    stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}
+    if config is None:
+        config = stored.get("config")
     if config is None:
         hparams = extra.get("hyper_parameters") or {}
         config = hparams.get("config") if isinstance(hparams, dict) else None
     if config is None:
-        raise ValueError(f"{path}: a full checkpoint holds no model config; pass --config (preset, config.json)")
+        raise ValueError(
+            f"{path}: the checkpoint holds no model config (not written by mula fit); pass --config (a preset name, "
+            "a config.json or a model-only directory)"
+        )
     config = _config_from(config)
     state = _strip_prefix(flat, path)
     if config.tie_word_embeddings:
@@ -133,7 +154,42 @@ def load_any(checkpoint: str | Path, config: Any = None) -> Any:
     model.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model
+    return model, stored.get("data")
+
+
+def write_tokenizer(out: Path, data: dict[str, Any], vocab_size: int) -> int:
+    """The training tokenizer beside an HF export, with the data's EOS as ``eos_token_id`` / ``pad_token_id``.
+
+    Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``, and sets the special ids of
+    ``config.json``; returns the EOS id.
+
+    Raises:
+        ValueError: when the data's EOS id or vocabulary does not fit the model's ``vocab_size``.
+    """
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig
+
+    eos_id, data_vocab = int(data["eos_id"]), int(data["vocab_size"])
+    if not 0 <= eos_id < vocab_size or data_vocab > vocab_size:
+        raise ValueError(
+            f"the training data (vocabulary {data_vocab}, EOS id {eos_id}) does not fit the model's vocab_size "
+            f"({vocab_size})"
+        )
+    eos_token = Tokenizer.from_str(data["tokenizer_json"]).id_to_token(eos_id)
+    (out / "tokenizer.json").write_text(data["tokenizer_json"])
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "pad_token": eos_token,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    config_path = out / "config.json"
+    values = json.loads(config_path.read_text())
+    values.update(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
+    config_path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(str(out))
+    return eos_id
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,12 +198,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
-        model = load_any(args.checkpoint, args.config)
+        model, data = read_checkpoint(args.checkpoint, args.config)
     except UnsafeCheckpointError as err:  # one line, no traceback: nothing of the file ran, nothing was written
         print(f"mula export: {err}", file=sys.stderr)
         return 1
     out = save_hf(model, args.out)
-    print(
-        f"mula export: {args.checkpoint} -> {out} ({args.to}, {sum(p.numel() for p in model.parameters())} parameters)"
-    )
+    tokenizer = "no tokenizer in the checkpoint"
+    if data is not None:
+        tokenizer = f"tokenizer, EOS id {write_tokenizer(out, data, model.config.vocab_size)}"
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"mula export: {args.checkpoint} -> {out} ({args.to}, {parameters} parameters, {tokenizer})")
     return 0

@@ -285,6 +285,10 @@ def save_hf(model: MulaForCausalLM, path: str | Path, max_shard_bytes: int = 5 *
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_mula(model.config)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # transformers' defaults may lie outside the vocab
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and not 0 <= value < model.config.vocab_size:
+            setattr(hf_config, name, None)
     hf_config.architectures = [
         {"olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM"}[
             hf_config.model_type
