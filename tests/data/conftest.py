@@ -13,7 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mula_lightning.data.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, atomic_write_json, fingerprint_of
+from mula_lightning.data.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    atomic_write_json,
+    fingerprint_of,
+    sha256_file,
+)
 
 _WORD_TEXT = (
     "expert router token shard gather permute memory rank batch tensor gradient optimizer layer attention "
@@ -63,7 +69,9 @@ def _make_arange_dataset(root: Path, num_instances: int, seq_len: int = 4, per_s
     for k, start in enumerate(range(0, num_instances, per_shard)):
         name = f"train-{k:05d}.npy"
         np.save(root / name, data[start : start + per_shard])
-        shards.append({"file": name, "num_instances": len(data[start : start + per_shard]), "sha256": ""})
+        shards.append(
+            {"file": name, "num_instances": len(data[start : start + per_shard]), "sha256": sha256_file(root / name)}
+        )
     val = np.arange(5 * seq_len, dtype=np.uint32).reshape(5, seq_len) + 10**6
     np.save(root / "val-00000.npy", val)
     content = {
@@ -77,7 +85,12 @@ def _make_arange_dataset(root: Path, num_instances: int, seq_len: int = 4, per_s
         "tokenizer": {"file": "tokenizer.json", "hash": "sha256:none", "source": "arange"},
         "splits": {
             "train": {"num_instances": num_instances, "shards": shards},
-            "val": {"num_instances": 5, "shards": [{"file": "val-00000.npy", "num_instances": 5, "sha256": ""}]},
+            "val": {
+                "num_instances": 5,
+                "shards": [
+                    {"file": "val-00000.npy", "num_instances": 5, "sha256": sha256_file(root / "val-00000.npy")}
+                ],
+            },
         },
     }
     content["fingerprint"] = fingerprint_of(content)

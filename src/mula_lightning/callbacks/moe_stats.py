@@ -1,9 +1,13 @@
 """``MoEStats``: per-layer expert load, imbalance, drops and router losses of every logged training step.
 
 Why a callback: the numbers come for free from the forward pass (every MoE block returns a
-:class:`~mula_lightning.moe.reference.MoEAux`; :class:`~mula_lightning.lightning_module.MulaLM` keeps the last
-micro-batch's, detached, in ``last_moe_aux``), but turning them into global figures costs one collective, so it
+:class:`~mula_lightning.moe.reference.MoEAux`), but turning them into global figures costs one collective, so it
 runs only on the steps the Trainer logs (``log_every_n_steps``), on every rank alike.
+
+Where the numbers come from, for any LightningModule: a module that sets ``last_moe_aux`` (a list of ``MoEAux``
+of its last training micro-batch, as :class:`~mula_lightning.lightning_module.MulaLM` does) is read as it is;
+otherwise the callback hooks every :class:`~mula_lightning.models.MulaForCausalLM` the module holds and keeps the
+``moe_aux`` of its last training forward. A run with nothing to log (no MoE layer) gets one warning.
 
 Per MoE layer ``i`` and logged step, over all ranks (each rank routes its own tokens; counts are summed, losses
 averaged):
@@ -27,6 +31,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from mula_lightning.models.transformer import MulaForCausalLM
 
 
 class MoEStats(Callback):
@@ -42,10 +49,38 @@ class MoEStats(Callback):
         self.max_expert_scalars = max_expert_scalars
         self.wandb_every_n_steps = wandb_every_n_steps
         self.last_load: torch.Tensor | None = None  # (L, E) shares of the last logged step, for inspection
+        self._hooked_aux: list[Any] = []  # MoEAux of the last training forward of the hooked models
+        self._handles: list[Any] = []
+        self._warned = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Hook the MulaForCausalLM models of a module that does not report ``last_moe_aux`` itself."""
+        if hasattr(pl_module, "last_moe_aux"):
+            return
+        for module in pl_module.modules():
+            if isinstance(module, MulaForCausalLM):
+                self._handles.append(module.register_forward_hook(self._keep_aux))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _keep_aux(self, module: Any, args: Any, output: Any) -> None:
+        if module.training and getattr(output, "moe_aux", None):
+            self._hooked_aux = [_detached(a) for a in output.moe_aux]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        aux = getattr(pl_module, "last_moe_aux", None)
-        if not aux or not trainer._logger_connector.should_update_logs:
+        if not trainer._logger_connector.should_update_logs:
+            return
+        aux = getattr(pl_module, "last_moe_aux", None) if hasattr(pl_module, "last_moe_aux") else self._hooked_aux
+        if not aux:
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"MoEStats has nothing to log: {type(pl_module).__name__} sets no `last_moe_aux` and holds no "
+                    "MulaForCausalLM with MoE layers"
+                )
             return
         stats = self.global_stats(trainer, aux)
         load, imbalance, dropped_frac = stats["load"], stats["imbalance"], stats["dropped_frac"]
@@ -119,3 +154,7 @@ class MoEStats(Callback):
         for i, row in enumerate(load.numpy()):
             entries[f"moe/layer_{i}/load_histogram"] = wandb.Histogram(np_histogram=(row, edges))
         logger.experiment.log(entries)
+
+
+def _detached(aux: Any) -> Any:
+    return type(aux)(**{k: v.detach() for k, v in vars(aux).items()})

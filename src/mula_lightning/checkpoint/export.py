@@ -131,8 +131,8 @@ def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, di
         config = hparams.get("config") if isinstance(hparams, dict) else None
     if config is None:
         raise ValueError(
-            f"{path}: the checkpoint holds no model config (not written by mula fit); pass --config (a preset name, "
-            "a config.json or a model-only directory)"
+            f"{path}: the checkpoint holds no model config; pass --config (a preset name, a config.json or a "
+            "model-only directory); checkpoints written by mula fit carry it"
         )
     config = _config_from(config)
     state = _strip_prefix(flat, path)

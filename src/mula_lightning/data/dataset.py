@@ -41,13 +41,25 @@ class TokenShardDataset(Dataset):
     worker processes map the files themselves. Items are dicts ``{"input_ids": (T,), "labels": (T,)}`` of int64;
     :meth:`__getitems__` returns a whole batch ``(B, T)`` and reads contiguous index runs as one slice.
 
+    Integrity: sizes, shapes and dtypes are checked by the manifest; each shard's SHA-256 is checked the first
+    time a process maps it (:meth:`DataManifest.verify_checksum_once`: later opens of an unchanged file only
+    compare a stamp); every read checks its token ids against the vocabulary and names the shard, the instance
+    and the id of the first one outside it.
+
     Args:
         root: the dataset folder written by ``prepare``.
         split: ``"train"`` or ``"val"``.
         manifest: an already loaded manifest of ``root`` (loaded and verified otherwise).
+        verify_checksums: check each shard's SHA-256 on first open (see above).
     """
 
-    def __init__(self, root: str | os.PathLike, split: str = "train", manifest: DataManifest | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        split: str = "train",
+        manifest: DataManifest | None = None,
+        verify_checksums: bool = True,
+    ) -> None:
         self.root = Path(root)
         self.manifest = manifest or DataManifest.load(self.root)
         if self.manifest.storage != "npy":
@@ -59,6 +71,9 @@ class TokenShardDataset(Dataset):
         self.seq_len = self.manifest.seq_len
         self.eos_id = self.manifest.eos_id
         shards = self.manifest.shards(split)
+        self._shards = shards
+        self.vocab_size = self.manifest.vocab_size
+        self.verify_checksums = verify_checksums
         self._files = [self.root / s["file"] for s in shards]
         self._offsets = np.cumsum([0] + [s["num_instances"] for s in shards])  # shard k holds [off[k], off[k+1])
         self._maps: list[np.ndarray] | None = None
@@ -73,8 +88,21 @@ class TokenShardDataset(Dataset):
 
     def _shard_maps(self) -> list[np.ndarray]:
         if self._maps is None:
+            if self.verify_checksums:
+                for shard in self._shards:
+                    self.manifest.verify_checksum_once(shard)
             self._maps = [np.load(f, mmap_mode="r") for f in self._files]
         return self._maps
+
+    def _check_ids(self, part: np.ndarray, k: int, first: int) -> None:
+        """Token ids of instances ``[first, first + len(part))`` of shard ``k`` must lie in the vocabulary."""
+        if part.size and int(part.max()) >= self.vocab_size:
+            row, col = np.argwhere(part >= self.vocab_size)[0]
+            raise ValueError(
+                f"shard {self._files[k]}: token id {int(part[row, col])} at instance {first + int(row)}, position "
+                f"{int(col)} is outside the vocabulary ({self.vocab_size} ids): the shard is corrupt; re-run "
+                "`mula data prepare`"
+            )
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Instances ``[start, stop)`` as a ``(stop - start, T)`` array (one slice per shard touched)."""
@@ -85,7 +113,10 @@ class TokenShardDataset(Dataset):
         k = int(np.searchsorted(self._offsets, start, side="right")) - 1
         while start < stop:
             end = min(stop, int(self._offsets[k + 1]))
-            parts.append(maps[k][start - self._offsets[k] : end - self._offsets[k]])
+            local = int(start - self._offsets[k])
+            part = maps[k][local : int(end - self._offsets[k])]
+            self._check_ids(part, k, local)
+            parts.append(part)
             start, k = end, k + 1
         if len(parts) == 1:
             return np.asarray(parts[0])

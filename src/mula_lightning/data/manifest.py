@@ -28,6 +28,10 @@ MANIFEST_FORMAT = "mula-token-shards"
 MANIFEST_VERSION = 1
 
 
+#: folder (inside a dataset) of the stamps of shards whose checksum was verified
+VERIFIED_DIR = ".verified"
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path``, flush it to disk, then rename it into place."""
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
@@ -142,6 +146,38 @@ class DataManifest:
             )
         if checksums and sha256_file(path) != shard["sha256"]:
             raise ValueError(f"shard {path}: SHA-256 differs from the manifest (the file is corrupt)")
+
+    def verify_checksum_once(self, shard: dict[str, Any]) -> None:
+        """Check one shard's SHA-256 against the manifest, unless this file was already verified unchanged.
+
+        A verification leaves a stamp ``.verified/<file>.json`` (checksum, size, modification time); while the
+        file's size and modification time match the stamp the hash is not recomputed, so only the first open of a
+        shard reads it whole. A file changed in place (same size, new content) has a new modification time and is
+        hashed again. A read-only dataset folder gets no stamp and is hashed on every open.
+
+        Raises:
+            ValueError: the shard's SHA-256 differs from the manifest's (the file is corrupt).
+        """
+        path = self.root / shard["file"]
+        stat = path.stat()
+        key = {"sha256": shard["sha256"], "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        stamp = self.root / VERIFIED_DIR / f"{shard['file']}.json"
+        try:
+            if json.loads(stamp.read_text()) == key:
+                return
+        except (OSError, ValueError):
+            pass
+        found = sha256_file(path)
+        if found != shard["sha256"]:
+            raise ValueError(
+                f"shard {path}: SHA-256 {found[:16]}... differs from the manifest's {shard['sha256'][:16]}... (the "
+                "file is corrupt or was changed after `mula data prepare`); re-run `mula data prepare`"
+            )
+        try:
+            stamp.parent.mkdir(exist_ok=True)
+            atomic_write_json(stamp, key)
+        except OSError:  # a read-only dataset: verified again next time
+            pass
 
     # ---------------------------------------------------------------------------------------- accessors
     @property
