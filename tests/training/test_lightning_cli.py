@@ -37,7 +37,8 @@ def test_examples_ship_every_preset():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_yaml_parses_and_fits_its_model(path):
     """jsonargparse accepts every key of the YAML; its ep_size divides the preset's experts and devices x nodes,
-    and the paper presets keep context 2048 and a 6.3M-token global batch."""
+    the paper presets keep context 2048 and a 6.3M-token global batch, and every recipe but the CPU demo trains
+    with the paper's reliability callbacks (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
     import mula_lightning.strategies  # noqa: F401
 
     cli = _ParseOnly(run=False, args=["--config", str(path)], **_cli_classes())
@@ -61,6 +62,9 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
         assert config.data.seq_len == 2048
         assert abs(config.data.global_batch_size * config.data.seq_len - 6.3e6) < 0.05e6
         assert config.model.lr == 4e-4 and config.model.min_lr == 4e-5 and config.model.warmup_steps == 2500
+    if path.stem != "mula-tiny-moe":  # the paper's reliability callbacks in every recipe
+        classes = {c.class_path.rsplit(".", 1)[-1] for c in config.trainer.callbacks}
+        assert {"DualCheckpoint", "ModelOnlyCheckpoint", "NaNDetector"} <= classes, classes
 
 
 def _cli_classes():
