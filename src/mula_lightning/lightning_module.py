@@ -201,7 +201,7 @@ class MulaLM(LightningModule):
         loss = out.loss + out.aux_loss
         world = self.trainer.world_size if self._trainer is not None else 1  # ThroughputMonitor wants all ranks'
         self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * world
-        self.last_moe_aux = [_detach(a) for a in out.moe_aux]
+        self.last_moe_aux = [a.detach() for a in out.moe_aux]
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lm_loss", out.loss)
         self.log("train/aux_loss", out.aux_loss)
@@ -268,13 +268,3 @@ class MulaLM(LightningModule):
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.nn.utils.get_total_norm(grads)
-
-
-def _detach(aux: MoEAux) -> MoEAux:
-    return MoEAux(
-        aux_loss=aux.aux_loss.detach(),
-        load_balance_loss=aux.load_balance_loss.detach(),
-        z_loss=aux.z_loss.detach(),
-        tokens_per_expert=aux.tokens_per_expert.detach(),
-        num_dropped=aux.num_dropped.detach(),
-    )

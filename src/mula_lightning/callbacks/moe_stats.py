@@ -68,7 +68,7 @@ class MoEStats(Callback):
 
     def _keep_aux(self, module: Any, args: Any, output: Any) -> None:
         if module.training and getattr(output, "moe_aux", None):
-            self._hooked_aux = [_detached(a) for a in output.moe_aux]
+            self._hooked_aux = [a.detach() for a in output.moe_aux]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not trainer._logger_connector.should_update_logs:
@@ -154,7 +154,3 @@ class MoEStats(Callback):
         for i, row in enumerate(load.numpy()):
             entries[f"moe/layer_{i}/load_histogram"] = wandb.Histogram(np_histogram=(row, edges))
         logger.experiment.log(entries)
-
-
-def _detached(aux: Any) -> Any:
-    return type(aux)(**{k: v.detach() for k, v in vars(aux).items()})

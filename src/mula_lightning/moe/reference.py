@@ -16,7 +16,7 @@ experts' outputs weighted by the router weights (dropped pairs contribute zero).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -55,6 +55,10 @@ class MoEAux:
             tokens_per_expert=out.tokens_per_expert_E,
             num_dropped=out.num_dropped,
         )
+
+    def detach(self) -> MoEAux:
+        """The same statistics out of the graph (for logging after the step, without keeping the graph alive)."""
+        return MoEAux(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
 
 
 class ExpertWeights(nn.Module):
