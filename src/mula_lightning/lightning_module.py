@@ -7,10 +7,15 @@ What it owns, and why each piece is here rather than elsewhere:
   broadcasts it from ``(seed, parameter name)``. Under any other strategy (``ddp``, one device, ...) this module
   materialises it itself with :func:`~mula_lightning.models.init_weights` and the same seed, so both start
   bit-identical.
-* **Vocabulary** from the data: ``vocab_size=None`` takes the prepared dataset's vocabulary (read from the
-  DataModule's manifest in :meth:`setup`, which Lightning runs before ``configure_model``); a configured size
-  is checked to be large enough. A DataModule given a ``tokenizer`` refuses data prepared with another one in
-  the same call, so a mismatch fails before any weight is allocated.
+* **Starting weights**: drawn from ``seed`` (every layout starts from the same model), or read from ``init_from``
+  (a model-only checkpoint, an upcycled model, a DualCheckpoint slot or a transformers directory: see
+  :mod:`mula_lightning.checkpoint.init_source`), with a fresh optimizer and schedule. The config then comes from
+  the source; ``model_overrides`` may change what does not change a shape (``moe_impl``, ``capacity_factor``, ...).
+* **Vocabulary** from the data (:meth:`resolve_vocab`, run in :meth:`setup` before ``configure_model``, and by
+  ``mula fit`` before any process starts): a preset named without ``vocab_size`` takes the prepared dataset's
+  vocabulary; a vocabulary the user fixed (``vocab_size``, ``model_overrides``, a ``MulaConfig`` or the
+  ``init_from`` model) is kept and must cover the data's ids, else a ``ValueError`` names both sizes and the fix:
+  never a silent resize. A DataModule given a ``tokenizer`` refuses data prepared with another one.
 * **The recipe**: AdamW (peak 4e-4, betas (0.9, 0.99), eps 1e-8, weight decay 0.1 on all parameters), linear
   warm-up for 2500 steps, cosine decay to 4e-5, gradient clipping at 1.0 only after the warm-up. Clipping goes
   through :meth:`configure_gradient_clipping` -> :meth:`clip_gradients`, i.e. through the precision plugin the
@@ -35,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
 from mula_lightning.checkpoint.export import CHECKPOINT_KEY
+from mula_lightning.checkpoint.init_source import InitWeights, init_source_config
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.topology import check_divisible
@@ -65,7 +71,7 @@ class MulaLM(LightningModule):
         model_overrides: :class:`~mula_lightning.models.MulaConfig` fields to change, e.g.
             ``{"capacity_factor": 1.25, "num_layers": 2}``; unknown names are refused.
         vocab_size: embedding rows; ``None`` takes the vocabulary of the DataModule's prepared data (or the
-            preset's without a DataModule). A given size must cover the data's vocabulary.
+            preset's without a DataModule). A given size must cover the data's vocabulary (it is never changed).
         moe_impl: MoE block implementation (``"fast"``: FastSparseMoE; ``"reference"``: the plain loop).
         lr: peak learning rate (after warm-up).
         min_lr: final learning rate of the cosine decay.
@@ -83,6 +89,11 @@ class MulaLM(LightningModule):
         peak_tflops: peak dense TFLOP/s of one device in the training precision; when given, MFU is logged.
         seed: initialisation seed (weights are a function of (seed, parameter name), so every layout and strategy
             starts from the same model). Under ``epso`` it replaces the strategy's ``seed``.
+        init_from: start from these weights instead of ``seed``: a model-only checkpoint directory
+            (``ModelOnlyCheckpoint``, ``mula upcycle``), a transformers directory (OLMoE, Mixtral, Llama, Qwen MoE),
+            a DualCheckpoint directory or slot, a DCP directory or a ``.ckpt`` written by ``mula fit``. The model
+            config comes from it (``model`` is ignored); the optimizer and schedule start fresh (to resume a run,
+            use ``ckpt_path`` instead). Read once per shard under the sharded strategies.
     """
 
     def __init__(
@@ -103,6 +114,7 @@ class MulaLM(LightningModule):
         log_grad_norm: bool = True,
         peak_tflops: float | None = None,
         seed: int = 0,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -112,6 +124,17 @@ class MulaLM(LightningModule):
             raise ValueError(f"warmup_steps ({warmup_steps}) must be >= 0")
         overrides = dict(model_overrides or {})
         overrides.setdefault("moe_impl", moe_impl)
+        #: the vocabulary is the user's (kept, checked against the data) unless a preset was named without one
+        self.vocab_fixed = vocab_size is not None or "vocab_size" in overrides or not isinstance(model, str)
+        if init_from is not None:
+            model = init_source_config(init_from)
+            self.vocab_fixed = True
+            given = vocab_size if vocab_size is not None else overrides.get("vocab_size")
+            if given is not None and given != model.vocab_size:
+                raise ValueError(
+                    f"vocab_size ({given}) differs from the vocab_size of init_from {init_from} "
+                    f"({model.vocab_size}); the embeddings are not resized: drop vocab_size"
+                )
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         if isinstance(model, MulaConfig):
@@ -139,10 +162,7 @@ class MulaLM(LightningModule):
                 "vocab_size": manifest.vocab_size,
                 "tokenizer_json": manifest.tokenizer_path.read_text(),
             }
-            vocab = manifest.resolve_vocab_size(self.hparams.vocab_size)
-            if vocab != self.config.vocab_size:
-                rank_zero_info(f"MulaLM: vocab_size {vocab} from the data in {manifest.root}")
-                self.config = MulaConfig(**{**self.config.to_dict(), "vocab_size": vocab})
+            self.resolve_vocab(manifest)
         if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
             self._check_accumulation(datamodule)
         ep_size = strategy_ep_size(self._strategy())
@@ -151,6 +171,32 @@ class MulaLM(LightningModule):
                 raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {self.config.name} is dense")
             check_divisible(self.config.num_experts, ep_size, f"num_experts of {self.config.name}", "ep_size")
             check_divisible(self.trainer.world_size, ep_size, "the number of processes (devices x nodes)", "ep_size")
+
+    def resolve_vocab(self, manifest: Any) -> int:
+        """Fit the vocabulary to the data of ``manifest`` (a :class:`~mula_lightning.data.DataManifest`).
+
+        A preset named without a vocabulary takes the data's; a vocabulary the user fixed is kept and must hold every
+        id of the data.
+
+        Raises:
+            ValueError: the fixed vocabulary is smaller than the data's, naming both sizes, where each comes from and
+                what to change.
+        """
+        if not self.vocab_fixed:
+            vocab = manifest.resolve_vocab_size(None)
+            if vocab != self.config.vocab_size:
+                rank_zero_info(f"MulaLM: vocab_size {vocab} from the data in {manifest.root}")
+                self.config = MulaConfig(**{**self.config.to_dict(), "vocab_size": vocab})
+            return vocab
+        if self.config.vocab_size < manifest.vocab_size:
+            source = f"init_from {self.hparams.init_from}" if self.hparams.init_from else "the model config"
+            raise ValueError(
+                f"vocab_size {self.config.vocab_size} of {source} is smaller than the vocabulary of the data in "
+                f"{manifest.root} ({manifest.vocab_size} ids): prepare the data with a tokenizer of at most "
+                f"{self.config.vocab_size} tokens"
+                + ("" if self.hparams.init_from else f", or set model.vocab_size to {manifest.vocab_size} or more")
+            )
+        return self.config.vocab_size
 
     def _check_accumulation(self, datamodule: Any) -> None:
         """The DataModule's global batch must equal micro-batch x data-parallel ranks x the Trainer's accumulation."""
@@ -181,6 +227,7 @@ class MulaLM(LightningModule):
         strategy = self._strategy()
         if isinstance(strategy, ShardingStrategy) and strategy.builds_on_meta:  # it materialises from the meta device
             strategy.init_seed = self.hparams.seed
+            strategy.init_from = self.hparams.init_from
             with torch.device("meta"):
                 self.model = MulaForCausalLM(self.config)
             return
@@ -189,7 +236,11 @@ class MulaLM(LightningModule):
         device = torch.empty(0).device  # the context's device (the Trainer builds under the root device)
         dtype = torch.get_default_dtype()  # bf16-true sets it to bfloat16 here
         model.to_empty(device=device)
-        self.model = init_weights(model.to(dtype), seed=self.hparams.seed)
+        model = model.to(dtype)
+        if self.hparams.init_from:  # every rank reads (DDP broadcasts rank 0's weights when it wraps the model)
+            self.model = InitWeights(self.hparams.init_from).load_into(model)
+        else:
+            self.model = init_weights(model, seed=self.hparams.seed)
 
     # -------------------------------------------------------------------------------------------- steps
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:

@@ -119,7 +119,7 @@ def test_bad_arguments_name_their_values(tmp_path, tiny_tokenizer, write_jsonl):
         prepare([str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer), train_tokenizer=500)
     with pytest.raises(ValueError, match=r"val_fraction \(1.5\)"):
         _prep([data], tmp_path / "o", tiny_tokenizer, val_fraction=1.5)
-    with pytest.raises(ValueError, match=r"train_tokenizer vocab size \(100\) must be at least 257"):
+    with pytest.raises(ValueError, match=r"train_tokenizer vocab size \(100\) is below the smallest byte-level BPE"):
         prepare([str(data)], str(tmp_path / "o"), train_tokenizer=100, progress=False)
     with pytest.raises(FileNotFoundError, match=r"tokenizer '.*nope': no tokenizer\.json"):
         _prep([data], tmp_path / "o", tmp_path / "nope")

@@ -90,7 +90,7 @@ def test_vocab_size_comes_from_the_data_and_a_small_one_is_refused(tiny_data, tm
     assert lm.config.vocab_size == 512 and lm.model.lm_head.weight.shape[0] == 512
 
     small = MulaLM(model="mula-tiny-moe", model_overrides=TINY, vocab_size=100)
-    with pytest.raises(ValueError, match=r"vocab_size \(100\) is smaller than the vocabulary"):
+    with pytest.raises(ValueError, match=r"vocab_size 100 of the model config is smaller than the vocabulary"):
         _trainer(tmp_path, max_steps=1).fit(small, MulaDataModule(str(tiny_data), micro_batch_size=2))
     assert small.model is None
 

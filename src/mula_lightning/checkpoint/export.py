@@ -69,7 +69,7 @@ def _config_from(value: Any) -> Any:
     return MulaConfig.from_name(str(value))
 
 
-def _full_checkpoint_path(path: Path) -> Path:
+def full_checkpoint_path(path: Path) -> Path:
     """A DualCheckpoint directory or slot -> its ``state.ckpt``; anything else unchanged."""
     if (path / "slot_a").is_dir() or (path / "slot_b").is_dir():
         slot = resolve_last(path)
@@ -79,6 +79,21 @@ def _full_checkpoint_path(path: Path) -> Path:
     if (path / STATE_NAME).exists():
         return path / STATE_NAME
     return path
+
+
+def stored_entry(path: str | Path) -> dict[str, Any] | None:
+    """The ``checkpoint["mula"]`` entry (config and data info) of a full checkpoint, or None; a DCP directory's
+    tensors are not read, a ``.ckpt`` file is memory-mapped."""
+    path = full_checkpoint_path(Path(path))
+    if path.is_file():
+        extra = load_torch_file(path, mmap=True)
+    elif (path / ".metadata").is_file():
+        _, raw = load_full_dcp(path, skip=("",))  # every key starts with "": only the metadata item is read
+        extra = loads_data(raw, path) if raw is not None else {}
+    else:
+        raise FileNotFoundError(f"{path}: not a checkpoint (no .metadata or .ckpt file)")
+    value = extra.get(CHECKPOINT_KEY) if isinstance(extra, dict) else None
+    return value if isinstance(value, dict) else None
 
 
 def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -121,7 +136,7 @@ def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, di
     path = Path(checkpoint)
     if is_model_only_dir(path):
         return load_model_only(path), None
-    path = _full_checkpoint_path(path)
+    path = full_checkpoint_path(path)
     flat, extra = _read_full(path)
     stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}
     if config is None:

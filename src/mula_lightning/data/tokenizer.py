@@ -100,6 +100,10 @@ def choose_dtype(vocab_size: int, dtype: str | None, tokenizer_name: str = "toke
     return np.dtype(dtype)
 
 
+#: 256 byte symbols + the end-of-document token: the smallest vocabulary :func:`train_bpe` can train
+MIN_TRAINED_VOCAB = 257
+
+
 def train_bpe(documents: Iterable[str], vocab_size: int):
     """Train a byte-level BPE tokenizer (GPT-2 style pre-tokenization) with :data:`TRAINED_EOS` as id 0.
 
@@ -112,8 +116,13 @@ def train_bpe(documents: Iterable[str], vocab_size: int):
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise ValueError(f"train_tokenizer vocab size ({vocab_size}) must be at least 257 (256 bytes + EOS)")
+    if vocab_size < MIN_TRAINED_VOCAB:
+        raise ValueError(
+            f"train_tokenizer vocab size ({vocab_size}) is below the smallest byte-level BPE: {MIN_TRAINED_VOCAB} = "
+            f"256 byte symbols (so that any text encodes) + 1 end-of-document token {TRAINED_EOS!r}; train "
+            f"{MIN_TRAINED_VOCAB} or more, and give the model at least as many embedding rows (a model smaller than "
+            f"{MIN_TRAINED_VOCAB} rows needs a tokenizer of its own: --tokenizer PATH)"
+        )
     os.environ["RAYON_NUM_THREADS"] = "1"
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -86,21 +86,31 @@ def _mula_models(model: nn.Module) -> list[tuple[str, MulaForCausalLM]]:
 
 @torch.no_grad()
 def materialize_and_broadcast(
-    model: nn.Module, topology: MoETopology, device: torch.device, seed: int = 0, broadcast: bool = True
+    model: nn.Module,
+    topology: MoETopology,
+    device: torch.device,
+    seed: int = 0,
+    broadcast: bool = True,
+    weights: Any = None,
 ) -> nn.Module:
     """Give every rank the same initial weights, reading or drawing them once per shard.
 
     A model on the meta device is allocated on ``device``; on the ranks with ``dp_rank == 0`` (one per expert
     slice) every parameter of a Mula model is drawn from (seed, single-device name) on the full tensor and
-    sliced, other modules get ``reset_parameters()``. Then non-expert tensors are broadcast from global rank 0
-    and expert slices from the ``dp_rank == 0`` rank of each DP group, so one process, DDP and every DP x EP
-    layout start bit-identical and only one rank per shard ever initialises or reads.
+    sliced, or, with ``weights``, read from it: ``weights.read(config, name, rows)`` returns the parameter of
+    single-device name ``name`` (rows ``rows`` of it for an expert slice; see
+    :class:`~mula_lightning.checkpoint.init_source.InitWeights`); other modules get ``reset_parameters()``. Then
+    non-expert tensors are broadcast from global rank 0 and expert slices from the ``dp_rank == 0`` rank of each DP
+    group, so one process, DDP and every DP x EP layout start bit-identical and only one rank per shard ever
+    initialises or reads.
     """
     was_meta = any(p.is_meta for p in model.parameters())
+    if weights is not None and not was_meta:
+        raise ValueError("weights to read need a model built on the meta device (its values would be overwritten)")
     if was_meta:
         _to_empty_meta_only(model, device)
         if topology.dp_rank == 0:
-            _initialise(model, topology, seed)
+            _initialise(model, topology, seed, weights)
     else:
         model.to(device)
     if broadcast and is_distributed() and topology.world_size > 1:
@@ -125,7 +135,7 @@ def _to_empty_meta_only(model: nn.Module, device: torch.device) -> None:
     model.to(device)  # everything is real now: this moves the rest, values kept (torchmetrics handles its states)
 
 
-def _initialise(model: nn.Module, topology: MoETopology, seed: int) -> None:
+def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any = None) -> None:
     covered: set[int] = set()
     for _, mula in _mula_models(model):
         config: MulaConfig = mula.config
@@ -133,10 +143,13 @@ def _initialise(model: nn.Module, topology: MoETopology, seed: int) -> None:
             name = logical_name(wrapped_name)  # the single-device name, whatever wraps the layers
             covered.add(id(param))
             shape = param.shape
-            if is_expert_param(name) and topology.ep_size > 1:
+            sliced = is_expert_param(name) and topology.ep_size > 1
+            rows = slice(topology.ep_rank * shape[0], (topology.ep_rank + 1) * shape[0]) if sliced else None
+            if weights is not None:
+                param.copy_(weights.read(config, name, rows))
+            elif sliced:
                 full = init_parameter(name, (config.num_experts, *shape[1:]), config, seed)
-                lo = topology.ep_rank * shape[0]
-                param.copy_(full[lo : lo + shape[0]].to(param.dtype))
+                param.copy_(full[rows].to(param.dtype))
             else:
                 param.copy_(init_parameter(name, shape, config, seed).to(param.dtype))
     for module in model.modules():

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
 
 #: Lightning DDP-strategy arguments that mean something to a sharding strategy. No DDP wrapper is ever built, so the
@@ -64,6 +65,13 @@ class ShardingOptions:
 
     builds_on_meta = True
     settings: Any
+    #: weights to start from instead of drawing them from the seed (a path :class:`InitWeights` reads); a module
+    #: sets it in ``configure_model`` (``MulaLM`` hands over its ``init_from``)
+    init_from: str | None = None
+
+    def init_weights(self) -> InitWeights | None:
+        """The reader of :attr:`init_from` for the materialisation, or None to draw the weights from the seed."""
+        return InitWeights(self.init_from) if self.init_from else None
 
     def _init_flavour(self) -> None:
         """The Fabric or Trainer flavour's own attributes, set after Lightning's constructor."""

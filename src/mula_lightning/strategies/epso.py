@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from torch import nn
 from typing_extensions import override
 
+from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
@@ -81,9 +82,19 @@ class EPSOSettings:
 
 
 def setup_epso_module(
-    module: nn.Module, settings: EPSOSettings, device: torch.device, topology: MoETopology | None = None
+    module: nn.Module,
+    settings: EPSOSettings,
+    device: torch.device,
+    topology: MoETopology | None = None,
+    weights: InitWeights | None = None,
 ) -> MoETopology:
-    """Topology, then :func:`parallelize` (EP -> AC -> compile), then materialise and broadcast the weights."""
+    """Topology, then :func:`parallelize` (EP -> AC -> compile), then materialise and broadcast the weights (drawn
+    from ``settings.seed``, or read from ``weights`` once per shard)."""
+    if weights is not None and settings.init_from_dense:
+        raise ValueError(
+            f"init_from ({weights.path}) and init_from_dense ({settings.init_from_dense}) both give the initial "
+            "weights; keep one"
+        )
     topology = topology or build_topology(settings.ep_size)
     parallelize(
         module,
@@ -92,7 +103,7 @@ def setup_epso_module(
         activation_checkpointing=settings.activation_checkpointing,
         compile=settings.compile,
     )
-    materialize_and_broadcast(module, topology, device, seed=settings.seed)
+    materialize_and_broadcast(module, topology, device, seed=settings.seed, weights=weights)
     if settings.init_from_dense:
         initialise_from_dense(module, settings.init_from_dense, topology, settings.upcycle or {})
     return topology
@@ -256,7 +267,8 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDDPStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._names_by_id = {id(p): n for n, p in module.named_parameters()}  # before materialising replaces them
-        self.topology = setup_epso_module(module, self.settings, self.root_device, self.topology)
+        weights = self.init_weights()
+        self.topology = setup_epso_module(module, self.settings, self.root_device, self.topology, weights)
         self._module = module
         return module
 
@@ -321,7 +333,8 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.topology = setup_epso_module(self.model, self.settings, self.root_device, self.topology)
+        weights = self.init_weights()
+        self.topology = setup_epso_module(self.model, self.settings, self.root_device, self.topology, weights)
         self.barrier()
         from lightning.pytorch.trainer.states import TrainerFn
 

@@ -4,7 +4,8 @@
 (``epso``, ``zero_topo``), and nothing else:
 
 * whether the module should build its model on the meta device, and the seed the strategy materialises it from
-  (weights are a function of (seed, parameter name), so every layout starts from the same model);
+  (weights are a function of (seed, parameter name), so every layout starts from the same model), or the weights
+  it reads instead (``init_from``);
 * the expert-parallel degree, to check that it divides the experts and the number of processes before any
   allocation;
 * the global L2 norm of the reduced gradients (each element of the unsharded model counted once), for logging:
@@ -33,11 +34,14 @@ class ShardingStrategy(Protocol):
             strategy materialises, shards and broadcasts it.
         init_seed: the seed of that materialisation; a module may set it in ``configure_model`` (``MulaLM`` hands
             over its own ``seed``).
+        init_from: weights to materialise from instead of the seed (a model-only checkpoint, a transformers
+            directory or a full checkpoint, read once per shard and broadcast); ``MulaLM`` hands over its own.
         ep_size: the expert-parallel degree (1 when experts are not split).
     """
 
     builds_on_meta: bool
     init_seed: int
+    init_from: str | None
     ep_size: int
 
     def global_grad_norm(self, optimizer: Any) -> torch.Tensor:

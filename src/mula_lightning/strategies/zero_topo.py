@@ -34,6 +34,7 @@ from torch import nn
 from typing_extensions import override
 
 from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
+from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.parallel.parallelize import materialize_and_broadcast
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
@@ -102,8 +103,11 @@ def build_engine(
     return HierarchicalZeroAdamW(module, settings.layout(world_size), groups, **settings.engine_kwargs())
 
 
-def _materialize(module: nn.Module, device: torch.device, rank: int, world_size: int, seed: int) -> None:
-    materialize_and_broadcast(module, MoETopology(dp_size=world_size, ep_size=1, rank=rank), device, seed=seed)
+def _materialize(
+    module: nn.Module, device: torch.device, rank: int, world_size: int, seed: int, weights: InitWeights | None
+) -> None:
+    topology = MoETopology(dp_size=world_size, ep_size=1, rank=rank)
+    materialize_and_broadcast(module, topology, device, seed=seed, weights=weights)
 
 
 def _split_state(state: dict[str, Any], engine: HierarchicalZeroAdamW | None, for_load: bool):
@@ -220,7 +224,9 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDDPStrat
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._names = {id(p): n for n, p in module.named_parameters()}
-        _materialize(module, self.root_device, self.global_rank, self.world_size, self.settings.seed)
+        _materialize(
+            module, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
+        )
         self._module = module
         return module
 
@@ -291,7 +297,9 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDDPStra
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        _materialize(self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed)
+        _materialize(
+            self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
+        )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

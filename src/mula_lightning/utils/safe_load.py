@@ -170,7 +170,7 @@ def _refused_from(err: Exception) -> str:
     return f"pickle operand {match.group(1)}" if match else text.strip().splitlines()[0][:200]
 
 
-def load_torch_file(path: str | Path, map_location: Any = "cpu") -> Any:
+def load_torch_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)``: tensors and plain data; anything else raises a named error.
 
     Raises:
@@ -188,7 +188,7 @@ def load_torch_file(path: str | Path, map_location: Any = "cpu") -> Any:
     if head != b"PK":
         raise ValueError(f"{path}: not a torch checkpoint (neither torch.save's zip format nor a pickle)")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "weights_only" in str(err) or "GLOBAL" in str(err) or "Unsupported" in str(err):
             raise UnsafeCheckpointError(path, _refused_from(err)) from None

@@ -1,0 +1,168 @@
+"""Start training from existing weights: what ``MulaLM(init_from=PATH)`` (``--model.init_from``) reads, and how.
+
+Sources, recognised by what the path holds:
+
+* **model-only** (a Mula ``config.json`` without ``model_type`` + ``model.safetensors``): what
+  :class:`~mula_lightning.callbacks.ModelOnlyCheckpoint` and ``mula upcycle`` write. Read tensor by tensor from the
+  memory-mapped file; an expert tensor is sliced to the reading rank's experts (``get_slice``), so under expert
+  parallelism no rank copies experts it does not own.
+* **transformers** (a ``config.json`` with ``model_type``: OLMoE, Mixtral, Llama, Qwen MoE): converted to Mula names
+  on the reading rank (:func:`~mula_lightning.models.hf_convert.hf_to_mula_state_dict`).
+* **full checkpoint** written by ``mula fit``: a :class:`~mula_lightning.callbacks.DualCheckpoint` directory (its
+  newest complete slot), one slot, a DCP directory of a sharded strategy or a Lightning ``.ckpt``. Only the model's
+  tensors are read (the optimizer states stay on disk): the run starts with a fresh optimizer and schedule. The
+  config is the one ``MulaLM`` stored under ``checkpoint["mula"]``.
+
+The model config always comes from the source (:func:`init_source_config` reads only the config file or the
+checkpoint's metadata, so ``MulaLM.__init__`` stays cheap). Weights are read by the ranks that initialise (one per
+shard under ``epso`` / ``zero_topo``, which then broadcast; every rank under plain DDP, whose wrapper broadcasts
+rank 0's anyway) through :class:`InitWeights`, which checks every name and shape against the model before the first
+copy. Everything is read as data (:mod:`mula_lightning.utils.safe_load`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mula_lightning.checkpoint.export import full_checkpoint_path, read_checkpoint, stored_entry
+from mula_lightning.models.checkpoint_io import WEIGHTS_NAME, is_model_only_dir, load_config
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.models.transformer import MulaForCausalLM
+from mula_lightning.models.upcycle_source import DictStore, SafetensorsStore, TensorStore
+
+__all__ = ["InitWeights", "init_source_config", "init_source_kind"]
+
+MODEL_ONLY, TRANSFORMERS, FULL = "model-only", "transformers", "full checkpoint"
+
+
+def init_source_kind(path: str | Path) -> str:
+    """``"model-only"``, ``"transformers"`` or ``"full checkpoint"``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or is a directory that holds none of the three.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"init_from {path}: no such file or directory")
+    if is_model_only_dir(path):
+        return MODEL_ONLY
+    if path.is_dir() and (path / "config.json").is_file() and _json(path / "config.json").get("model_type"):
+        return TRANSFORMERS
+    full = full_checkpoint_path(path)
+    if full.is_file() or (full / ".metadata").is_file():
+        return FULL
+    if path.is_dir() and (path / "config.json").is_file() and not (path / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"init_from {path}: config.json without {WEIGHTS_NAME} (the weights are missing)")
+    raise FileNotFoundError(
+        f"init_from {path}: not a model-only checkpoint (config.json + {WEIGHTS_NAME}), a transformers directory "
+        "(config.json with model_type + safetensors), a DualCheckpoint directory or slot, a DCP directory or a .ckpt"
+    )
+
+
+def _json(file: Path) -> dict[str, Any]:
+    try:
+        values = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return values
+
+
+def init_source_config(path: str | Path) -> MulaConfig:
+    """The ``MulaConfig`` of the model stored at ``path`` (no tensor is read, except from a ``.ckpt`` file).
+
+    Raises:
+        FileNotFoundError: see :func:`init_source_kind`.
+        ValueError: a full checkpoint that holds no config (one not written by ``MulaLM``), or an unreadable config.
+    """
+    path = Path(path)
+    kind = init_source_kind(path)
+    if kind == MODEL_ONLY:
+        return load_config(path)
+    if kind == TRANSFORMERS:
+        import transformers
+
+        from mula_lightning.models.hf_convert import config_from_hf
+
+        return config_from_hf(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
+    stored = stored_entry(path)
+    config = stored.get("config") if stored else None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"init_from {path}: the checkpoint holds no model config (written by another LightningModule?); "
+            "export its weights as a model-only checkpoint with mula export / save_model_only, or start from a "
+            "checkpoint written by mula fit"
+        )
+    return MulaConfig(**config)
+
+
+class InitWeights:
+    """The weights of ``path`` for a model of config ``config``, read one (logical) parameter at a time.
+
+    ``read(config, name, rows)`` returns the full tensor of the Mula parameter ``name`` (its single-device name), or
+    rows ``rows`` of it (an expert slice). The source is opened on the first read and checked once per config:
+    every parameter of ``MulaForCausalLM(config)`` must be in the source with its shape, else ``ValueError`` naming
+    the first offenders. ``store.bytes_read`` counts what was read.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.kind = init_source_kind(self.path)
+        self._store: TensorStore | None = None
+        self._checked: set[str] = set()
+
+    @property
+    def store(self) -> TensorStore:
+        if self._store is None:
+            self._store = self._open()
+        return self._store
+
+    def _open(self) -> TensorStore:
+        if self.kind == MODEL_ONLY:
+            return SafetensorsStore(self.path)
+        if self.kind == TRANSFORMERS:
+            from mula_lightning.models.hf_convert import hf_to_mula_state_dict, load_hf_directory
+
+            _, state = load_hf_directory(self.path)
+            return DictStore(hf_to_mula_state_dict(state, init_source_config(self.path)))
+        model, _ = read_checkpoint(self.path)
+        return DictStore(dict(model.named_parameters()))
+
+    def check(self, config: MulaConfig) -> None:
+        """Every parameter of ``MulaForCausalLM(config)`` is in the source with its shape (else ``ValueError``)."""
+        key = json.dumps(config.to_dict(), sort_keys=True)
+        if key in self._checked:
+            return
+        with torch.device("meta"):
+            expected = {n: tuple(p.shape) for n, p in MulaForCausalLM(config).named_parameters()}
+        have = self.store.keys()
+        missing = [n for n in expected if n not in have]
+        wrong = []
+        for n, shape in expected.items():
+            if n in have and (got := self.store.shape(n)) != shape:
+                wrong.append(f"{n}: source {got} vs model {shape}")
+        if missing or wrong:
+            raise ValueError(
+                f"init_from {self.path} ({self.kind}) does not fit the model config {config.name!r}: "
+                + "; ".join([f"missing {missing[:4]}"] * bool(missing) + wrong[:4])
+            )
+        self._checked.add(key)
+
+    def read(self, config: MulaConfig, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Parameter ``name`` of the source (rows ``rows`` of it when given), checked against ``config`` first."""
+        self.check(config)
+        if rows is None:
+            return self.store.read(name)
+        return self.store.read(name, (rows,))
+
+    @torch.no_grad()
+    def load_into(self, model: MulaForCausalLM) -> MulaForCausalLM:
+        """Copy the source into every parameter of a single-device ``model`` (allocated, any dtype and device)."""
+        for name, param in model.named_parameters():
+            param.copy_(self.read(model.config, name))
+        return model
