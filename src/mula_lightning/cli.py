@@ -8,13 +8,26 @@ dependencies never slow down another one.
 
 To add a command, add one entry to :data:`COMMANDS`; the target is ``"package.module:function"`` and the
 function takes the argument list (without the command name) and returns an exit code (or None).
+
+Errors: a bad input (a missing or unreadable file, a value that does not fit, an unknown option) is answered with
+one line on stderr naming the values, ``mula <command>: error: <message>``, and exit code 1; an unexpected
+exception also gets one line, marked as an internal error. The traceback is shown only with ``--debug`` (anywhere
+on the command line) or ``MULA_DEBUG=1``, for bug reports. Argument parsing errors keep jsonargparse's exit code 2.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+
+#: exit code of a command that refused its input (or failed) with a one-line message
+EXIT_ERROR = 1
+#: what a bad input raises across the package (file errors, values that do not fit, unknown keywords or keys, a
+#: corrupt checkpoint: ``CheckpointIntegrityError`` / ``CheckpointWriteError``, named to keep this import-light)
+INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError)
+INPUT_ERROR_NAMES = {"CheckpointIntegrityError", "CheckpointWriteError"}
 
 #: command name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,7 +47,7 @@ def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = ["usage: mula <command> [args...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in sorted(COMMANDS.items())]
-    lines += ["", "Run `mula <command> --help` for the arguments of one command."]
+    lines += ["", "Run `mula <command> --help` for the arguments of one command; --debug shows tracebacks."]
     return "\n".join(lines)
 
 
@@ -48,11 +61,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mula: unknown command {name!r}; known commands: {', '.join(sorted(COMMANDS))}", file=sys.stderr)
         return 2
+    debug = "--debug" in rest or os.environ.get("MULA_DEBUG", "") not in ("", "0")
+    rest = [a for a in rest if a != "--debug"]
     target, _ = COMMANDS[name]
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    code = func(rest)
+    try:
+        code = func(rest)
+    except Exception as err:  # one line for the user; the traceback with --debug
+        if debug:
+            raise
+        print(f"mula {name}: error: {error_line(err)}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
     return int(code or 0)
+
+
+def is_input_error(err: BaseException) -> bool:
+    """Whether ``err`` reports a bad input (see :data:`INPUT_ERRORS`) rather than a bug."""
+    return isinstance(err, INPUT_ERRORS) or type(err).__name__ in INPUT_ERROR_NAMES
+
+
+def error_line(err: BaseException) -> str:
+    """The one-line message of ``err``: its text for a bad input, marked as internal (with its type) otherwise."""
+    text = err.args[0] if len(err.args) == 1 and isinstance(err.args[0], str) else str(err)
+    text = " ".join(text.split())  # one line, whatever the message held
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    if is_input_error(err):
+        return text
+    return f"internal error: {type(err).__name__}: {text} (rerun with --debug and report the traceback)"
 
 
 if __name__ == "__main__":

@@ -2,20 +2,22 @@
 
 Everything comes from YAML (or flags): ``model`` (the :class:`MulaLM` arguments), ``data`` (the
 :class:`MulaDataModule` arguments), ``trainer`` (devices, strategy with its arguments, precision, steps,
-loggers, callbacks) and two always-on callbacks, ``moe_stats`` (:class:`MoEStats`) and ``throughput``
-(:class:`MulaThroughput`). Examples are in ``examples/configs/``::
+loggers, callbacks) and three always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
+(:class:`MulaThroughput`) and ``last_step`` (:class:`LastStepLogger`: the final step's metrics are logged and flushed
+whatever ``log_every_n_steps`` is). Examples are in ``examples/configs/``::
 
     mula fit --config examples/configs/mula-tiny-moe.yaml
     mula fit --config examples/configs/mula-tiny-moe.yaml --trainer.max_steps 50 --model.lr 1e-3
     torchrun --nproc-per-node 4 -m mula_lightning.cli fit --config examples/configs/mula-tiny-moe.yaml
 
-What fails before training starts, and how:
+What fails before any process is started, and how (one line on stderr, exit code 1; ``--debug`` for tracebacks):
 
 * a key the classes do not accept (a typo in the YAML): jsonargparse's error names the key (exit code 2);
-* a strategy that does not fit the model (``ep_size`` not dividing the experts or the number of processes):
-  ``ValueError`` from :meth:`MulaLM.setup`, naming both values, before any weight is allocated;
-* data prepared with another tokenizer than ``data.tokenizer``, or a ``data.seq_len`` other than the data's:
-  ``ValueError`` from the DataModule's manifest check, also in ``setup``.
+* a value a class refuses at construction (an unknown ``model_overrides`` field, a strategy keyword);
+* everything :func:`mula_lightning.preflight.check_before_launch` checks, in the launching process between
+  instantiation and ``trainer.fit``: the data folder and its manifest, the vocabulary against the data, ``ep_size``
+  against the experts and the number of processes, the global batch against micro-batch x ranks x accumulation,
+  ``model.init_from``.
 
 Loggers: unless the config names its own, a :class:`CSVLogger` (the source of ``mula report``) and a
 :class:`WandbLogger` (offline unless an API key is configured: ``WANDB_API_KEY`` or a ``wandb login`` entry in
@@ -28,6 +30,7 @@ from __future__ import annotations
 import netrc
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,13 +64,37 @@ def default_loggers(save_dir: str = RUNS_DIR, name: str = "mula") -> list[dict[s
 
 
 class MulaCLI(LightningCLI):
-    """LightningCLI with the MoE statistics and throughput callbacks as configurable, always-on sections."""
+    """LightningCLI with the MoE statistics, throughput and last-step callbacks as configurable, always-on sections,
+    the configuration checked before launch and short argument errors."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        from mula_lightning.callbacks import MoEStats, MulaThroughput
+        from mula_lightning.callbacks import LastStepLogger, MoEStats, MulaThroughput
 
         parser.add_lightning_class_args(MoEStats, "moe_stats")
         parser.add_lightning_class_args(MulaThroughput, "throughput")
+        parser.add_lightning_class_args(LastStepLogger, "last_step")
+
+    def init_parser(self, **kwargs: Any) -> Any:
+        """LightningCLI's parser, reporting an argument error without the 70-line usage (the error names the key; the
+        tip line points to ``--help``)."""
+        parser = super().init_parser(**kwargs)
+        parser.print_usage = lambda file=None: None
+        return parser
+
+    def _preflight(self, stage: str) -> None:
+        from mula_lightning.preflight import check_before_launch
+
+        check_before_launch(self.trainer, self.model, self.datamodule, stage)
+
+    def before_fit(self) -> None:
+        """Check the whole configuration before the Trainer starts any process."""
+        self._preflight("fit")
+
+    def before_validate(self) -> None:
+        self._preflight("validate")
+
+    def before_test(self) -> None:
+        self._preflight("test")
 
 
 def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True) -> MulaCLI:
@@ -81,6 +108,9 @@ def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True) -> MulaCLI
     from mula_lightning.data.datamodule import MulaDataModule
     from mula_lightning.lightning_module import MulaLM
 
+    # `mula fit ...` passes its own arguments (sys.argv minus the command word) while sys.argv still holds them,
+    # which is what Lightning's subprocess launcher re-executes: the "both args and command line" warning is noise.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     return MulaCLI(
         MulaLM,
         MulaDataModule,

@@ -30,12 +30,25 @@ _IMBALANCE_KEY = re.compile(r"^moe/layer_(\d+)/imbalance$")
 def find_metrics_csv(run_dir: str | Path) -> Path:
     """The run's ``metrics.csv``: ``run_dir``'s own, else the most recently written one below it."""
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(f"no metrics.csv under {run_dir}: {run_dir} does not exist")
     if (run_dir / "metrics.csv").is_file():
         return run_dir / "metrics.csv"
     found = sorted(run_dir.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no metrics.csv under {run_dir}: is it a run folder of `mula fit` (CSVLogger)?")
+        raise FileNotFoundError(f"no metrics.csv under {run_dir}: {_what_is_there(run_dir)}")
     return found[-1]
+
+
+def _what_is_there(run_dir: Path) -> str:
+    """Why a folder has no CSV log, from what it does hold."""
+    marks = [p.relative_to(run_dir) for name in ("hparams.yaml", "config.yaml", "*.ckpt") for p in run_dir.rglob(name)]
+    if marks:
+        return (
+            f"it holds {', '.join(str(m) for m in sorted(marks)[:3])} but no CSV log: the run's trainer.logger has no "
+            "CSVLogger (mula fit adds one unless the config lists its own loggers), or it failed before logging"
+        )
+    return "is it a run folder of `mula fit` (CSVLogger)?"
 
 
 def read_columns(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -162,6 +175,13 @@ def render_report(run_dir: str | Path, output: str | Path | None = None) -> list
     out_dir = Path(output) if output is not None else csv_path.parent / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = read_columns(csv_path)
+    if not any(key.startswith(("train/", "val/")) for key in columns):
+        logged = ", ".join(sorted(columns)[:6]) or "nothing"
+        raise ValueError(
+            f"{csv_path}: no training or validation metrics (it holds {logged}): the run stopped before its first "
+            "logged step (trainer.log_every_n_steps larger than the steps it ran, without mula fit's last_step "
+            "callback) or failed before it"
+        )
     written = []
     for name, plot in zip(PLOTS, (plot_loss, plot_lr, plot_throughput, plot_expert_load)):
         if plot(columns, out_dir / name):
@@ -179,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         written = render_report(args.run_dir, args.output)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"mula report: error: {e}", file=sys.stderr)
         return 1
     missing = [name for name in PLOTS if name not in {p.name for p in written}]

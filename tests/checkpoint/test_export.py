@@ -45,9 +45,10 @@ class _Holder(nn.Module):
         self.model = model
 
 
-def test_export_dual_checkpoint_directory_needs_and_uses_a_config(tmp_path):
+def test_export_dual_checkpoint_directory_needs_and_uses_a_config(tmp_path, capsys):
     """A DualCheckpoint directory of epso DCP checkpoints: the newest slot's model tensors are exported (not the
-    older slot's); without --config the error says a full checkpoint holds no config."""
+    older slot's); without --config the one-line error (exit code 1, no traceback) says a full checkpoint written
+    by another module holds no config."""
     old, new = _model(), _model()
     with torch.no_grad():
         new.lm_head.weight.add_(1.0)
@@ -56,11 +57,13 @@ def test_export_dual_checkpoint_directory_needs_and_uses_a_config(tmp_path):
         save_slot(
             tmp_path / "dual", step, lambda p, m=model: save_sharded_checkpoint(p, {"state_dict": _Holder(m)}, topo)
         )
-    with pytest.raises(ValueError, match="holds no model config; pass --config"):
-        mula(["export", str(tmp_path / "dual"), "--to", "hf", str(tmp_path / "x")])
+    assert mula(["export", str(tmp_path / "dual"), "--to", "hf", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no model config; pass --config" in err and len(err.splitlines()) == 1 and "Traceback" not in err
     args = ["export", str(tmp_path / "dual"), "--to", "hf", str(tmp_path / "hf"), "--config", "mula-tiny-moe"]
     with pytest.raises(ValueError, match="does not match config"):  # the preset alone has other sizes
-        mula(args)
+        mula([*args, "--debug"])  # --debug: the exception itself, for bug reports
+    assert not (tmp_path / "x").exists() and not (tmp_path / "hf").exists()
     save_model_only(old, tmp_path / "weights")  # a model-only directory supplies the config
     args[-1] = str(tmp_path / "weights")
     assert mula(args) == 0

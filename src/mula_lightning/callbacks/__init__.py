@@ -1,5 +1,5 @@
 """Lightning callbacks: reliability (Aurora paper, Section 4: dual checkpoints, persistent model-only checkpoints,
-NaN detection) and monitoring (MoE statistics, throughput).
+NaN detection) and monitoring (MoE statistics, throughput, the final step's metrics).
 
 The classes are imported lazily (PEP 562), so that code which only needs the checkpoint protocol
 (:mod:`mula_lightning.checkpoint.slots`, no Lightning dependency) does not pay for importing Lightning.
@@ -17,6 +17,7 @@ _EXPORTS = {
     "NAN_EXIT_CODE": "mula_lightning.callbacks.nan_detector",
     "MoEStats": "mula_lightning.callbacks.moe_stats",
     "MulaThroughput": "mula_lightning.callbacks.throughput",
+    "LastStepLogger": "mula_lightning.callbacks.last_step_logger",
 }
 
 __all__ = sorted(_EXPORTS)

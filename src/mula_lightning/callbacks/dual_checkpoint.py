@@ -78,6 +78,8 @@ class DualCheckpoint(ModelCheckpoint):
         every_n_train_steps: optimizer steps between checkpoints.
         verify_checksums: on resume, check every file's CRC32 (split over the ranks; each file is read once).
         phase_hook: called with each protocol phase name during a save (fault injection in tests).
+        save_on_train_end: also save the last step when training ends normally (``max_steps`` reached, a stop
+            requested), whatever the interval: a short run, or the steps after the last multiple, are not lost.
 
     Resume with ``trainer.fit(model, ckpt_path="last")`` (Trainer) or :meth:`load_fabric` (Fabric).
     """
@@ -88,6 +90,7 @@ class DualCheckpoint(ModelCheckpoint):
         every_n_train_steps: int,
         verify_checksums: bool = True,
         phase_hook: Any = None,
+        save_on_train_end: bool = True,
     ) -> None:
         if int(every_n_train_steps) < 1:
             raise ValueError(f"every_n_train_steps ({every_n_train_steps}) must be >= 1")
@@ -96,6 +99,7 @@ class DualCheckpoint(ModelCheckpoint):
         self.every = int(every_n_train_steps)
         self.verify_checksums = verify_checksums
         self.phase_hook = phase_hook
+        self.save_on_train_end = save_on_train_end
         self.last_saved_step = -1
         self.resumed_from: Path | None = None
         self._restore_rng_pending = False
@@ -133,6 +137,11 @@ class DualCheckpoint(ModelCheckpoint):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         pass
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The final step, unless the interval just saved it (every rank calls this: the save is collective)."""
+        if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+            self.save(trainer)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         pass

@@ -138,6 +138,7 @@ class ModelOnlyCheckpoint(Callback):
         every_n_train_steps: optimizer steps between saves.
         dtype: dtype the floating-point weights are stored in (``torch.bfloat16`` by default; ``None``: as trained).
         hf_export: also write a transformers directory (``hf/``) next to the weights.
+        save_on_train_end: also save the last step when training ends normally, whatever the interval.
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class ModelOnlyCheckpoint(Callback):
         every_n_train_steps: int,
         dtype: torch.dtype | None = torch.bfloat16,
         hf_export: bool = False,
+        save_on_train_end: bool = True,
     ) -> None:
         if int(every_n_train_steps) < 1:
             raise ValueError(f"every_n_train_steps ({every_n_train_steps}) must be >= 1")
@@ -153,6 +155,7 @@ class ModelOnlyCheckpoint(Callback):
         self.every = int(every_n_train_steps)
         self.dtype = dtype
         self.hf_export = hf_export
+        self.save_on_train_end = save_on_train_end
         self.last_saved_step = -1
 
     @property
@@ -166,6 +169,11 @@ class ModelOnlyCheckpoint(Callback):
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return
         self.save(trainer, pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The final weights, unless the interval just saved them (collective: every rank calls this)."""
+        if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+            self.save(trainer, pl_module)
 
     def save(self, trainer: Any, pl_module: Any) -> Path:
         """Gather the full weights and let rank 0 write ``step-XXXXXXXX`` (collective)."""

@@ -134,6 +134,8 @@ def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, di
     from mula_lightning.models.checkpoint_io import is_model_only_dir, load_model_only
 
     path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
     if is_model_only_dir(path):
         return load_model_only(path), None
     path = full_checkpoint_path(path)

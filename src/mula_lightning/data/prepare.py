@@ -110,8 +110,7 @@ def prepare(
     """
     _check_arguments(tokenizer, train_tokenizer, seq_len, val_fraction, format)
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(output)  # created only once the inputs and the tokenizer are known to be usable
     work = out / WORK_DIR
     clock = _Clock()
 
@@ -136,7 +135,7 @@ def prepare(
     done, resuming = _check_existing(out, plan, overwrite)
     if done is not None:
         return done
-    work.mkdir(exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     _remove_temporaries(out)
     atomic_write_json(work / "plan.json", plan)
     tok = _resolve_tokenizer(out, units, given, resuming, train_tokenizer, max_bytes)

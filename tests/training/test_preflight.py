@@ -1,0 +1,105 @@
+"""``mula fit`` checks the whole configuration in the launching process: each bad input below is answered with one
+line naming the values and exit code 1, before ``Trainer.fit`` starts any process, and nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from lightning.pytorch import Trainer
+
+from mula_lightning import cli as mula_cli
+
+
+def _run(config: dict, tmp_path, capsys, monkeypatch, *extra: str) -> str:
+    """``mula fit`` on ``config``; returns the error line after checking the exit code, that ``Trainer.fit`` never
+    ran (no process was started) and that the run folder was not created."""
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("Trainer.fit ran: the configuration was not checked before launch")
+
+    monkeypatch.setattr(Trainer, "fit", no_fit)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert mula_cli.main(["fit", "--config", str(path), *extra]) == mula_cli.EXIT_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("mula fit: error: ")
+    assert not (tmp_path / "runs").exists()
+    return err
+
+
+def _epso(config: dict, devices: int, **options) -> dict:
+    config["trainer"]["devices"] = devices
+    config["trainer"]["strategy"] = {"class_path": "mula_lightning.strategies.EPSOStrategy", "init_args": options}
+    return config
+
+
+def test_missing_data_folder_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """A data_dir that was never prepared: the missing manifest and the command that writes it are named."""
+    tiny_config["data"]["data_dir"] = str(tmp_path / "never-prepared")
+    err = _run(tiny_config, tmp_path, capsys, monkeypatch)
+    assert "never-prepared/manifest.json not found" in err and "mula data prepare" in err
+
+
+def test_ep_size_that_does_not_divide_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """ep_size 3 over 2 processes and 4 experts: the experts and the value are named before 2 processes start."""
+    err = _run(_epso(tiny_config, 2, ep_size=3), tmp_path, capsys, monkeypatch)
+    assert "num_experts" in err and "(4)" in err and "ep_size (3)" in err
+
+
+def test_processes_that_ep_size_does_not_divide_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """ep_size 4 divides the 4 experts but not 2 processes: the number of processes is named."""
+    err = _run(_epso(tiny_config, 2, ep_size=4), tmp_path, capsys, monkeypatch)
+    assert "the number of processes (devices x nodes) (2)" in err and "ep_size (4)" in err
+
+
+def test_vocabulary_smaller_than_the_data_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """A fixed vocab_size of 256 under data of 512 ids: both sizes and the fix, never a silent resize."""
+    tiny_config["model"]["vocab_size"] = 256
+    err = _run(tiny_config, tmp_path, capsys, monkeypatch)
+    assert "vocab_size 256" in err and "(512 ids)" in err and "set model.vocab_size to 512 or more" in err
+
+
+def test_global_batch_that_does_not_match_accumulation_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """global_batch_size 16 with micro-batch 4 on 1 process and no accumulation: the value to set is named."""
+    tiny_config["data"]["global_batch_size"] = 16
+    err = _run(tiny_config, tmp_path, capsys, monkeypatch)
+    assert "data.global_batch_size (16)" in err and "set trainer.accumulate_grad_batches to 4" in err
+
+
+@pytest.mark.parametrize(
+    ("model_args", "expected"),
+    [
+        ({"init_from": "/nowhere/weights"}, "init_from /nowhere/weights: no such file or directory"),
+        ({"model_overrides": {"hidden_sise": 64}}, "unknown MulaConfig fields ['hidden_sise']"),
+        ({"min_lr": 1.0}, "min_lr (1.0) must be in [0, lr (0.003)]"),
+    ],
+    ids=["init_from-missing", "unknown-override", "bad-value"],
+)
+def test_values_refused_at_construction_are_one_line(tiny_config, tmp_path, capsys, monkeypatch, model_args, expected):
+    """Values the classes refuse when LightningCLI instantiates them: one line with the value, no traceback."""
+    tiny_config["model"].update(model_args)
+    assert expected in _run(tiny_config, tmp_path, capsys, monkeypatch)
+
+
+def test_init_from_that_does_not_fit_the_overrides_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """A model-only checkpoint whose tensors do not match the overridden config (another hidden size) is named from
+    the file headers before launch."""
+    from mula_lightning.models import MulaConfig, MulaForCausalLM
+    from mula_lightning.models.checkpoint_io import save_model_only
+
+    config = MulaConfig.from_name("mula-tiny-moe", **{**tiny_config["model"]["model_overrides"], "vocab_size": 512})
+    path = save_model_only(MulaForCausalLM(config), tmp_path / "weights")
+    tiny_config["model"].update(init_from=str(path), model_overrides={"intermediate_size": 48})
+    err = _run(tiny_config, tmp_path, capsys, monkeypatch)
+    assert "does not fit the model config" in err and "(4, 32, 32) vs model (4, 32, 48)" in err
+
+
+def test_debug_shows_the_traceback(tiny_config, tmp_path, monkeypatch):
+    """With --debug the exception itself propagates, for a bug report."""
+    tiny_config["data"]["data_dir"] = str(tmp_path / "never-prepared")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(tiny_config))
+    with pytest.raises(FileNotFoundError, match="never-prepared"):
+        mula_cli.main(["fit", "--config", str(path), "--debug"])
