@@ -13,12 +13,14 @@ Steps, and why each is there:
 2. **Train** with the same LightningCLI path as ``mula fit`` (config from the shipped YAML): 4 processes started by
    Lightning (``devices=4``; the launcher re-runs this module in 3 children, which find the data ready),
    DP=2 x EP=2 with the ``epso`` strategy (experts split over 2 ranks, EP-aware sharded AdamW), validation every
-   100 steps, CSV + offline W&B logs, a sharded checkpoint.
+   100 steps, CSV + offline W&B logs, and the paper's reliability callbacks of the YAML: DualCheckpoint (two
+   alternating sharded checkpoints, the newest resumable with ``--ckpt_path last``), bf16 ModelOnlyCheckpoint and
+   NaNDetector, every ``--val-every`` steps and at the end.
 3. **Evaluate**: validation loss and perplexity over the held-out split, all-reduced over real tokens, printed
    beside the unigram entropy of the training tokens (the loss of the best model that ignores context). The demo
    fails (exit code 1) unless the validation loss is at least ``--min-gap`` nats (default 1) below it.
 4. **Report**: ``mula report`` plots (loss, learning rate, tokens/s, expert-load heatmap), then where the
-   checkpoint, logs and plots are.
+   checkpoints, logs and plots are, and the commands that resume, export and load the model.
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ def build_config(args: Any, out: Path, data_dir: Path) -> dict[str, Any]:
     config["model"]["warmup_steps"] = min(config["model"]["warmup_steps"], max(1, args.steps // 10))
     # short runs (tests) still log often enough for every plot: rates need a full throughput window
     trainer["log_every_n_steps"] = min(trainer.get("log_every_n_steps", 50), max(1, args.steps // 6))
+    checkpoints = out / "checkpoints"  # the YAML's reliability callbacks, pointed into the demo folder
+    for callback in trainer.get("callbacks") or []:
+        name, init = callback["class_path"].rsplit(".", 1)[-1], callback.setdefault("init_args", {})
+        if name in ("DualCheckpoint", "ModelOnlyCheckpoint"):
+            init.update(dirpath=str(checkpoints / ("dual" if name == "DualCheckpoint" else "weights")))
+            init["every_n_train_steps"] = trainer["val_check_interval"]
+        elif name == "NaNDetector":
+            init["report_dir"] = str(checkpoints / "nan")
     throughput = config.setdefault("throughput", {})
     throughput["window_size"] = min(throughput.get("window_size", 20), max(2, args.steps // 3))
     return config
@@ -145,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     entropy = unigram_entropy(data_dir)
     csv_dir = Path(trainer.loggers[0].log_dir)
     plots = render_report(csv_dir)
-    checkpoint = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    from mula_lightning.checkpoint.slots import newest_marked_slot
+
+    dual = newest_marked_slot(out / "checkpoints" / "dual")  # rank 0 alone here: no collective lookup
+    weights = sorted((out / "checkpoints" / "weights").glob("step-*"))
     gap = entropy - val_loss
     print("\n== mula-tiny-moe demo ==")
     dp = args.devices // args.ep_size
@@ -154,11 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"unigram entropy   : {entropy:.3f} nats/token (training split)")
     print(f"validation loss   : {val_loss:.3f} nats/token  (perplexity {math.exp(val_loss):.1f})")
     print(f"gap               : {gap:.3f} nats (required >= {args.min_gap})")
-    print(f"checkpoint        : {checkpoint}")
+    print(f"checkpoint (dual) : {dual}  (resume: --ckpt_path last)")
+    print(f"model-only (bf16) : {weights[-1] if weights else None}")
+    print(f"NaN detector      : on (exit code 86, report in {out / 'checkpoints' / 'nan'})")
     print(f"logs (CSV)        : {csv_dir / 'metrics.csv'}")
     if args.wandb:
         print(f"logs (W&B offline): {out / 'runs' / 'wandb'}  (upload: wandb sync <run folder>)")
     print("plots             : " + ", ".join(str(p) for p in plots))
+    print(f"export            : mula export {out / 'checkpoints' / 'dual'} --to hf {out / 'hf'}")
     if gap < args.min_gap:
         print(f"FAILED: the validation loss is not {args.min_gap} nats below the unigram entropy", file=sys.stderr)
         return 1

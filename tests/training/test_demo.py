@@ -17,8 +17,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_short_demo_end_to_end(tmp_path):
-    """`python -m mula_lightning.demo` with 6 steps on 200 kB: exit code 0, a sharded (DCP) checkpoint, the CSV log,
-    the 4 plots, an offline W&B run, and the unigram entropy and validation loss printed."""
+    """`python -m mula_lightning.demo` with 6 steps on 200 kB: exit code 0, the newest DualCheckpoint slot (a DCP
+    directory) and a model-only checkpoint at step 6, the CSV log, the 4 plots, an offline W&B run, and the unigram
+    entropy, validation loss and checkpoint paths printed."""
     out = tmp_path / "demo"
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "WANDB_MODE": "offline"}
     args = ["--output", str(out), "--steps", "6", "--val-every", "3", "--max-bytes", "200000", "--seq-len", "32"]
@@ -38,8 +39,11 @@ def test_short_demo_end_to_end(tmp_path):
     run = out / "runs" / "demo" / "version_0"
     assert (out / "data-200000B-seq32-bpe512" / "manifest.json").is_file()
     assert (run / "metrics.csv").is_file()
-    (ckpt,) = (run / "checkpoints").glob("*.ckpt")
-    assert (ckpt / ".metadata").is_file()  # epso writes a torch.distributed.checkpoint directory
+    from mula_lightning.checkpoint.slots import resolve_last, slot_step
+
+    ckpt = resolve_last(out / "checkpoints" / "dual")  # DualCheckpoint every 3 steps: the newest slot holds step 6
+    assert slot_step(ckpt) == 6 and (ckpt / "state.ckpt" / ".metadata").is_file()  # epso writes DCP directories
+    assert (out / "checkpoints" / "weights" / "step-00000006" / "model.safetensors").is_file()
     for name in ("loss.png", "lr.png", "throughput.png", "expert_load.png"):
         assert (run / "plots" / name).is_file(), name
     assert list((out / "runs" / "wandb").glob("offline-run-*"))

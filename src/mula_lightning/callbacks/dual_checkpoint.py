@@ -36,6 +36,7 @@ from mula_lightning.checkpoint.slots import (
     STATE_NAME,
     load_rng,
     model_signature,
+    newest_marked_slot,
     read_marker,
     resolve_last,
     save_slot,
@@ -129,7 +130,11 @@ class DualCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step == 0 or step % self.every or step == self.last_saved_step:
+        # the max_steps stop is saved here, inside the loop like every interval save, so that its loop counters
+        # resume the same way (a save in on_train_end holds the counters of a finished batch: the log steps of the
+        # resumed run would be shifted by one); other ends of training are saved in on_train_end
+        last = self.save_on_train_end and 0 < trainer.max_steps <= step
+        if step == 0 or (step % self.every and not last) or step == self.last_saved_step:
             return
         if trainer.fit_loop.epoch_loop._should_accumulate():  # the step in progress is not finished
             return
@@ -154,18 +159,11 @@ class DualCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         """Lightning's ``ckpt_path="last"`` lookup: the newest marker (re-checked collectively when loading)."""
-        best, best_step = None, -1
-        for name in SLOT_NAMES:
-            try:
-                marker = read_marker(Path(self.dirpath) / name)
-            except ValueError:
-                marker = None
-            if marker is not None and int(marker["step"]) > best_step:
-                best, best_step = Path(self.dirpath) / name / STATE_NAME, int(marker["step"])
+        best = newest_marked_slot(self.dirpath)
         if best is None:  # a damaged marker still means a resume was intended: let the collective check explain
             damaged = [Path(self.dirpath) / n for n in SLOT_NAMES if (Path(self.dirpath) / n / MARKER_NAME).exists()]
             return {str(damaged[0])} if damaged else set()
-        return {str(best)}
+        return {str(best / STATE_NAME)}
 
     # ------------------------------------------------------------------ saving / resuming
     def save(self, trainer: Any) -> Path:

@@ -58,12 +58,14 @@ def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.
 
 def save_weights(
     state: dict[str, torch.Tensor], path: str | Path, config: Any = None, meta: dict[str, Any] | None = None,
-    dtype: torch.dtype | None = None, hf_export: bool = False,
+    dtype: torch.dtype | None = None, hf_export: bool = False, data: dict[str, Any] | None = None,
 ) -> Path:  # fmt: skip
-    """Write a model-only directory (one process): safetensors, optional Mula config, metadata, optional HF copy."""
+    """Write a model-only directory (one process): safetensors, optional Mula config, metadata, optional HF copy, and
+    the training data's tokenizer when ``data`` (``MulaLM.data_info``) is given."""
     from safetensors.torch import save_file
 
-    from mula_lightning.models.checkpoint_io import save_model_only
+    from mula_lightning.checkpoint.export import write_tokenizer
+    from mula_lightning.models.checkpoint_io import save_data_info, save_model_only
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -84,6 +86,10 @@ def save_weights(
             model = MulaForCausalLM(config)
         model.load_state_dict({k: v.cpu() for k, v in tensors.items()}, assign=True, strict=False)
         save_hf(model, tmp / "hf")
+        if data is not None:
+            write_tokenizer(tmp / "hf", data, config.vocab_size)
+    if data is not None:
+        save_data_info(tmp, data)
     info = {**(meta or {}), "dtype": str(dtype).replace("torch.", "") if dtype else "as trained"}
     (tmp / TRAINER_STATE_NAME).write_text(json.dumps(info, indent=1))
     for file in tmp.rglob("*"):
@@ -184,7 +190,8 @@ class ModelOnlyCheckpoint(Callback):
         if trainer.global_rank == 0:
             mula = _mula_model(pl_module)
             meta = {"step": step, "epoch": trainer.current_epoch}
-            save_weights(state, path, getattr(mula, "config", None), meta, self.dtype, self.hf_export)
+            data = getattr(pl_module, "data_info", None)  # MulaLM's: the tokenizer travels with the weights
+            save_weights(state, path, getattr(mula, "config", None), meta, self.dtype, self.hf_export, data)
         if is_distributed() and trainer.world_size > 1:
             dist.barrier()
         return path

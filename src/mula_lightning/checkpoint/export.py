@@ -131,13 +131,13 @@ def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, di
     """(model, data info) of any of our checkpoints; data info is the training data's ``eos_id``, ``vocab_size``
     and ``tokenizer_json`` when the checkpoint holds them (``mula fit`` checkpoints do), else None."""
     from mula_lightning.models import MulaForCausalLM
-    from mula_lightning.models.checkpoint_io import is_model_only_dir, load_model_only
+    from mula_lightning.models.checkpoint_io import is_model_only_dir, load_data_info, load_model_only
 
     path = Path(checkpoint)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if is_model_only_dir(path):
-        return load_model_only(path), None
+        return load_model_only(path), load_data_info(path)
     path = full_checkpoint_path(path)
     flat, extra = _read_full(path)
     stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}

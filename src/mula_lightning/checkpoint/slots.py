@@ -342,6 +342,24 @@ def resolve_last(
     return best
 
 
+def newest_marked_slot(dirpath: str | Path) -> Path | None:
+    """The slot of ``dirpath`` whose marker names the highest step, read in this process only (no collective, no
+    checksum): for reports and for Lightning's ``ckpt_path="last"`` lookup; :func:`resolve_last` decides a resume.
+
+    Raises:
+        ValueError: a damaged marker (propagated from :func:`read_marker` only when no other slot is marked).
+    """
+    best, best_step = None, -1
+    for name in SLOT_NAMES:
+        try:
+            marker = read_marker(Path(dirpath) / name)
+        except ValueError:
+            marker = None
+        if marker is not None and int(marker["step"]) > best_step:
+            best, best_step = Path(dirpath) / name, int(marker["step"])
+    return best
+
+
 def slot_step(slot: str | Path) -> int:
     """The step recorded in a complete slot's marker."""
     marker = read_marker(Path(slot))

@@ -27,6 +27,31 @@ from mula_lightning.utils.io import atomic_write, atomic_write_text
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+#: the training data's ``{"eos_id", "vocab_size"}``, written with its ``tokenizer.json`` beside the weights, so that
+#: an export or a further run of a model-only checkpoint knows the tokenizer it was trained with
+DATA_NAME = "data.json"
+TOKENIZER_NAME = "tokenizer.json"
+
+
+def save_data_info(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` (``eos_id``, ``vocab_size``, ``tokenizer_json`` as ``MulaLM.data_info`` holds them) into a
+    model-only directory: ``tokenizer.json`` and ``data.json``."""
+    path = Path(path)
+    atomic_write_text(path / TOKENIZER_NAME, data["tokenizer_json"])
+    info = {"eos_id": int(data["eos_id"]), "vocab_size": int(data["vocab_size"])}
+    atomic_write_text(path / DATA_NAME, json.dumps(info, indent=1, sort_keys=True))
+
+
+def load_data_info(path: str | Path) -> dict[str, Any] | None:
+    """The data info :func:`save_data_info` wrote into ``path``, or None (a checkpoint without a tokenizer)."""
+    path = Path(path)
+    if not (path / DATA_NAME).is_file() or not (path / TOKENIZER_NAME).is_file():
+        return None
+    try:
+        info = json.loads((path / DATA_NAME).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / DATA_NAME}: not valid JSON ({err})") from err
+    return {**info, "tokenizer_json": (path / TOKENIZER_NAME).read_text()}
 
 
 def is_model_only_dir(path: str | Path) -> bool:

@@ -16,6 +16,7 @@ dense/MoE layers, an un-normalised ``softmax_topk`` router without q/k-norm) fai
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -65,7 +66,7 @@ def parse_layers(text: str) -> str | list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mula_lightning.models.checkpoint_io import save_model_only
+    from mula_lightning.models.checkpoint_io import load_data_info, save_data_info, save_model_only
     from mula_lightning.models.hf_convert import hf_family, save_hf
     from mula_lightning.models.upcycle import UpcycleSpec, build_upcycled
 
@@ -86,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hf_out:
         family = hf_family(config)  # fails here, before any file is written, when HF cannot express the model
     save_model_only(model, args.out)
-    print(f"upcycled {args.source} -> {args.out}: {config.name}")
+    data = load_data_info(args.source) if Path(args.source).is_dir() else None
+    if data is not None:  # a model-only source trained here: its tokenizer comes along
+        save_data_info(args.out, data)
+    print(f"upcycled {args.source} -> {args.out}: {config.name}{' (with its tokenizer)' if data else ''}")
     print(
         f"  E={config.num_experts} K={config.top_k} G={args.granularity} router={config.router_kind} "
         f"moe_layers={config.moe_layers or 'all'} expert width={config.intermediate_size}"
