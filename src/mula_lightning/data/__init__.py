@@ -23,10 +23,12 @@ _EXPORTS = {
     "MegatronSampler": "mula_lightning.data.dataset",
     "MulaDataModule": "mula_lightning.data.datamodule",
     "open_litdata": "mula_lightning.data.litdata_io",
+    "LitdataTokenDataset": "mula_lightning.data.litdata_io",
 }
 
 __all__ = [
     "DataManifest",
+    "LitdataTokenDataset",
     "MegatronSampler",
     "MulaDataModule",
     "TokenShardDataset",

@@ -1,5 +1,9 @@
 """``MulaDataModule``: prepared shards -> Lightning dataloaders that resume at the exact next sample.
 
+Both storage formats of ``prepare`` are read: memory-mapped ``npy`` shards (:class:`TokenShardDataset`) and litdata
+chunks (:class:`~mula_lightning.data.litdata_io.LitdataTokenDataset`, through ``StreamingDataset``); the sampler,
+the order and the resume position are the same for both.
+
 Batches are ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``; ``labels`` equal ``input_ids``
 except on validation padding rows, where they are ``-100``. Labels are not shifted: the model shifts them
 internally, like transformers' causal LMs.
@@ -128,8 +132,13 @@ class MulaDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Open the splits and build the training sampler (restoring a loaded position, if any)."""
         manifest = self.manifest
-        self.train_dataset = TokenShardDataset(self.data_dir, "train", manifest)
-        self.val_dataset = TokenShardDataset(self.data_dir, "val", manifest) if manifest.num_instances("val") else None
+        dataset_class: type[TokenShardDataset] = TokenShardDataset
+        if manifest.storage == "litdata":  # the same instances and sampler, read through litdata's StreamingDataset
+            from mula_lightning.data.litdata_io import LitdataTokenDataset
+
+            dataset_class = LitdataTokenDataset
+        self.train_dataset = dataset_class(self.data_dir, "train", manifest)
+        self.val_dataset = dataset_class(self.data_dir, "val", manifest) if manifest.num_instances("val") else None
         rank, size = self._dp_layout()
         self.train_sampler = MegatronSampler(
             self.train_dataset, self.micro_batch_size, rank, size, global_batch_size=self.global_batch_size

@@ -65,7 +65,7 @@ class TokenShardDataset(Dataset):
         if self.manifest.storage != "npy":
             raise ValueError(
                 f"{self.root} was prepared with format {self.manifest.storage!r}; TokenShardDataset reads 'npy' "
-                "(use mula_lightning.data.open_litdata for litdata)"
+                "(MulaDataModule reads 'litdata' with LitdataTokenDataset)"
             )
         self.split = split
         self.seq_len = self.manifest.seq_len
