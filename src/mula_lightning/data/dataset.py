@@ -34,6 +34,20 @@ PAD_INDEX = -1
 IGNORE_INDEX = -100
 
 
+def check_token_ids(block: np.ndarray, vocab_size: int, where: str, first: int) -> None:
+    """Every id of ``block`` (instances ``first, first + 1, ...`` of ``where``) must lie in the vocabulary.
+
+    Raises:
+        ValueError: naming ``where``, the instance, the position and the first id outside the vocabulary.
+    """
+    if block.size and int(block.max()) >= vocab_size:
+        row, col = np.argwhere(block >= vocab_size)[0]
+        raise ValueError(
+            f"{where}: token id {int(block[row, col])} at instance {first + int(row)}, position {int(col)} is "
+            f"outside the vocabulary ({vocab_size} ids): the data is corrupt; re-run `mula data prepare`"
+        )
+
+
 class TokenShardDataset(Dataset):
     """The instances of one split, read lazily from memory-mapped ``.npy`` shards.
 
@@ -96,13 +110,7 @@ class TokenShardDataset(Dataset):
 
     def _check_ids(self, part: np.ndarray, k: int, first: int) -> None:
         """Token ids of instances ``[first, first + len(part))`` of shard ``k`` must lie in the vocabulary."""
-        if part.size and int(part.max()) >= self.vocab_size:
-            row, col = np.argwhere(part >= self.vocab_size)[0]
-            raise ValueError(
-                f"shard {self._files[k]}: token id {int(part[row, col])} at instance {first + int(row)}, position "
-                f"{int(col)} is outside the vocabulary ({self.vocab_size} ids): the shard is corrupt; re-run "
-                "`mula data prepare`"
-            )
+        check_token_ids(part, self.vocab_size, f"shard {self._files[k]}", first)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Instances ``[start, stop)`` as a ``(stop - start, T)`` array (one slice per shard touched)."""

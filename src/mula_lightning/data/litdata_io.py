@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mula_lightning.data.dataset import TokenShardDataset
+from mula_lightning.data.dataset import TokenShardDataset, check_token_ids
 from mula_lightning.data.manifest import DataManifest
 
 LITDATA_DIR = "litdata"
@@ -165,11 +165,5 @@ class LitdataTokenDataset(TokenShardDataset):
             self._stream = open_litdata(self.root, self.split, **kwargs)
         rows = [self._stream[i].numpy() for i in range(start, stop)]
         block = np.stack(rows) if rows else np.empty((0, self.seq_len), self.manifest.dtype)
-        if block.size and int(block.max()) >= self.vocab_size:
-            row, col = np.argwhere(block >= self.vocab_size)[0]
-            raise ValueError(
-                f"{self.root / LITDATA_DIR / self.split}: token id {int(block[row, col])} at instance "
-                f"{start + int(row)}, position {int(col)} is outside the vocabulary ({self.vocab_size} ids): the "
-                "chunks are corrupt; re-run `mula data prepare`"
-            )
+        check_token_ids(block, self.vocab_size, f"litdata chunks {self.root / LITDATA_DIR / self.split}", start)
         return block.astype(self.manifest.dtype, copy=False)
