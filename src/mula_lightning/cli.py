@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "test": ("mula_lightning.lightning_cli:test", "evaluate a checkpoint on the held-out split"),
     "report": ("mula_lightning.report:main", "PNG plots (loss, lr, tokens/s, expert load) of a run's CSV log"),
     "export": ("mula_lightning.checkpoint.export:main", "any checkpoint (full or model-only) to a HF directory"),
+    "launch": ("mula_lightning.launch.cli:main", "run a command on N nodes; relaunch it around failed nodes"),
     "checkpoint": ("mula_lightning.checkpoint.cli:main", "convert a checkpoint of the earlier pickled format: --trust"),
 }
 

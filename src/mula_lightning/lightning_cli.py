@@ -63,6 +63,21 @@ def default_loggers(save_dir: str = RUNS_DIR, name: str = "mula") -> list[dict[s
     ]
 
 
+def launch_callbacks() -> list[Any]:
+    """The callbacks ``mula launch`` and failure drills need, only when their variables are set: ``Heartbeat``
+    (``MULA_HEARTBEAT``: progress reports for hang detection) and ``FaultInjector`` (``MULA_FAULT``)."""
+    from mula_lightning.callbacks.fault_injection import FAULT_ENV, FaultInjector
+    from mula_lightning.callbacks.heartbeat import Heartbeat
+    from mula_lightning.utils.launch_env import HEARTBEAT_ENV
+
+    out: list[Any] = []
+    if os.environ.get(HEARTBEAT_ENV):
+        out.append(Heartbeat())
+    if os.environ.get(FAULT_ENV):
+        out.append(FaultInjector())
+    return out
+
+
 class MulaCLI(LightningCLI):
     """LightningCLI with the MoE statistics, throughput and last-step callbacks as configurable, always-on sections,
     the configuration checked before launch and short argument errors."""
@@ -80,6 +95,12 @@ class MulaCLI(LightningCLI):
         parser = super().init_parser(**kwargs)
         parser.print_usage = lambda file=None: None
         return parser
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """LightningCLI's Trainer, plus :func:`launch_callbacks` when ``mula launch`` (or a drill) asked for them."""
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.extend(launch_callbacks())
+        return trainer
 
     def _preflight(self, stage: str) -> None:
         from mula_lightning.preflight import check_before_launch

@@ -18,7 +18,8 @@ What runs, per rank:
 
 On detection every rank knows the offending ranks from that single all-reduce, so all leave together (nobody is
 left waiting in a collective): the offending ranks' details are gathered, rank 0 writes the JSON report and
-appends the offending hosts to the failed-hosts file (read by the relaunch logic to swap in buffer nodes), and
+appends the offending hosts to the failed-hosts file (and to ``MULA_FAILED_HOSTS_FILE`` when ``mula launch`` set it:
+the launcher swaps in buffer nodes for them), and
 every rank exits with :data:`NAN_EXIT_CODE` without running the optimizer step, so the weights and every later
 checkpoint stay clean (no hook of any other callback runs after the event). Hosts are named by
 ``MULA_NODE_NAME`` when set (simulated nodes), else the hostname.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from functools import partial
@@ -42,18 +42,12 @@ from lightning.pytorch.callbacks import Callback
 
 from mula_lightning.utils.dist import all_gather_object, flag_device, is_distributed
 from mula_lightning.utils.io import atomic_write_text
+from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EXIT_CODE, host_name
 
-#: Exit code of every rank after a non-finite loss or gradient (distinct from 1, signals and SLURM's codes).
-NAN_EXIT_CODE = 86
 REPORT_NAME = "nan_report.json"
 FAILED_HOSTS_NAME = "failed_hosts.txt"
 
 log = logging.getLogger(__name__)
-
-
-def host_name() -> str:
-    """The node name used in reports: ``MULA_NODE_NAME`` (simulated nodes, launchers) or the hostname."""
-    return os.environ.get("MULA_NODE_NAME") or socket.gethostname()
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -171,8 +165,12 @@ class NaNDetector(Callback):
         if rank == 0:
             self.report_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.report_dir / REPORT_NAME, json.dumps(report, indent=1))
+            files = [self.failed_hosts_file]
+            if os.environ.get(FAILED_HOSTS_ENV) and Path(os.environ[FAILED_HOSTS_ENV]) != self.failed_hosts_file:
+                files.append(Path(os.environ[FAILED_HOSTS_ENV]))
             for host in dict.fromkeys(r["host"] for r in offenders):
-                _append_line(self.failed_hosts_file, host)
+                for path in files:
+                    _append_line(path, host)
         if distributed:
             dist.barrier()  # the report is on disk before anyone leaves
         where = ", ".join(
@@ -188,4 +186,4 @@ class NaNDetector(Callback):
         os._exit(self.exit_code)  # now, on every rank: no later hook (checkpoint, logger) may run after the event
 
 
-__all__ = ["FAILED_HOSTS_NAME", "NAN_EXIT_CODE", "REPORT_NAME", "NaNDetector", "host_name"]
+__all__ = ["FAILED_HOSTS_ENV", "FAILED_HOSTS_NAME", "NAN_EXIT_CODE", "REPORT_NAME", "NaNDetector", "host_name"]

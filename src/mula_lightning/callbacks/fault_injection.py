@@ -1,0 +1,75 @@
+"""``FaultInjector``: hard and soft node failures on demand, for tests and failure drills (``MULA_FAULT``).
+
+Why: a relaunch path that has never seen a real failure does not work when one comes. nvidia-resiliency-ext tests
+its launcher with injected SIGKILL, SIGSTOP, exceptions and GPU errors; ``mula launch`` is tested the same way. The
+faults come from the environment so that any command (``mula fit``, a user's script with this callback) can be
+drilled without editing its config::
+
+    MULA_FAULT="kill@step=5,node=node1"                 # every rank on node1 SIGKILLs itself at step 5
+    MULA_FAULT="hang@step=3,node=node2,local_rank=0"    # one rank stops (SIGSTOP): a hang
+    MULA_FAULT="nan@step=7,node=node1"                  # that node's gradients turn NaN (NaNDetector: exit 86)
+    MULA_FAULT="exception@step=4,rank=0"                # an ordinary Python error
+    MULA_FAULT="kill@step=5,node=node1;nan@step=9,node=node2,attempt=1"   # several, ';'-separated
+
+``step=S`` acts while optimizer step S (1-based) is computed, before it is applied: at the first batch of that step.
+``attempt`` (default 0) is the launch attempt the fault belongs to (``MULA_LAUNCH_ATTEMPT``): a fault fires once,
+not again in the relaunch that resumes before its step. ``node``, ``rank`` and ``local_rank`` narrow where it fires
+(default: everywhere). Without ``MULA_FAULT`` the callback does nothing (``mula fit`` adds it only when set).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from mula_lightning.utils.launch_env import ATTEMPT_ENV, FAULT_ENV, Fault, host_name, parse_faults
+
+__all__ = ["FaultInjector"]
+
+
+class FaultInjector(Callback):
+    """Fire the faults of ``spec`` (default: ``MULA_FAULT``) that match this process, each once.
+
+    Args:
+        spec: fault list (see the module docstring); ``None`` reads ``MULA_FAULT``.
+    """
+
+    def __init__(self, spec: str | None = None) -> None:
+        self.faults = parse_faults(os.environ.get(FAULT_ENV, "") if spec is None else spec)
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        self._fired: set[Fault] = set()
+        self._nan_pending = False
+
+    def _mine(self, trainer: Any) -> list[Fault]:
+        rank = int(getattr(trainer, "global_rank", os.environ.get("RANK", 0)))
+        local_rank = int(getattr(trainer, "local_rank", os.environ.get("LOCAL_RANK", 0)))
+        return [f for f in self.faults if f.applies(host_name(), rank, local_rank, self.attempt)]
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step + 1  # the optimizer step this batch belongs to
+        for fault in self._mine(trainer):
+            if fault.step == step and fault not in self._fired:
+                self._fired.add(fault)
+                self._fire(fault, trainer)
+
+    def _fire(self, fault: Fault, trainer: Any) -> None:
+        where = f"step {fault.step} on {host_name()} rank {trainer.global_rank} (pid {os.getpid()})"
+        print(f"{FAULT_ENV}: injecting {fault.kind} at {where}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "exception":
+            raise RuntimeError(f"{FAULT_ENV}: injected exception at {where}")
+        else:  # nan: this step's gradients, on this rank only (before any reduction), become NaN
+            self._nan_pending = True
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._nan_pending and loss.requires_grad:
+            self._nan_pending = False
+            loss.register_hook(lambda grad: grad * float("nan"))

@@ -1,0 +1,49 @@
+"""``Heartbeat``: every rank tells the launcher its step and phase, so that a hang is seen within seconds.
+
+Why: a rank that stops making progress (a node frozen, a GPU that hangs, a process stopped) does not exit; the
+other ranks then wait in their next collective until the process group's timeout (30 minutes by default), and a
+job can sit idle for hours. ``mula launch`` (:mod:`mula_lightning.launch`) runs a store and gives every rank its
+address in ``MULA_HEARTBEAT``; this callback writes one small record per rank at the start of training and after
+every training and validation batch (the protocol: :mod:`mula_lightning.utils.launch_env`), and the launcher
+declares a hang when a rank's record has not changed for ``--hang-timeout`` seconds. The records also tell the
+launcher the step each attempt resumed from and when its first step ran (the "time lost" of a restart).
+
+The timeout must exceed the longest silent stretch of a healthy run: the slowest step, a checkpoint save, a
+validation batch. Without ``MULA_HEARTBEAT`` the callback does nothing (``mula fit`` adds it only when the variable
+is set). In a Fabric loop use :class:`~mula_lightning.utils.launch_env.HeartbeatClient` and call ``beat(step)``
+after each optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from mula_lightning.utils.launch_env import HeartbeatClient
+
+__all__ = ["Heartbeat"]
+
+
+class Heartbeat(Callback):
+    """Report ``step`` and phase to the launcher's store after each batch (a no-op without ``MULA_HEARTBEAT``).
+
+    Args:
+        address: ``host:port`` of the store (default: ``MULA_HEARTBEAT``).
+        connect_timeout_s: how long to wait for the store when connecting.
+    """
+
+    def __init__(self, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
+        self.client = HeartbeatClient(address, connect_timeout_s)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.client.beat(trainer.global_step, "start", trainer.global_rank)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.client.beat(trainer.global_step, "train", trainer.global_rank)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        self.client.beat(trainer.global_step, "validation", trainer.global_rank)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.client.beat(trainer.global_step, "end", trainer.global_rank)

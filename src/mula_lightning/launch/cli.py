@@ -1,0 +1,90 @@
+"""``mula launch [OPTIONS] -- COMMAND ...``: run COMMAND on N nodes and relaunch it around failed ones.
+
+Examples::
+
+    # a laptop drill: 3 simulated nodes + 1 buffer, one rank each, node1 dies at step 5
+    MULA_FAULT="kill@step=5,node=node1" mula launch --nnodes 3 --buffer-nodes 1 --report-dir runs/launch \\
+        -- mula fit --config examples/configs/mula-tiny-moe.yaml
+
+    # SLURM: allocate N + B nodes, run the launcher once on the first one
+    sbatch --nodes 66 --wrap "mula launch --backend slurm --nnodes 64 --buffer-nodes 2 --nproc-per-node 4 \\
+        --hang-timeout 900 --report-dir runs/launch -- mula fit --config examples/configs/mula-7b-a1b.yaml"
+
+Exit codes: 0 the command finished; 1 a bad option (one line naming it); 3 out of healthy nodes
+(:data:`~mula_lightning.launch.launcher.EXIT_OUT_OF_NODES`); 4 the restarts are used up
+(:data:`~mula_lightning.launch.launcher.EXIT_RESTARTS_EXHAUSTED`); 130 the launcher was stopped (every rank is
+stopped first). The report is ``REPORT_DIR/launch_report.json``; each rank's output (local backend) is in
+``REPORT_DIR/logs/attemptK/NODE.rankR.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mula_lightning.launch.launcher import Launcher, LaunchOptions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mula launch",
+        description="Run a command on N nodes; relaunch it from the newest checkpoint around failed nodes.",
+        epilog="Everything after -- is the command (mula fit gets --ckpt_path last on relaunch).",
+    )
+    parser.add_argument("--nnodes", type=int, required=True, help="active nodes every attempt runs on")
+    parser.add_argument("--buffer-nodes", type=int, default=0, help="spare nodes that replace failed ones")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    parser.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up")
+    parser.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without a heartbeat = a hang")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=1800.0, help="seconds until the first heartbeat (rendezvous, load)"
+    )
+    parser.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL on a stop")
+    parser.add_argument("--report-dir", default="launch", help="where launch_report.json and the logs go")
+    parser.add_argument("--backend", choices=("local", "slurm"), default="local")
+    parser.add_argument(
+        "--nodes", default="", help="node names, comma-separated (default: the SLURM allocation, or node0..)"
+    )
+    parser.add_argument("--srun", default="srun", help="the srun executable (slurm backend)")
+    parser.add_argument("--srun-args", default="", help="extra srun arguments, space-separated")
+    parser.add_argument("--heartbeat-host", default="", help="this host's address as the ranks reach it (slurm)")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, command = argv[:cut], argv[cut + 1 :]
+    else:
+        own, command = argv, []
+    args = build_parser().parse_args(own)
+    if not command:
+        raise ValueError("no command to launch: mula launch [OPTIONS] -- mula fit --config ...")
+    heartbeat_host = args.heartbeat_host
+    if args.backend == "slurm" and not heartbeat_host:
+        import socket
+
+        heartbeat_host = socket.gethostname()
+    options = LaunchOptions(
+        command=command,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        buffer_nodes=args.buffer_nodes,
+        max_restarts=args.max_restarts,
+        hang_timeout_s=args.hang_timeout,
+        startup_timeout_s=args.startup_timeout,
+        grace_s=args.grace,
+        report_dir=args.report_dir,
+        backend=args.backend,
+        nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
+        srun=args.srun,
+        srun_args=args.srun_args.split(),
+        heartbeat_host=heartbeat_host,
+    )
+    return Launcher(options).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,425 @@
+"""The attempt loop of ``mula launch``: start, watch, classify the failure, take failed nodes out, relaunch.
+
+Why (Aurora paper, Section 4): at hundreds of nodes a week-long run meets hard node failures (a node dies) and soft
+ones (a node keeps running but produces NaN); the paper relaunches from the newest checkpoint on healthy nodes,
+with buffer nodes allocated up front. torchrun's elastic agent restarts on the same nodes only; this loop also
+chooses the nodes.
+
+One attempt runs the command on N nodes x P ranks (:mod:`~mula_lightning.launch.backends`) and ends when:
+
+* every rank exits 0: the launch succeeds;
+* a rank exits non-zero or is killed: the launcher waits ``settle_s`` for the other ranks of that moment, then
+  names the cause. Exit code 86 (:class:`~mula_lightning.callbacks.NaNDetector`) is a soft failure: the hosts it
+  wrote to ``MULA_FAILED_HOSTS_FILE`` are taken out. A node whose every rank was killed by a signal vanished (hard
+  failure): taken out. Otherwise the host of the first failing rank is suspect (the error may be the program's: it
+  is taken out only when it fails first again, see :mod:`~mula_lightning.launch.node_pool`);
+* no heartbeat (:class:`~mula_lightning.callbacks.heartbeat.Heartbeat`) from a rank for ``hang_timeout_s`` (or none
+  at all within ``startup_timeout_s``: a rendezvous that never completes): a hang. Hosts with a stopped process
+  are taken out; a hang with no host to blame restarts on the same nodes.
+
+Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
+are chosen among active + buffer - failed, and the command is relaunched; ``mula fit`` resumes with
+``--ckpt_path last`` (DualCheckpoint's newest complete slot). The launch stops with :data:`EXIT_OUT_OF_NODES` when
+fewer than N healthy nodes remain and :data:`EXIT_RESTARTS_EXHAUSTED` when ``max_restarts`` relaunches were used;
+checkpoints are never touched by the launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mula_lightning.launch.backends import LocalAttempt, RankExit, SlurmAttempt
+from mula_lightning.launch.hostlist import allocation_nodes
+from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
+from mula_lightning.launch.report import AttemptRecord, LaunchReport
+from mula_lightning.utils.launch_env import (
+    ATTEMPT_ENV,
+    FAILED_HOSTS_ENV,
+    HEARTBEAT_ENV,
+    LAUNCH_ID_ENV,
+    NAN_EXIT_CODE,
+    heartbeat_key,
+)
+
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_OUT_OF_NODES",
+    "EXIT_RESTARTS_EXHAUSTED",
+    "LaunchOptions",
+    "Launcher",
+    "command_for_attempt",
+]
+
+#: fewer healthy nodes than ``--nnodes`` remain
+EXIT_OUT_OF_NODES = 3
+#: ``--max-restarts`` relaunches were used and the last attempt failed too
+EXIT_RESTARTS_EXHAUSTED = 4
+#: the launcher itself was stopped (SIGINT / SIGTERM, e.g. ``scancel``); every rank was stopped first
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class LaunchOptions:
+    """What ``mula launch`` was asked to do (see :mod:`mula_lightning.launch.cli` for each option's meaning)."""
+
+    command: list[str]
+    nnodes: int
+    nproc_per_node: int = 1
+    buffer_nodes: int = 0
+    max_restarts: int = 3
+    hang_timeout_s: float = 600.0
+    startup_timeout_s: float = 1800.0
+    grace_s: float = 15.0
+    settle_s: float = 2.0
+    poll_s: float = 0.2
+    report_dir: str = "launch"
+    backend: str = "local"
+    nodes: list[str] = field(default_factory=list)
+    srun: str = "srun"
+    srun_args: list[str] = field(default_factory=list)
+    heartbeat_host: str = ""
+
+    def check(self) -> None:
+        """Refuse values that cannot work, naming them."""
+        if not self.command:
+            raise ValueError("no command to launch: mula launch [OPTIONS] -- mula fit --config ...")
+        for name in ("nnodes", "nproc_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be at least 1")
+        for name in ("buffer_nodes", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 0")
+        for name in ("hang_timeout_s", "startup_timeout_s", "grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} ({getattr(self, name)}) must be > 0 seconds")
+        if self.backend not in ("local", "slurm"):
+            raise ValueError(f"--backend {self.backend!r}: expected local or slurm")
+
+
+def _fit_index(command: Sequence[str]) -> int | None:
+    """Index of the ``fit`` word when ``command`` runs ``mula fit`` (console script or ``-m mula_lightning.cli``)."""
+    for i in range(1, len(command)):
+        before = command[i - 1]
+        if command[i] == "fit" and (Path(before).name == "mula" or before == "mula_lightning.cli"):
+            return i
+    return None
+
+
+def command_for_attempt(command: Sequence[str], attempt: int, nnodes: int, nproc_per_node: int) -> list[str]:
+    """The command line of one attempt: ``mula fit`` gets the node layout (``--trainer.num_nodes`` /
+    ``--trainer.devices``) and, from the second attempt on, ``--ckpt_path last`` (replacing any ``--ckpt_path``);
+    any other command runs unchanged."""
+    out = list(command)
+    if _fit_index(out) is None:
+        return out
+    if attempt > 0:
+        kept: list[str] = []
+        skip = False
+        for arg in out:
+            if skip:
+                skip = False
+                continue
+            if arg == "--ckpt_path":
+                skip = True
+                continue
+            if arg.startswith("--ckpt_path="):
+                continue
+            kept.append(arg)
+        out = [*kept, "--ckpt_path", "last"]
+    return [*out, "--trainer.num_nodes", str(nnodes), "--trainer.devices", str(nproc_per_node)]
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class HeartbeatServer:
+    """The launcher's ``TCPStore``: ranks write their records, the launcher reads them (never blocking)."""
+
+    def __init__(self, host: str = "") -> None:
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(60))
+        self.address = f"{host or '127.0.0.1'}:{self.store.port}"
+
+    def read(self, attempt: int, world_size: int) -> dict[int, dict[str, Any]]:
+        records = {}
+        for rank in range(world_size):
+            key = heartbeat_key(attempt, rank)
+            if self.store.check([key]):
+                records[rank] = json.loads(self.store.get(key))
+        return records
+
+
+class Launcher:
+    """Runs :class:`LaunchOptions` to the end; :meth:`run` returns the exit code."""
+
+    def __init__(self, options: LaunchOptions) -> None:
+        options.check()
+        self.options = options
+        if options.nodes:
+            all_nodes = list(options.nodes)
+        elif options.backend == "slurm":
+            all_nodes = allocation_nodes()
+        else:
+            all_nodes = [f"node{k}" for k in range(options.nnodes + options.buffer_nodes)]
+        wanted = options.nnodes + options.buffer_nodes
+        if len(all_nodes) < wanted:
+            raise ValueError(
+                f"--nnodes {options.nnodes} + --buffer-nodes {options.buffer_nodes} = {wanted} nodes, but only "
+                f"{len(all_nodes)} are available ({', '.join(all_nodes)})"
+            )
+        self.pool = NodePool(all_nodes[:wanted], options.nnodes)
+        self.report_dir = Path(options.report_dir)
+        self.failed_hosts_file = self.report_dir / "failed_hosts.txt"
+        self.launch_id = uuid.uuid4().hex[:12]
+        settings = {k: v for k, v in asdict(options).items() if k != "command"}
+        settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
+        self.report = LaunchReport(self.report_dir, settings)
+        self.world_size = options.nnodes * options.nproc_per_node
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def interrupted(signum: int, frame: Any) -> None:
+            raise _Interrupted(signum)
+
+        for sig in previous:
+            signal.signal(sig, interrupted)
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> int:
+        opts = self.options
+        server = HeartbeatServer(opts.heartbeat_host)
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        self.failed_hosts_file.touch()
+        failure_at: float | None = None
+        attempt = 0
+        while True:
+            try:
+                nodes = self.pool.choose()
+            except OutOfNodesError as err:
+                return self._finish("out_of_nodes", EXIT_OUT_OF_NODES, str(err))
+            command = command_for_attempt(opts.command, attempt, opts.nnodes, opts.nproc_per_node)
+            record = self.report.start_attempt(attempt, nodes, command)
+            self.report.event(
+                f"attempt {attempt}: {self.world_size} ranks on {', '.join(nodes)}"
+                + (" (resuming from the newest checkpoint)" if attempt else ""),
+                attempt=attempt,
+                nodes=nodes,
+            )
+            env = {
+                **os.environ,
+                HEARTBEAT_ENV: server.address,
+                ATTEMPT_ENV: str(attempt),
+                FAILED_HOSTS_ENV: str(self.failed_hosts_file.resolve()),
+                LAUNCH_ID_ENV: self.launch_id,
+            }
+            handle = self._start(command, nodes, env, attempt)
+            try:
+                ok = self._watch(handle, record, server, failure_at)
+            except _Interrupted as err:
+                handle.stop(opts.grace_s)
+                record.outcome, record.ended = "interrupted", time.time()
+                return self._finish("interrupted", EXIT_INTERRUPTED, f"stopped by {err}; every rank was stopped")
+            if ok:
+                return self._finish("succeeded", 0, f"finished in attempt {attempt} on {', '.join(nodes)}")
+            failure_at = record.failure_at
+            if attempt >= opts.max_restarts:
+                return self._finish(
+                    "restarts_exhausted",
+                    EXIT_RESTARTS_EXHAUSTED,
+                    f"attempt {attempt} failed ({record.reason}) and all {opts.max_restarts} restarts are used",
+                )
+            attempt += 1
+
+    def _start(self, command: list[str], nodes: list[str], env: dict[str, str], attempt: int) -> Any:
+        opts = self.options
+        if opts.backend == "slurm":
+            return SlurmAttempt(command, nodes, opts.nproc_per_node, env, srun=opts.srun, extra_args=opts.srun_args)
+        if command and command[0] == "mula":  # this interpreter, whatever PATH holds
+            command = [sys.executable, "-m", "mula_lightning.cli", *command[1:]]
+        return LocalAttempt(command, nodes, opts.nproc_per_node, env, self.report_dir / "logs" / f"attempt{attempt}")
+
+    def _finish(self, outcome: str, code: int, message: str) -> int:
+        self.report.event(message if code == 0 else f"error: {message}", outcome=outcome, exit_code=code)
+        self.report.finish(outcome, code, message)
+        return code
+
+    # ------------------------------------------------------------------ one attempt
+    def _watch(self, handle: Any, record: AttemptRecord, server: HeartbeatServer, failure_at: float | None) -> bool:
+        """Watch one attempt until it succeeds (True) or fails (False; stopped, hosts marked, record filled)."""
+        opts = self.options
+        start = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # rank -> (record text, launcher clock when it last changed)
+        steps: dict[int, int] = {}
+        ended_ok: set[int] = set()
+        hosts_offset = self.failed_hosts_file.stat().st_size
+        while True:
+            exits = handle.poll()
+            now = time.monotonic()
+            for rank, beat in server.read(record.attempt, self.world_size).items():
+                text = json.dumps(beat, sort_keys=True)
+                if seen.get(rank, ("",))[0] != text:
+                    seen[rank] = (text, now)
+                    self._note_beat(record, beat, failure_at)
+                    steps[rank] = int(beat["step"])
+                    if beat.get("phase") == "end":
+                        ended_ok.add(rank)
+            for ended in exits:
+                if ended.code == 0:
+                    ended_ok.update(ended.ranks)
+            bad = [e for e in exits if e.code != 0]
+            if bad:
+                self._on_exit_failure(handle, record, bad, hosts_offset)
+                return False
+            if handle.finished():
+                if handle.succeeded():
+                    record.outcome, record.ended = "succeeded", time.time()
+                    self.report.write()
+                    return True
+                continue  # a failure not yet reported by poll(): the next round sees it
+            hang = self._hang(seen, ended_ok, start, now)
+            if hang is not None:
+                self._on_hang(handle, record, hang, seen, steps, now)
+                return False
+            time.sleep(opts.poll_s)
+
+    def _note_beat(self, record: AttemptRecord, beat: dict[str, Any], failure_at: float | None) -> None:
+        step = int(beat["step"])
+        if record.resumed_from_step is None and beat.get("phase") in ("start", "train"):
+            record.resumed_from_step = step if beat.get("phase") == "start" else step - 1
+        record.last_step = step if record.last_step is None else max(record.last_step, step)
+        if record.first_step_at is None and beat.get("phase") == "train":
+            record.first_step_at = time.time()
+            if failure_at is not None:
+                record.time_lost_s = round(record.first_step_at - failure_at, 3)
+                self.report.event(
+                    f"attempt {record.attempt}: first step after resuming from step {record.resumed_from_step}; "
+                    f"time lost {record.time_lost_s:.1f} s",
+                    attempt=record.attempt,
+                    resumed_from_step=record.resumed_from_step,
+                    time_lost_s=record.time_lost_s,
+                )
+            else:
+                self.report.write()
+
+    def _hang(
+        self, seen: dict[int, tuple[str, float]], ended: set[int], start: float, now: float
+    ) -> tuple[list[int], float] | None:
+        """``(silent ranks, when they went silent)`` when the attempt hangs, else None."""
+        opts = self.options
+        if not seen:
+            return (list(range(self.world_size)), start) if now - start > opts.startup_timeout_s else None
+        silent = []
+        for rank in range(self.world_size):
+            if rank in ended:
+                continue
+            since = seen[rank][1] if rank in seen else start
+            limit = opts.hang_timeout_s if rank in seen else opts.startup_timeout_s
+            if now - since > limit:
+                silent.append(rank)
+        if not silent:
+            return None
+        return silent, min(seen[r][1] if r in seen else start for r in silent)
+
+    def _on_exit_failure(self, handle: Any, record: AttemptRecord, bad: list[RankExit], hosts_offset: int) -> None:
+        opts = self.options
+        first = bad[0]
+        record.failure_at = time.time() - (time.monotonic() - first.at)
+        deadline = time.monotonic() + opts.settle_s  # the other ranks of the same moment
+        while time.monotonic() < deadline and not handle.finished():
+            time.sleep(0.05)
+            bad += [e for e in handle.poll() if e.code != 0]
+        bad += [e for e in handle.poll() if e.code != 0]
+        handle.stop(opts.grace_s)
+        record.ended = time.time()
+        record.outcome = "failed"
+        if any(e.code == NAN_EXIT_CODE for e in bad):
+            with open(self.failed_hosts_file) as fh:
+                fh.seek(hosts_offset)
+                hosts = list(dict.fromkeys(line.strip() for line in fh if line.strip()))
+            for host in hosts:
+                self._fail_host(record, host, f"non-finite values (NaNDetector, exit {NAN_EXIT_CODE})")
+            record.reason = f"soft failure: NaN on {', '.join(hosts) or 'an unnamed host'}"
+        else:
+            killed: dict[str, set[int]] = {}
+            for e in bad:
+                if e.killed and e.host:
+                    killed.setdefault(e.host, set()).update(e.ranks)
+            vanished = [h for h, ranks in killed.items() if not ranks or len(ranks) >= opts.nproc_per_node]
+            for host in vanished:
+                how = next(e.describe() for e in bad if e.host == host and e.killed)
+                self._fail_host(record, host, f"every rank vanished ({how})")
+            if vanished:
+                record.reason = f"hard failure: {', '.join(vanished)} lost"
+            else:
+                record.reason = f"rank failure: {first.describe()}"
+                if first.host:
+                    record.suspect_hosts = [first.host]
+                    if self.pool.mark_suspect(first.host, first.describe()):
+                        record.failed_hosts.append(first.host)
+                else:
+                    self.pool.clear_suspects()
+        self._announce_failure(record)
+
+    def _on_hang(
+        self,
+        handle: Any,
+        record: AttemptRecord,
+        hang: tuple[list[int], float],
+        seen: dict[int, tuple[str, float]],
+        steps: dict[int, int],
+        now: float,
+    ) -> None:
+        silent, since = hang
+        record.failure_at = time.time() - (now - since)
+        stopped = handle.stopped_hosts()
+        handle.stop(self.options.grace_s)
+        record.ended, record.outcome = time.time(), "hang"
+        for host in stopped:
+            self._fail_host(record, host, "hang: a rank stopped (no progress, process state T)")
+        if not seen:
+            record.reason = f"hang: no rank reported within the startup timeout ({self.options.startup_timeout_s:g} s)"
+        else:
+            quiet = time.monotonic() - since
+            record.reason = (
+                f"hang: ranks {','.join(map(str, silent))} silent for {quiet:.0f} s (timeout "
+                f"{self.options.hang_timeout_s:g} s) at step {max(steps.values(), default=0)}"
+            )
+        if not stopped:
+            self.pool.clear_suspects()
+        self._announce_failure(record)
+
+    def _fail_host(self, record: AttemptRecord, host: str, why: str) -> None:
+        if host in self.pool.nodes and host not in record.failed_hosts:
+            self.pool.mark_failed(host, why)
+            record.failed_hosts.append(host)
+
+    def _announce_failure(self, record: AttemptRecord) -> None:
+        out = f"; taken out: {', '.join(record.failed_hosts)}" if record.failed_hosts else ""
+        sus = f"; suspect: {', '.join(record.suspect_hosts)}" if record.suspect_hosts else ""
+        self.report.event(
+            f"attempt {record.attempt} failed at step {record.last_step}: {record.reason}{out}{sus}",
+            attempt=record.attempt,
+            reason=record.reason,
+            failed_hosts=record.failed_hosts,
+            step=record.last_step,
+        )

@@ -1,0 +1,177 @@
+"""What ``mula launch`` and its ranks agree on: environment variables, node names and the heartbeat record.
+
+Why a leaf module: the launcher, the callbacks of the ranks (``Heartbeat``, ``FaultInjector``, ``NaNDetector``) and
+plain scripts (a Fabric loop, a test's fake rank) all speak this protocol; none of them should have to import
+Lightning to do so (a rank that only beats pays for ``torch.distributed``, not for Lightning).
+
+The heartbeat: the launcher runs a ``torch.distributed.TCPStore`` server and gives its ``host:port`` to every rank
+in ``MULA_HEARTBEAT``; a rank writes one JSON record under ``hb/<attempt>/<rank>``: ``step`` (optimizer steps
+done), ``phase`` (``start``, ``train``, ``validation``, ``end``), ``host``, ``pid``, ``seq`` (a counter, so that
+every beat changes the record) and ``time`` (the rank's clock; the launcher measures silence on its own clock).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ATTEMPT_ENV",
+    "FAILED_HOSTS_ENV",
+    "FAULT_ENV",
+    "FAULT_KINDS",
+    "HEARTBEAT_ENV",
+    "LAUNCH_ID_ENV",
+    "NAN_EXIT_CODE",
+    "NODE_NAME_ENV",
+    "Fault",
+    "HeartbeatClient",
+    "heartbeat_key",
+    "host_name",
+    "parse_faults",
+]
+
+#: ``host:port`` of the launcher's TCPStore
+HEARTBEAT_ENV = "MULA_HEARTBEAT"
+#: the attempt number the launcher gives each attempt (0 for the first)
+ATTEMPT_ENV = "MULA_LAUNCH_ATTEMPT"
+#: the failed-hosts file of the attempt (NaNDetector appends the hosts it blames)
+FAILED_HOSTS_ENV = "MULA_FAILED_HOSTS_FILE"
+#: one id per launch, in every rank's environment (finds the processes of a launch)
+LAUNCH_ID_ENV = "MULA_LAUNCH_ID"
+#: injected faults for drills and tests: ``kill@step=5,node=node1;...`` (see :func:`parse_faults`)
+FAULT_ENV = "MULA_FAULT"
+#: exit code of every rank after NaNDetector found a non-finite loss or gradient (distinct from 1, signals and
+#: SLURM's codes): a soft node failure
+NAN_EXIT_CODE = 86
+#: the node's name for simulated nodes (the local backend, the tests); the host name otherwise
+NODE_NAME_ENV = "MULA_NODE_NAME"
+
+log = logging.getLogger(__name__)
+
+
+def host_name() -> str:
+    """The node name used in reports: ``MULA_NODE_NAME`` (simulated nodes, launchers) or the hostname."""
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
+
+def heartbeat_key(attempt: int, rank: int) -> str:
+    """The store key of one rank's record in one attempt (attempts never read each other's records)."""
+    return f"hb/{attempt}/{rank}"
+
+
+class HeartbeatClient:
+    """Writes this rank's heartbeat records; does nothing without an address (``MULA_HEARTBEAT`` unset).
+
+    Args:
+        address: ``host:port`` of the store (default: ``MULA_HEARTBEAT``).
+        connect_timeout_s: how long to wait for the store when connecting.
+    """
+
+    def __init__(self, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
+        self.address = address if address is not None else os.environ.get(HEARTBEAT_ENV, "")
+        self.connect_timeout_s = connect_timeout_s
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        self._store: Any = None
+        self._seq = 0
+        self._broken = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.address) and not self._broken
+
+    def _connect(self) -> Any:
+        from torch.distributed import TCPStore
+
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{HEARTBEAT_ENV}={self.address!r}: expected host:port")
+        return TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.connect_timeout_s),
+            wait_for_workers=False,
+        )
+
+    def beat(self, step: int, phase: str = "train", rank: int | None = None) -> None:
+        """Write this rank's record now (one small message to the store)."""
+        if not self.enabled:
+            return
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self._seq += 1
+        record = {
+            "step": int(step),
+            "phase": phase,
+            "host": host_name(),
+            "pid": os.getpid(),
+            "seq": self._seq,
+            "time": time.time(),
+        }
+        try:
+            if self._store is None:
+                self._store = self._connect()
+            self._store.set(heartbeat_key(self.attempt, rank), json.dumps(record))
+        except (RuntimeError, OSError) as err:  # the launcher is gone: training goes on, unwatched
+            self._broken = True
+            log.warning("heartbeat: cannot reach the launcher's store at %s (%s); heartbeats stop", self.address, err)
+
+
+FAULT_KINDS = ("kill", "hang", "nan", "exception")
+_INT_KEYS = ("step", "rank", "local_rank", "attempt")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure: ``kind`` at optimizer step ``step`` where ``node`` / ``rank`` / ``local_rank`` match."""
+
+    kind: str
+    step: int
+    node: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    attempt: int = 0
+
+    def applies(self, host: str, rank: int, local_rank: int, attempt: int) -> bool:
+        return (
+            self.attempt == attempt
+            and self.node in (None, host)
+            and self.rank in (None, rank)
+            and self.local_rank in (None, local_rank)
+        )
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``"kind@key=value,...;..."`` -> faults.
+
+    Raises:
+        ValueError: naming the part that does not parse (unknown kind or key, a step that is not a positive int).
+    """
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        kind, at, args = part.partition("@")
+        if kind not in FAULT_KINDS or not at:
+            raise ValueError(f"{FAULT_ENV}: {part!r}: expected KIND@step=S[,node=..] with KIND one of {FAULT_KINDS}")
+        fields: dict[str, Any] = {}
+        for item in filter(None, (a.strip() for a in args.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or key not in (*_INT_KEYS, "node"):
+                raise ValueError(
+                    f"{FAULT_ENV}: {part!r}: {item!r} is not one of step=, node=, rank=, local_rank=, attempt="
+                )
+            if key in _INT_KEYS:
+                if not value.isdigit():
+                    raise ValueError(f"{FAULT_ENV}: {part!r}: {key}={value!r} is not a non-negative integer")
+                fields[key] = int(value)
+            else:
+                fields[key] = value
+        if fields.get("step", 0) < 1:
+            raise ValueError(f"{FAULT_ENV}: {part!r}: step=S (S >= 1, the optimizer step it happens at) is required")
+        faults.append(Fault(kind=kind, **fields))
+    return faults

@@ -1,0 +1,54 @@
+"""Helpers of the launcher tests: the fake rank's command and the processes a launch left behind."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+FAKE_RANK = Path(__file__).with_name("fake_rank.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch_processes(launch_id: str) -> list[int]:
+    """PIDs of every live process whose environment holds this launch's id (orphans, if any)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if f"MULA_LAUNCH_ID={launch_id}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch):
+    """The fake rank's environment (inherited by the launched processes) and its state folder."""
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("FAKE_STATE_DIR", str(state))
+    monkeypatch.setenv("FAKE_STEP_S", "0.15")
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'src'}")
+    monkeypatch.delenv("MULA_FAULT", raising=False)
+    return state
+
+
+@pytest.fixture
+def fake_command() -> list[str]:
+    """The command of a fake rank (this interpreter running ``fake_rank.py``)."""
+    return [sys.executable, str(FAKE_RANK)]
+
+
+@pytest.fixture
+def leftover_processes():
+    """``launch_id -> live PIDs`` of that launch (must be empty once the launcher returns)."""
+    return launch_processes
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT

@@ -1,0 +1,66 @@
+"""A rank without training, for the launcher's tests: steps, heartbeats, a "checkpoint" and MULA_FAULT faults.
+
+Each step sleeps ``FAKE_STEP_S`` seconds, appends ``attempt step host`` to ``FAKE_STATE_DIR/steps.rankR`` and beats;
+rank 0 writes the step to ``FAKE_STATE_DIR/checkpoint`` every 2 steps, and every rank starts from it. The faults of
+``MULA_FAULT`` are the real parser's (kill: SIGKILL, hang: SIGSTOP after writing ``stopped_at``, exception: exit 1
+with a traceback, nan: append the host to ``MULA_FAILED_HOSTS_FILE`` and exit 86, as NaNDetector does). Without
+collectives the other ranks do not notice a failure: the launcher must stop them.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from mula_lightning.utils.launch_env import (
+    ATTEMPT_ENV,
+    FAILED_HOSTS_ENV,
+    FAULT_ENV,
+    NAN_EXIT_CODE,
+    HeartbeatClient,
+    host_name,
+    parse_faults,
+)
+
+
+def main() -> int:
+    steps = int(os.environ.get("FAKE_STEPS", "8"))
+    step_s = float(os.environ.get("FAKE_STEP_S", "0.1"))
+    state = Path(os.environ["FAKE_STATE_DIR"])
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+    faults = [
+        f for f in parse_faults(os.environ.get(FAULT_ENV, "")) if f.applies(host_name(), rank, local_rank, attempt)
+    ]
+    checkpoint = state / "checkpoint"
+    start = int(checkpoint.read_text()) if checkpoint.exists() else 0
+    heartbeat = HeartbeatClient()
+    heartbeat.beat(start, "start")
+    for step in range(start + 1, steps + 1):
+        for fault in (f for f in faults if f.step == step):
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "hang":
+                (state / "stopped_at").write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == "exception":
+                raise RuntimeError(f"injected exception at step {step} on {host_name()}")
+            else:
+                with open(os.environ[FAILED_HOSTS_ENV], "a") as fh:
+                    fh.write(host_name() + "\n")
+                return NAN_EXIT_CODE
+        time.sleep(step_s)
+        with open(state / f"steps.rank{rank}", "a") as fh:
+            fh.write(f"{attempt} {step} {host_name()}\n")
+        heartbeat.beat(step, "train")
+        if rank == 0 and step % 2 == 0:
+            tmp = checkpoint.with_suffix(".tmp")
+            tmp.write_text(str(step))
+            tmp.replace(checkpoint)
+    heartbeat.beat(steps, "end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

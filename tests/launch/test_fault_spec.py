@@ -1,0 +1,42 @@
+"""``MULA_FAULT`` specs: what parses, where a fault applies, and errors that name the bad part."""
+
+import pytest
+
+from mula_lightning.utils.launch_env import Fault, parse_faults
+
+
+def test_specs_parse_with_defaults_and_several_faults():
+    """Kinds, keys and the ';'-separated list; attempt defaults to 0 and unnamed filters match everywhere."""
+    faults = parse_faults(
+        "kill@step=5,node=node1; nan@step=9,node=node2,attempt=1;exception@step=2,rank=3,local_rank=1"
+    )
+    assert faults == [
+        Fault("kill", 5, node="node1"),
+        Fault("nan", 9, node="node2", attempt=1),
+        Fault("exception", 2, rank=3, local_rank=1),
+    ]
+    kill, nan, exc = faults
+    assert kill.applies("node1", rank=4, local_rank=0, attempt=0)
+    assert not kill.applies("node1", rank=4, local_rank=0, attempt=1)  # a relaunch does not die again
+    assert not kill.applies("node0", rank=0, local_rank=0, attempt=0)
+    assert nan.applies("node2", 0, 0, 1) and not nan.applies("node2", 0, 0, 0)
+    assert exc.applies("any", 3, 1, 0) and not exc.applies("any", 3, 0, 0)
+    assert parse_faults("") == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("explode@step=1", "KIND@step=S"),
+        ("kill", "KIND@step=S"),
+        ("kill@node=n1", "step=S"),
+        ("kill@step=0", "step=S"),
+        ("kill@step=x", "'x' is not a non-negative integer"),
+        ("kill@step=1,host=n1", "'host=n1' is not one of"),
+    ],
+)
+def test_bad_specs_name_the_part(spec, words):
+    """A typo in a drill must fail loudly, naming the part, not silently inject nothing."""
+    with pytest.raises(ValueError, match="MULA_FAULT") as err:
+        parse_faults(spec)
+    assert words in str(err.value)

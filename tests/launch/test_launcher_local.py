@@ -1,0 +1,143 @@
+"""The attempt loop on simulated local nodes with fake ranks (no training): each failure kind is detected, the
+right nodes are taken out, the relaunch resumes, nothing is left running, and the report says what happened."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mula_lightning.launch import EXIT_OUT_OF_NODES, EXIT_RESTARTS_EXHAUSTED, Launcher, LaunchOptions
+
+
+@pytest.fixture
+def launch(tmp_path, monkeypatch, fake_env, fake_command, leftover_processes):
+    """Run the launcher in this process over fake ranks; returns (exit code, report) and checks no process is left."""
+
+    def run(fault, **kwargs):
+        if fault:
+            monkeypatch.setenv("MULA_FAULT", fault)
+        options = LaunchOptions(
+            command=fake_command,
+            report_dir=str(tmp_path / "launch"),
+            grace_s=2.0,
+            settle_s=0.5,
+            poll_s=0.05,
+            startup_timeout_s=60.0,
+            **kwargs,
+        )
+        launcher = Launcher(options)
+        code = launcher.run()
+        report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
+        assert leftover_processes(launcher.launch_id) == []  # nothing of the launch is left running
+        return code, report
+
+    return run
+
+
+def _steps(state, rank):
+    return [line.split() for line in (state / f"steps.rank{rank}").read_text().splitlines()]
+
+
+def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, fake_env):
+    """3 nodes x 2 ranks + 1 buffer; both ranks of node0 (rank 0 writes the fake checkpoint) SIGKILLed at step 5:
+    node0 is taken out, node3 takes its place (node rank 0), the run resumes from the step-4 checkpoint and
+    finishes; the report names node0, the resumed step and the time lost."""
+    code, report = launch("kill@step=5,node=node0", nnodes=3, buffer_nodes=1, nproc_per_node=2)
+    assert code == 0 and report["outcome"] == "succeeded"
+    first, second = report["attempts"]
+    assert first["nodes"] == ["node0", "node1", "node2"] and first["failed_hosts"] == ["node0"]
+    assert "hard failure: node0 lost" in first["reason"]
+    assert second["nodes"] == ["node3", "node1", "node2"] and second["outcome"] == "succeeded"
+    (restart,) = report["restarts"]
+    assert restart["failed_hosts"] == ["node0"] and restart["resumed_from_step"] == 4
+    assert restart["time_lost_s"] is not None and restart["time_lost_s"] > 0
+    assert [s for a, s, h in _steps(fake_env, 2) if a == "1"] == [str(s) for s in range(5, 9)]
+    assert {h for a, _, h in _steps(fake_env, 1) if a == "1"} == {"node3"}
+    texts = [e["text"] for e in report["events"]]
+    assert any("taken out: node0" in t for t in texts) and any("time lost" in t for t in texts)
+
+
+def test_nan_exit_takes_out_the_named_node(launch, fake_env):
+    """Exit code 86 with the host in MULA_FAILED_HOSTS_FILE (what NaNDetector does): a soft failure; that node is
+    taken out and the relaunch runs on the buffer node."""
+    code, report = launch("nan@step=3,node=node2", nnodes=3, buffer_nodes=1)
+    assert code == 0
+    first, second = report["attempts"]
+    assert first["failed_hosts"] == ["node2"] and first["reason"] == "soft failure: NaN on node2"
+    assert second["nodes"] == ["node0", "node1", "node3"]
+
+
+def test_stopped_rank_is_detected_as_a_hang_within_the_timeout(launch, fake_env, monkeypatch):
+    """A rank stopped with SIGSTOP never exits: its silence past --hang-timeout (3 s) is detected within the timeout
+    + 10 s, its node (stopped process) is taken out, every process is killed (a stopped one too) and the run
+    finishes on the buffer node."""
+    monkeypatch.setenv("FAKE_STEPS", "6")
+    code, report = launch("hang@step=3,node=node1,local_rank=0", nnodes=2, buffer_nodes=1, hang_timeout_s=3.0)
+    assert code == 0
+    first, second = report["attempts"]
+    assert first["outcome"] == "hang" and first["failed_hosts"] == ["node1"] and "silent" in first["reason"]
+    stopped_at = float((fake_env / "stopped_at").read_text())
+    detected = next(e["time"] for e in report["events"] if "failed at step" in e["text"])
+    assert 3.0 <= detected - stopped_at <= 3.0 + 10.0
+    assert second["nodes"] == ["node0", "node2"]
+
+
+def test_out_of_nodes_stops_with_its_exit_code_and_leaves_the_checkpoint(launch, fake_env):
+    """2 nodes + 1 buffer; node0 dies in attempt 0 and its replacement node2 in attempt 1: no healthy node is left
+    for a third attempt, the launch exits with EXIT_OUT_OF_NODES naming the failed nodes, and the last checkpoint
+    (step 4, written in attempt 1) is untouched."""
+    code, report = launch(
+        "kill@step=3,node=node0;kill@step=5,node=node2,attempt=1",
+        nnodes=2,
+        buffer_nodes=1,
+    )
+    assert code == EXIT_OUT_OF_NODES == 3 and report["outcome"] == "out_of_nodes"
+    assert "2 needed, 1 healthy left of 3" in report["message"]
+    assert "node0 (every rank vanished" in report["message"] and "node2 (every rank vanished" in report["message"]
+    assert (fake_env / "checkpoint").read_text() == "4"
+
+
+def test_ordinary_errors_restart_in_place_then_exhaust_the_restarts(launch, fake_env):
+    """An exception on rank 0 (exit 1) is a rank failure: node0 is only suspect and the relaunch keeps it; failing
+    first again takes it out; with --max-restarts 1 the launch then stops with EXIT_RESTARTS_EXHAUSTED."""
+    code, report = launch(
+        "exception@step=2,rank=0;exception@step=2,rank=0,attempt=1",
+        nnodes=2,
+        buffer_nodes=1,
+        max_restarts=1,
+    )
+    assert code == EXIT_RESTARTS_EXHAUSTED == 4 and report["outcome"] == "restarts_exhausted"
+    first, second = report["attempts"]
+    assert first["suspect_hosts"] == ["node0"] and first["failed_hosts"] == []
+    assert second["nodes"] == ["node0", "node1"]  # kept: the error may be the program's
+    assert second["failed_hosts"] == ["node0"]  # first to fail twice in a row
+    assert "exited with code 1" in first["reason"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--nnodes", "0", "--", "true"], "--nnodes (0) must be at least 1"),
+        (["--nnodes", "2"], "no command to launch"),
+        (["--nnodes", "2", "--nodes", "a", "--", "true"], "only 1 are available (a)"),
+        (["--nnodes", "1", "--hang-timeout", "0", "--", "true"], "--hang-timeout (0.0) must be > 0"),
+        (["--nnodes", "1", "--backend", "slurm", "--", "true"], "SLURM_JOB_NODELIST is not set"),
+    ],
+)
+def test_bad_options_get_one_line_and_exit_1(tmp_path, repo_root, args, words):
+    """`mula launch` refuses a bad option with one line naming it (exit 1), before starting anything."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(repo_root / "src")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mula_lightning.cli", "launch", "--report-dir", str(tmp_path / "r"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mula launch: error:") and words in lines[0], proc.stderr
+    assert not (tmp_path / "r").exists()
