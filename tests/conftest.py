@@ -27,3 +27,13 @@ def _no_leftover_process_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A dataset of the embedded corpus: 300 kB of stdlib text, 512-token BPE, 32-token instances."""
+    from mula_lightning.data import prepare
+
+    out = tmp_path_factory.mktemp("training_data") / "stdlib"
+    prepare(output=str(out), seq_len=32, train_tokenizer=512, max_bytes=300_000, workers=0, progress=False)
+    return out

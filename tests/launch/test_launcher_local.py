@@ -5,10 +5,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from mula_lightning.launch import EXIT_OUT_OF_NODES, EXIT_RESTARTS_EXHAUSTED, Launcher, LaunchOptions
+from mula_lightning.launch import EXIT_INTERRUPTED, EXIT_OUT_OF_NODES, EXIT_RESTARTS_EXHAUSTED, Launcher, LaunchOptions
 
 
 @pytest.fixture
@@ -141,3 +142,23 @@ def test_bad_options_get_one_line_and_exit_1(tmp_path, repo_root, args, words):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mula launch: error:") and words in lines[0], proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_stopping_the_launcher_stops_every_rank(tmp_path, repo_root, fake_env, fake_command, leftover_processes):
+    """SIGTERM to `mula launch` (what scancel does) while ranks run: every rank is stopped, the launcher exits with
+    EXIT_INTERRUPTED (130) and the report says so."""
+    env = {**os.environ, "PYTHONPATH": str(repo_root / "src"), "FAKE_STEPS": "1000"}
+    report_dir = tmp_path / "launch"
+    argv = [sys.executable, "-m", "mula_lightning.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2"]
+    argv += ["--grace", "2", "--report-dir", str(report_dir), "--", *fake_command]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(fake_env.glob("steps.rank*"))) < 4:
+        time.sleep(0.1)  # every rank has taken a step
+    assert len(list(fake_env.glob("steps.rank*"))) == 4
+    proc.terminate()
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED == 130, output
+    report = json.loads((report_dir / "launch_report.json").read_text())
+    assert report["outcome"] == "interrupted" and "SIGTERM" in report["message"]
+    assert leftover_processes(report["settings"]["launch_id"]) == []

@@ -1,4 +1,4 @@
-"""Fixtures of the training-path tests: a tiny prepared dataset and a tiny LightningCLI config over it."""
+"""Fixtures of the training-path tests: a tiny LightningCLI config over `tiny_data` (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,6 @@ import pytest
 TINY_MODEL = dict(
     num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32, num_experts=4, top_k=2
 )
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory):
-    """A dataset of the embedded corpus: 300 kB of stdlib text, 512-token BPE, 32-token instances."""
-    from mula_lightning.data import prepare
-
-    out = tmp_path_factory.mktemp("training_data") / "stdlib"
-    prepare(output=str(out), seq_len=32, train_tokenizer=512, max_bytes=300_000, workers=0, progress=False)
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,8 @@ __all__ = [
 EXIT_OUT_OF_NODES = 3
 #: ``--max-restarts`` relaunches were used and the last attempt failed too
 EXIT_RESTARTS_EXHAUSTED = 4
+#: seconds between rewrites of the report while an attempt runs (events rewrite it at once)
+REPORT_EVERY_S = 10.0
 #: the launcher itself was stopped (SIGINT / SIGTERM, e.g. ``scancel``); every rank was stopped first
 EXIT_INTERRUPTED = 130
 
@@ -153,13 +155,19 @@ class HeartbeatServer:
 
         self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(60))
         self.address = f"{host or '127.0.0.1'}:{self.store.port}"
+        self._known: dict[int, list[int]] = {}  # attempt -> ranks whose key exists
 
     def read(self, attempt: int, world_size: int) -> dict[int, dict[str, Any]]:
+        """The latest record of every rank that has written one (ranks seen once are read in one round trip)."""
+        known = self._known.setdefault(attempt, [])
         records = {}
+        if known:
+            values = self.store.multi_get([heartbeat_key(attempt, r) for r in known])
+            records = {rank: json.loads(value) for rank, value in zip(known, values, strict=True)}
         for rank in range(world_size):
-            key = heartbeat_key(attempt, rank)
-            if self.store.check([key]):
-                records[rank] = json.loads(self.store.get(key))
+            if rank not in records and self.store.check([heartbeat_key(attempt, rank)]):
+                records[rank] = json.loads(self.store.get(heartbeat_key(attempt, rank)))
+                known.append(rank)
         return records
 
 
@@ -232,11 +240,13 @@ class Launcher:
                 FAILED_HOSTS_ENV: str(self.failed_hosts_file.resolve()),
                 LAUNCH_ID_ENV: self.launch_id,
             }
-            handle = self._start(command, nodes, env, attempt)
+            handle = None
             try:
+                handle = self._start(command, nodes, env, attempt)
                 ok = self._watch(handle, record, server, failure_at)
             except _Interrupted as err:
-                handle.stop(opts.grace_s)
+                if handle is not None:
+                    handle.stop(opts.grace_s)
                 record.outcome, record.ended = "interrupted", time.time()
                 return self._finish("interrupted", EXIT_INTERRUPTED, f"stopped by {err}; every rank was stopped")
             if ok:
@@ -272,6 +282,7 @@ class Launcher:
         steps: dict[int, int] = {}
         ended_ok: set[int] = set()
         hosts_offset = self.failed_hosts_file.stat().st_size
+        written = start
         while True:
             exits = handle.poll()
             now = time.monotonic()
@@ -283,6 +294,9 @@ class Launcher:
                     steps[rank] = int(beat["step"])
                     if beat.get("phase") == "end":
                         ended_ok.add(rank)
+            if now - written > REPORT_EVERY_S:  # the progress (last step) reaches the report now and then
+                written = now
+                self.report.write()
             for ended in exits:
                 if ended.code == 0:
                     ended_ok.update(ended.ranks)
@@ -304,11 +318,12 @@ class Launcher:
 
     def _note_beat(self, record: AttemptRecord, beat: dict[str, Any], failure_at: float | None) -> None:
         step = int(beat["step"])
-        if record.resumed_from_step is None and beat.get("phase") in ("start", "train"):
-            record.resumed_from_step = step if beat.get("phase") == "start" else step - 1
         record.last_step = step if record.last_step is None else max(record.last_step, step)
-        if record.first_step_at is None and beat.get("phase") == "train":
-            record.first_step_at = time.time()
+        if record.resumed_from_step is None and beat.get("resumed_from") is not None:
+            record.resumed_from_step = int(beat["resumed_from"])
+        first_train = beat.get("first_train_time")
+        if record.first_step_at is None and first_train is not None:
+            record.first_step_at = float(first_train)
             if failure_at is not None:
                 record.time_lost_s = round(record.first_step_at - failure_at, 3)
                 self.report.event(
@@ -318,8 +333,6 @@ class Launcher:
                     resumed_from_step=record.resumed_from_step,
                     time_lost_s=record.time_lost_s,
                 )
-            else:
-                self.report.write()
 
     def _hang(
         self, seen: dict[int, tuple[str, float]], ended: set[int], start: float, now: float

@@ -81,6 +81,8 @@ class HeartbeatClient:
         self._store: Any = None
         self._seq = 0
         self._broken = False
+        self._resumed_from: int | None = None  # the step of this process's first beat (after any resume)
+        self._first_train_time: float | None = None  # when its first training step ended
 
     @property
     def enabled(self) -> bool:
@@ -106,13 +108,20 @@ class HeartbeatClient:
             return
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self._seq += 1
+        now = time.time()
+        if self._resumed_from is None:
+            self._resumed_from = int(step) - 1 if phase == "train" else int(step)
+        if phase == "train" and self._first_train_time is None:
+            self._first_train_time = now
         record = {
             "step": int(step),
             "phase": phase,
             "host": host_name(),
             "pid": os.getpid(),
             "seq": self._seq,
-            "time": time.time(),
+            "time": now,
+            "resumed_from": self._resumed_from,
+            "first_train_time": self._first_train_time,
         }
         try:
             if self._store is None:
