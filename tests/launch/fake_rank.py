@@ -4,7 +4,8 @@ Each step sleeps ``FAKE_STEP_S`` seconds, appends ``attempt step host`` to ``FAK
 rank 0 writes the step to ``FAKE_STATE_DIR/checkpoint`` every 2 steps, and every rank starts from it. The faults of
 ``MULA_FAULT`` are the real parser's (kill: SIGKILL, hang: SIGSTOP after writing ``stopped_at``, exception: exit 1
 with a traceback, nan: append the host to ``MULA_FAILED_HOSTS_FILE`` and exit 86, as NaNDetector does). Without
-collectives the other ranks do not notice a failure: the launcher must stop them.
+collectives the other ranks do not notice a failure: the launcher must stop them. ``FAKE_SILENT=1``: the rank
+never beats (a rendezvous that never completes).
 """
 
 import os
@@ -33,6 +34,8 @@ def main() -> int:
     faults = [
         f for f in parse_faults(os.environ.get(FAULT_ENV, "")) if f.applies(host_name(), rank, local_rank, attempt)
     ]
+    if os.environ.get("FAKE_SILENT"):  # a rendezvous that never completes: alive, never a heartbeat
+        time.sleep(3600)
     checkpoint = state / "checkpoint"
     start = int(checkpoint.read_text()) if checkpoint.exists() else 0
     heartbeat = HeartbeatClient()

@@ -19,15 +19,8 @@ def launch(tmp_path, monkeypatch, fake_env, fake_command, leftover_processes):
     def run(fault, **kwargs):
         if fault:
             monkeypatch.setenv("MULA_FAULT", fault)
-        options = LaunchOptions(
-            command=fake_command,
-            report_dir=str(tmp_path / "launch"),
-            grace_s=2.0,
-            settle_s=0.5,
-            poll_s=0.05,
-            startup_timeout_s=60.0,
-            **kwargs,
-        )
+        settings = dict(grace_s=2.0, settle_s=0.5, poll_s=0.05, startup_timeout_s=60.0)
+        options = LaunchOptions(command=fake_command, report_dir=str(tmp_path / "launch"), **{**settings, **kwargs})
         launcher = Launcher(options)
         code = launcher.run()
         report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
@@ -115,6 +108,16 @@ def test_ordinary_errors_restart_in_place_then_exhaust_the_restarts(launch, fake
     assert second["nodes"] == ["node0", "node1"]  # kept: the error may be the program's
     assert second["failed_hosts"] == ["node0"]  # first to fail twice in a row
     assert "exited with code 1" in first["reason"]
+
+
+def test_a_start_that_never_reports_is_a_hang_after_the_startup_timeout(launch, monkeypatch):
+    """Ranks that never send a heartbeat (a rendezvous that does not complete) are a hang once --startup-timeout
+    passes; with --max-restarts 0 the launch then stops with EXIT_RESTARTS_EXHAUSTED, every rank stopped."""
+    monkeypatch.setenv("FAKE_SILENT", "1")
+    code, report = launch(None, nnodes=2, max_restarts=0, startup_timeout_s=2.0)
+    assert code == EXIT_RESTARTS_EXHAUSTED
+    (attempt,) = report["attempts"]
+    assert attempt["outcome"] == "hang" and "no rank reported within the startup timeout (2 s)" in attempt["reason"]
 
 
 @pytest.mark.parametrize(
