@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test test-cpus lint format clean
+.PHONY: venv demo test test-cpus gpu-check lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: venv
 # The parity and distributed tests under other CPU kernels (AVX2, no SIMD, one thread): one line per setting.
 test-cpus: venv
 	$(PY) scripts/cpu_matrix.py
+
+# On a machine with one CUDA or XPU device: parity, block speed and a tiny `mula fit` on it, as one table.
+gpu-check: venv
+	$(PY) benchmarks/gpu_check.py
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples scripts

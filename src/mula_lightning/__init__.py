@@ -9,7 +9,9 @@ Subpackages:
         parallelize(); zero/ holds the hierarchical ZeRO engine.
     checkpoint: formats and protocols (one DCP format, DP-scattered planner, dual slots, export).
     strategies: thin Lightning Fabric / Trainer strategies and the ShardingStrategy protocol MulaLM talks through.
-    callbacks: Lightning callbacks only (reliability and monitoring).
+    callbacks: Lightning callbacks only (reliability, monitoring, heartbeats and fault drills for mula launch).
+    accelerators: the Intel XPU accelerator for the Trainer and Fabric (registered as "xpu").
+    launch: `mula launch`, relaunching around failed nodes with buffer nodes.
     data: tokenize -> shuffle -> memmap shards, integrity checks, resumable loading.
     testing: multi-process test helpers and the parity rule.
 

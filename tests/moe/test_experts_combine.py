@@ -79,6 +79,74 @@ def test_fallback_for_unaligned_and_fp64_operands():
         torch.testing.assert_close(out, torch.cat([x[:2] @ w[0].to(x.dtype), x[2:] @ w[1].to(x.dtype)]))
 
 
+@pytest.mark.parametrize("counts", [[3, 5, 4, 2], [0, 6, 1, 5], [7, 0, 0, 1], [4], [3, 3, 3]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_padded_bmm_matches_the_per_group_loop(counts, dtype):
+    """The padded batched-matmul fallback equals the per-group loop in both forms (row groups x expert weights, and
+    the weight-gradient form with zero for empty groups) on fresh random operands, equal groups (no copy) included."""
+    from mula_lightning.moe.experts import padded_bmm, per_group_mm
+
+    rows = sum(counts)
+    a = torch.randn(rows, 6, dtype=dtype)
+    b = torch.randn(len(counts), 6, 5, dtype=dtype)
+    torch.testing.assert_close(padded_bmm(a, b, counts), per_group_mm(a, b, counts))
+    g = torch.randn(rows, 5, dtype=dtype)
+    grad_b = padded_bmm(a.t(), g, counts)
+    torch.testing.assert_close(grad_b, per_group_mm(a.t(), g, counts))
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert torch.equal(grad_b[e], torch.zeros_like(grad_b[e]))
+
+
+def test_padded_bmm_rule_weighs_padding_against_the_calls_saved():
+    """The rule pads equal groups always, many small groups of small experts despite uneven counts, and never a
+    single group, empty input, or few large uneven groups (whose padding costs more than the calls saved)."""
+    from mula_lightning.moe.experts import PADDED_BMM_CALL_WORK, PADDED_BMM_COPY_WORK, padded_bmm_pays
+
+    assert padded_bmm_pays([256] * 8, 512 * 512)  # equal: no padding at any size
+    assert padded_bmm_pays([16] * 31 + [32], 128 * 128)  # 32 small groups: 496 padding rows x 16k < 31 calls
+    assert not padded_bmm_pays([384] + [238] * 7, 512 * 512)  # 8 large uneven groups
+    assert not padded_bmm_pays([80] + [64] * 7, 128 * 128)  # few groups: the copy alone costs more than 7 calls
+    assert not padded_bmm_pays([4], 10) and not padded_bmm_pays([0, 0], 10)
+    groups, row_work = 40, 1000
+    budget_rows = ((groups - 1) * PADDED_BMM_CALL_WORK - PADDED_BMM_COPY_WORK) // row_work
+    at_budget = [10] * (groups - 1) + [10 + (budget_rows - 1) // (groups - 1)]
+    assert padded_bmm_pays(at_budget, row_work)
+    assert not padded_bmm_pays([10] * (groups - 1) + [10 + budget_rows // (groups - 1) + 1], row_work)
+
+
+@pytest.mark.parametrize("use_padded", [True, False], ids=["padded-bmm", "loop"])
+def test_grouped_swiglu_fp64_with_either_fallback_matches_autograd(use_padded, monkeypatch):
+    """Stage 4 in fp64 (no grouped kernel: the fallbacks) forward and every gradient equal plain autograd over a
+    per-expert SwiGLU, with the padded batched matmul forced on and off."""
+    import mula_lightning.moe.experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "padded_bmm_pays", lambda counts, row_work: use_padded)
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])
+    plan = build_dispatch_plan(idx, 4, 0, 3)
+    counts = plan.token_counts.tolist()
+    experts = experts_with_weights(4, 4, 3, dtype=torch.float64)
+    x = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    w1 = experts.gate_up_proj.detach().requires_grad_()
+    w2 = experts.down_proj.detach().requires_grad_()
+    y = experts_mod.GroupedSwiGLU.apply(x, w1, w2, plan, counts, True, False)
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w1, w2), grad)
+    x_ref, w1_ref, w2_ref = (t.detach().clone().requires_grad_() for t in (x, w1, w2))
+    rows = x_ref[plan.input_indices]
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        gate, up = (rows[start : start + n] @ w1_ref[e].t()).chunk(2, dim=-1)
+        pieces.append((F.silu(gate) * up) @ w2_ref[e].t())
+        start += n
+    y_ref = torch.cat(pieces)
+    want = torch.autograd.grad(y_ref, (x_ref, w1_ref, w2_ref), grad)
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("n_start,n_end,drop", [(0, 3, 0.0), (1, 2, 0.3)])
 def test_grouped_experts_fp64_gradcheck(n_start, n_end, drop):
     """The hand-written backward of Stage 4 (token gather, grouped SwiGLU, reduction of the input gradient back to

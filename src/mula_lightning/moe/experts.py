@@ -21,10 +21,13 @@ expert's gate rows above its up rows, ``down_proj`` (NR, H, I) every down projec
 ``torch._grouped_mm`` (``torch.nn.functional.grouped_mm`` where present) takes int32 ``offs`` = cumulative group
 ends without a leading 0, has no fp64 kernel, needs 16-byte aligned strides and pointers, and leaves rows past
 ``offs[-1]`` uninitialised (here RT is exactly ``offs[-1]``, so there are none). When it is missing or an operand
-does not qualify, :func:`grouped_mm` falls back to one ``torch.mm`` per expert with the same results.
+does not qualify, :func:`grouped_mm` falls back to :func:`padded_bmm` (one batched GEMM over groups padded to the
+largest) when that saves more than the padding costs (:func:`padded_bmm_pays`), else to one ``torch.mm`` per expert.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,12 @@ from mula_lightning.moe.reference import ExpertWeights
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: what one GEMM call of the per-group loop costs beyond its arithmetic, in multiply-adds, and what copying the rows
+#: into the padded layout costs: the padded batched matmul is chosen while its padding's multiply-adds plus the copy
+#: cost less than the calls it saves (fitted on CPU by ``benchmarks/grouped_gemm_fallback.py``; on a GPU a call costs
+#: more, so the rule errs towards the loop there)
+PADDED_BMM_CALL_WORK = 1_000_000
+PADDED_BMM_COPY_WORK = 6_000_000
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -42,6 +51,19 @@ def _aligned(t: torch.Tensor) -> bool:
     if t.data_ptr() % 16:
         return False
     return all((stride * size) % 16 == 0 for stride in t.stride() if stride != 1)
+
+
+@functools.cache
+def _kernel_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` has a kernel for this device type and dtype (tried once on tiny operands: XPU
+    and MPS gain kernels release by release)."""
+    try:
+        a = torch.zeros(8, 8, device=device_type, dtype=dtype)
+        b = torch.zeros(2, 8, 8, device=device_type, dtype=dtype)
+        _GROUPED_MM(a, b, offs=torch.tensor([4, 8], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def grouped_mm_available(*tensors: torch.Tensor) -> bool:
@@ -54,7 +76,7 @@ def grouped_mm_available(*tensors: torch.Tensor) -> bool:
     if first.device.type == "cuda":
         if torch.cuda.get_device_capability(first.device) < (8, 0):
             return False
-    elif first.device.type != "cpu":  # no grouped kernel known elsewhere (XPU, MPS): per-expert mm
+    elif first.device.type != "cpu" and not _kernel_runs(first.device.type, first.dtype):  # XPU, MPS: asked once
         return False
     return all(t.numel() > 0 and _aligned(t) for t in tensors)
 
@@ -75,7 +97,8 @@ def grouped_mm(
         b: right operand.
         offs: (NR,) int32 cumulative group ends (no leading 0).
         counts: the NR group sizes on the host (for the fallback loop and the empty-group fix-up).
-        use_grouped: allow the grouped kernel (``False`` forces the per-group fallback).
+        use_grouped: allow the grouped kernel and the padded batched fallback (``False`` forces the per-group
+            loop, the reference path).
     """
     weight_grad = b.dim() == 2
     if use_grouped and grouped_mm_available(a, b):
@@ -84,7 +107,63 @@ def grouped_mm(
             empty = torch.tensor([e for e, n in enumerate(counts) if n == 0], device=out.device)
             out.index_fill_(0, empty, 0.0)
         return out
-    if weight_grad:
+    if use_grouped and padded_bmm_pays(counts, a.shape[0 if weight_grad else 1] * b.shape[-1]):
+        return padded_bmm(a, b, counts)
+    return per_group_mm(a, b, counts)
+
+
+def padded_bmm_pays(counts: list[int], row_work: int) -> bool:
+    """Whether one padded batched matmul beats the per-group loop (the rule ``benchmarks/grouped_gemm_fallback.py``
+    measures): groups of one size always (no copy, no padding); otherwise when the padding rows' multiply-adds
+    (``row_work`` per row: K x N of the product) plus the copy into the padded layout cost less than the NR - 1
+    calls saved. Small groups of small experts (many calls, little arithmetic each) pad; large uneven ones loop."""
+    groups, rows = len(counts), sum(counts)
+    if groups < 2 or rows == 0:
+        return False
+    padding_rows = groups * max(counts) - rows
+    if padding_rows == 0:
+        return True
+    return padding_rows * row_work + PADDED_BMM_COPY_WORK < (groups - 1) * PADDED_BMM_CALL_WORK
+
+
+def _padded_slots(counts: list[int], device: torch.device) -> torch.Tensor:
+    """Slot of every row in the ``(NR * C)`` padded layout: row s of group e goes to ``e * C + s``, C the largest
+    group."""
+    sizes = torch.tensor(counts, device=device)
+    group_start = torch.cumsum(sizes, 0) - sizes
+    shift = torch.arange(len(counts), device=device) * max(counts) - group_start
+    return torch.arange(sum(counts), device=device) + torch.repeat_interleave(shift, sizes, output_size=sum(counts))
+
+
+def _pad_rows(rows_RK: torch.Tensor, slots: torch.Tensor | None, groups: int, capacity: int) -> torch.Tensor:
+    """``(NR, C, K)`` view of the rows with each group starting at its own block (zero rows after its end)."""
+    if slots is None:  # every group is full: the rows already are the padded layout
+        return rows_RK.reshape(groups, capacity, rows_RK.shape[1])
+    padded = rows_RK.new_zeros(groups * capacity, rows_RK.shape[1])
+    return padded.index_copy_(0, slots, rows_RK).view(groups, capacity, rows_RK.shape[1])
+
+
+def padded_bmm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """:func:`grouped_mm` as one ``torch.bmm`` over groups padded with zero rows to the largest group.
+
+    The fallback where no grouped kernel exists (XPU, MPS, float64): one batched GEMM instead of NR small ones, at
+    the price of one copy of the rows into the padded layout (none when every group has the same size) and the
+    padding's multiply-adds. The padded rows are zeros, so every real output equals the per-group product's and the
+    weight gradients of empty groups are zero.
+    """
+    groups, capacity = len(counts), max(counts)
+    slots = None if min(counts) == capacity else _padded_slots(counts, a.device)
+    if b.dim() == 2:  # weight gradients: a (M, RT) (a transposed view in practice), b (RT, N) -> (NR, M, N)
+        a_pad = _pad_rows(a.t(), slots, groups, capacity)  # (NR, C, M)
+        return torch.bmm(a_pad.transpose(1, 2), _pad_rows(b, slots, groups, capacity))
+    out = torch.bmm(_pad_rows(a, slots, groups, capacity), b).view(groups * capacity, b.shape[-1])  # a (RT, K)
+    return out if slots is None else out.index_select(0, slots)
+
+
+def per_group_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """:func:`grouped_mm` as one ``torch.mm`` per group (the obviously-right loop; also the fallback when padding
+    would waste too much)."""
+    if b.dim() == 2:
         out = a.new_zeros(len(counts), a.shape[0], b.shape[1])
         start = 0
         for e, n in enumerate(counts):

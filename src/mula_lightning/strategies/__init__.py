@@ -2,12 +2,13 @@
 
 ``import mula_lightning.strategies`` registers ``"epso"`` and ``"zero_topo"`` with both Fabric's and the Trainer's
 strategy registries, so ``Fabric(strategy="epso")`` and ``Trainer(strategy="zero_topo")`` work after it (the ``mula``
-CLI imports it for you).
+CLI imports it for you); it also registers the ``"xpu"`` accelerator (:mod:`mula_lightning.accelerators`).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
 
+import mula_lightning.accelerators  # noqa: F401  (registers "xpu" for accelerator: xpu / auto)
 from mula_lightning.strategies.epso import EPSOStrategy, FabricEPSOStrategy
 from mula_lightning.strategies.zero_topo import FabricZeroTopoStrategy, ZeroTopoStrategy
 

@@ -1,0 +1,175 @@
+"""One command anyone with a GPU can run: FastSparseMoE parity and speed on the device, and a real ``mula fit``.
+
+Run (``make gpu-check`` does the first)::
+
+    python benchmarks/gpu_check.py                      # the first CUDA or XPU device
+    python benchmarks/gpu_check.py --device xpu:0 --shape mula-7b-a1b
+    python benchmarks/gpu_check.py --device cpu --quick # a smoke run of this script on a machine without a GPU
+
+What it prints, one table:
+
+1. parity: ``FastSparseMoEBlock.from_hf(block)`` vs transformers' OLMoE block (eager) on the device, fp32 and bf16,
+   forward output and every gradient (input, router, experts), against the project's parity rule
+   (:func:`mula_lightning.testing.assert_parity`: reduction length x eps(dtype) x scale);
+2. speed: forward + backward of one MoE block, FastSparseMoE vs transformers eager and grouped_mm (median of
+   ``--reps`` runs, interleaved, the device synchronised around each), with the ratios;
+3. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
+   freshly prepared corpus: exit code, steps, first and last loss, wall time.
+
+Record the table in BENCHMARKS.md with the device named. Nothing here runs in ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from moe_block import SHAPES, Shape, build  # noqa: E402
+from mula_lightning.testing import assert_parity  # noqa: E402
+
+CONTENDERS = ("hf_eager", "hf_grouped_mm", "fast")
+
+
+def _default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda:0"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu:0"
+    raise SystemExit("gpu_check: no CUDA or XPU device found (use --device cpu for a smoke run of the script)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)
+
+
+def _on_device(shape: Shape, dtype: torch.dtype, device: torch.device):
+    blocks, params, x, g = build(shape, dtype)
+    for block in blocks.values():
+        block.to(device)
+    return blocks, params, x.to(device), g.to(device)
+
+
+def _forward_backward(block, params, x, g):
+    for p in params.values():
+        p.grad = None
+    xi = x.detach().requires_grad_()
+    y = block(xi)
+    y = y[0] if isinstance(y, tuple) else y
+    y.backward(g)
+    return y.detach(), xi.grad, {name: p.grad.clone() for name, p in params.items()}
+
+
+def parity(shape: Shape, dtype: torch.dtype, device: torch.device) -> str:
+    """FastSparseMoE vs the eager HF block on the device: output and every gradient within the parity rule."""
+    blocks, params, x, g = _on_device(shape, dtype, device)
+    # the block's parameters were moved by .to(device): refresh the shared-parameter view
+    params = dict(blocks["hf_eager"].named_parameters())
+    y_ref, gx_ref, grads_ref = _forward_backward(blocks["hf_eager"], params, x, g)
+    y, gx, grads = _forward_backward(blocks["fast"], params, x, g)
+    try:
+        assert_parity(y, y_ref, reduction_len=shape.hidden)
+        assert_parity(gx, gx_ref, reduction_len=shape.hidden)
+        for name, ref in grads_ref.items():
+            assert_parity(grads[name], ref, reduction_len=shape.tokens)
+    except AssertionError as err:
+        return f"FAIL ({str(err).splitlines()[0][:80]})"
+    rel = ((y.float() - y_ref.float()).norm() / y_ref.float().norm().clamp_min(1e-30)).item()
+    return f"ok (output rel. error {rel:.1e})"
+
+
+def speed(shape: Shape, dtype: torch.dtype, device: torch.device, reps: int) -> dict[str, float]:
+    blocks, _, x, g = _on_device(shape, dtype, device)
+    params = dict(blocks["hf_eager"].named_parameters())
+    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    for name in CONTENDERS:  # warm-up (kernels, autotuning)
+        _forward_backward(blocks[name], params, x, g)
+    for r in range(reps):
+        for name in CONTENDERS[r % 3 :] + CONTENDERS[: r % 3]:
+            _sync(device)
+            start = time.perf_counter()
+            _forward_backward(blocks[name], params, x, g)
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def fit(device: torch.device, steps: int) -> str:
+    """`mula fit` of the tiny MoE on one device with epso, bf16-true; returns a one-line summary."""
+    import csv
+
+    import yaml
+
+    from mula_lightning.data import prepare
+    from mula_lightning.testing.tiny_run import tiny_fit_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = work / "data"
+        prepare(output=str(data), seq_len=64, train_tokenizer=512, max_bytes=400_000, workers=0, progress=False)
+        config = tiny_fit_config(data, steps, every_n_train_steps=steps)
+        devices = [device.index] if device.index is not None and device.type != "cpu" else 1
+        precision = "32-true" if device.type == "cpu" else "bf16-true"
+        config["trainer"].update(accelerator=device.type, devices=devices, precision=precision)
+        (work / "fit.yaml").write_text(yaml.safe_dump(config))
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline"}
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "mula_lightning.cli", "fit", "--config", "fit.yaml"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            return f"FAIL (exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:100]})"
+        (metrics,) = (work / "runs" / "tiny").glob("version_*/metrics.csv")
+        with open(metrics) as fh:
+            losses = [float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")]
+        return f"ok: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {wall:.0f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cuda:0, xpu:0, ... (default: the first CUDA or XPU device)")
+    parser.add_argument("--shape", default="small", choices=list(SHAPES))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=50, help="mula fit steps")
+    parser.add_argument("--quick", action="store_true", help="a small shape, 2 repetitions, 10 steps (smoke run)")
+    args = parser.parse_args()
+    device = torch.device(args.device or _default_device())
+    shape = SHAPES[args.shape]
+    if args.quick:
+        shape, args.reps, args.steps = Shape("quick H64 I32 E8 K2", 64, 32, 8, 2, 128), 2, 10
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    if device.type == "xpu":
+        name = torch.xpu.get_device_name(device)
+    print(f"device: {name}; torch {torch.__version__}; shape {shape.name}, {shape.tokens} tokens\n")
+    print(f"{'check':<34}result")
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"{'parity vs HF eager, ' + str(dtype)[6:]:<34}{parity(shape, dtype, device)}")
+    for dtype in (torch.float32, torch.bfloat16):
+        t = speed(shape, dtype, device, args.reps)
+        row = ", ".join(f"{n} {t[n] * 1e3:.2f} ms" for n in CONTENDERS)
+        ratios = f"fast vs eager {t['hf_eager'] / t['fast']:.2f}x, vs grouped_mm {t['hf_grouped_mm'] / t['fast']:.2f}x"
+        print(f"{'fwd+bwd, ' + str(dtype)[6:]:<34}{row}; {ratios}")
+    print(f"{'mula fit tiny MoE, epso, 1 device':<34}{fit(device, args.steps)}")
+
+
+if __name__ == "__main__":
+    main()
