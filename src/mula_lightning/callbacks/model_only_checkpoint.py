@@ -45,9 +45,16 @@ def _mula_model(module: nn.Module) -> Any:
 def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.Tensor]:
     """Single-device state dict of ``module`` (its ``MulaForCausalLM`` if it holds one), experts gathered.
 
-    Collective over the expert-parallel group when the strategy has a topology with ``ep_size > 1``.
+    Collective over the expert-parallel group when the strategy has a topology with ``ep_size > 1``, and over every
+    rank under ``zero_topo``, whose parameters hold no storage between steps (their values live in the engine's
+    shards: reading ``module.state_dict()`` there would read freed memory).
     """
     target = _mula_model(module) or module
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:
+        from mula_lightning.parallel.zero.state_dict import model_state_dict
+
+        return model_state_dict(engine, target)
     topology = getattr(strategy, "topology", None)
     if topology is not None and topology.ep_size > 1:
         from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
