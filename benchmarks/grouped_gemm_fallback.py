@@ -71,7 +71,8 @@ def main() -> None:
     print(f"torch {torch.__version__}; H={args.hidden}, I={args.intermediate}")
     print(
         f"time of one forward GEMM + one weight gradient, best of {args.repeats}; rule: padded when equal groups or "
-        f"padding rows x K x N + {PADDED_BMM_COPY_WORK:.0e} < (experts - 1) x {PADDED_BMM_CALL_WORK:.0e}\n"
+        f"padding rows x K x N + {PADDED_BMM_COPY_WORK:.0e} < (experts - 1) x {PADDED_BMM_CALL_WORK:.0e} "
+        "(left side x2 in float64)\n"
     )
     head = f"{'dtype':<9}{'experts':>8}{'rows/e':>7}{'waste':>6}{'loop ms':>9}{'padded ms':>10}{'grouped ms':>11}"
     print(f"{head}{'loop/padded':>13}  rule")
@@ -104,7 +105,7 @@ def main() -> None:
                     grouped = f"{_time(kernel, args.repeats) * 1e3:.2f}"
                 name = str(dtype).replace("torch.", "")
                 real_waste = experts * max(counts) / rows
-                forward = padded_bmm_pays(counts, args.hidden * 2 * args.intermediate)
+                forward = padded_bmm_pays(counts, args.hidden * 2 * args.intermediate, dtype)
                 rule = "padded" if forward else "loop"
                 print(
                     f"{name:<9}{experts:>8}{per_expert:>7}{real_waste:>6.2f}{t_loop * 1e3:>9.2f}{t_pad * 1e3:>10.2f}"

@@ -100,7 +100,8 @@ def test_padded_bmm_matches_the_per_group_loop(counts, dtype):
 
 def test_padded_bmm_rule_weighs_padding_against_the_calls_saved():
     """The rule pads equal groups always, many small groups of small experts despite uneven counts, and never a
-    single group, empty input, or few large uneven groups (whose padding costs more than the calls saved)."""
+    single group, empty input, or few large uneven groups (whose padding costs more than the calls saved); float64
+    padding costs twice float32's."""
     from mula_lightning.moe.experts import PADDED_BMM_CALL_WORK, PADDED_BMM_COPY_WORK, padded_bmm_pays
 
     assert padded_bmm_pays([256] * 8, 512 * 512)  # equal: no padding at any size
@@ -108,6 +109,8 @@ def test_padded_bmm_rule_weighs_padding_against_the_calls_saved():
     assert not padded_bmm_pays([384] + [238] * 7, 512 * 512)  # 8 large uneven groups
     assert not padded_bmm_pays([80] + [64] * 7, 128 * 128)  # few groups: the copy alone costs more than 7 calls
     assert not padded_bmm_pays([4], 10) and not padded_bmm_pays([0, 0], 10)
+    uneven_small = [16] * 31 + [48]  # 992 padding rows x 16k: pays in float32, not at float64's double cost
+    assert padded_bmm_pays(uneven_small, 128 * 128) and not padded_bmm_pays(uneven_small, 128 * 128, torch.float64)
     groups, row_work = 40, 1000
     budget_rows = ((groups - 1) * PADDED_BMM_CALL_WORK - PADDED_BMM_COPY_WORK) // row_work
     at_budget = [10] * (groups - 1) + [10 + (budget_rows - 1) // (groups - 1)]
@@ -121,7 +124,7 @@ def test_grouped_swiglu_fp64_with_either_fallback_matches_autograd(use_padded, m
     per-expert SwiGLU, with the padded batched matmul forced on and off."""
     import mula_lightning.moe.experts as experts_mod
 
-    monkeypatch.setattr(experts_mod, "padded_bmm_pays", lambda counts, row_work: use_padded)
+    monkeypatch.setattr(experts_mod, "padded_bmm_pays", lambda counts, row_work, dtype: use_padded)
     gen = torch.Generator().manual_seed(5)
     idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])
     plan = build_dispatch_plan(idx, 4, 0, 3)

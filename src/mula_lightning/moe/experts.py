@@ -107,23 +107,26 @@ def grouped_mm(
             empty = torch.tensor([e for e, n in enumerate(counts) if n == 0], device=out.device)
             out.index_fill_(0, empty, 0.0)
         return out
-    if use_grouped and padded_bmm_pays(counts, a.shape[0 if weight_grad else 1] * b.shape[-1]):
+    if use_grouped and padded_bmm_pays(counts, a.shape[0 if weight_grad else 1] * b.shape[-1], a.dtype):
         return padded_bmm(a, b, counts)
     return per_group_mm(a, b, counts)
 
 
-def padded_bmm_pays(counts: list[int], row_work: int) -> bool:
+def padded_bmm_pays(counts: list[int], row_work: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether one padded batched matmul beats the per-group loop (the rule ``benchmarks/grouped_gemm_fallback.py``
     measures): groups of one size always (no copy, no padding); otherwise when the padding rows' multiply-adds
     (``row_work`` per row: K x N of the product) plus the copy into the padded layout cost less than the NR - 1
-    calls saved. Small groups of small experts (many calls, little arithmetic each) pad; large uneven ones loop."""
+    calls saved. Small groups of small experts (many calls, little arithmetic each) pad; large uneven ones loop.
+    Costs are in float32 multiply-adds: a float64 multiply-add and copy cost twice as much (measured), so the same
+    per-call saving buys half the padding."""
     groups, rows = len(counts), sum(counts)
     if groups < 2 or rows == 0:
         return False
     padding_rows = groups * max(counts) - rows
     if padding_rows == 0:
         return True
-    return padding_rows * row_work + PADDED_BMM_COPY_WORK < (groups - 1) * PADDED_BMM_CALL_WORK
+    scale = 2 if dtype == torch.float64 else 1
+    return scale * (padding_rows * row_work + PADDED_BMM_COPY_WORK) < (groups - 1) * PADDED_BMM_CALL_WORK
 
 
 def _padded_slots(counts: list[int], device: torch.device) -> torch.Tensor:
