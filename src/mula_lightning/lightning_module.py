@@ -98,7 +98,7 @@ class MulaLM(LightningModule):
 
     def __init__(
         self,
-        model: str | MulaConfig = "mula-tiny-moe",
+        model: str | MulaConfig | dict[str, Any] = "mula-tiny-moe",
         model_overrides: dict[str, Any] | None = None,
         vocab_size: int | None = None,
         moe_impl: str = "fast",
@@ -137,6 +137,8 @@ class MulaLM(LightningModule):
                 )
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
+        if isinstance(model, dict):  # a MulaConfig as checkpoints store it (plain data: a dict of its fields)
+            model = MulaConfig(**model)
         if isinstance(model, MulaConfig):
             unknown = set(overrides) - set(model.to_dict())
             if unknown:

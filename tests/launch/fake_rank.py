@@ -3,9 +3,10 @@
 Each step sleeps ``FAKE_STEP_S`` seconds, appends ``attempt step host`` to ``FAKE_STATE_DIR/steps.rankR`` and beats;
 rank 0 writes the step to ``FAKE_STATE_DIR/checkpoint`` every 2 steps, and every rank starts from it. The faults of
 ``MULA_FAULT`` are the real parser's (kill: SIGKILL, hang: SIGSTOP after writing ``stopped_at``, exception: exit 1
-with a traceback, nan: append the host to ``MULA_FAILED_HOSTS_FILE`` and exit 86, as NaNDetector does). Without
+with a traceback, abort: SIGABRT, nan: append its NaNDetector line to ``MULA_FAILED_HOSTS_FILE`` and exit 86). Without
 collectives the other ranks do not notice a failure: the launcher must stop them. ``FAKE_SILENT=1``: the rank
-never beats (a rendezvous that never completes).
+never beats (a rendezvous that never completes); ``FAKE_SILENT_S=T``: no beat, exit 0 after T s;
+``FAKE_HANG_AFTER_END=1``: rank 0 reports the end, then never exits.
 """
 
 import os
@@ -20,6 +21,7 @@ from mula_lightning.utils.launch_env import (
     FAULT_ENV,
     NAN_EXIT_CODE,
     HeartbeatClient,
+    NanRecord,
     host_name,
     parse_faults,
 )
@@ -36,6 +38,9 @@ def main() -> int:
     ]
     if os.environ.get("FAKE_SILENT"):  # a rendezvous that never completes: alive, never a heartbeat
         time.sleep(3600)
+    if os.environ.get("FAKE_SILENT_S"):  # a command that sends no heartbeats and ends after a while
+        time.sleep(float(os.environ["FAKE_SILENT_S"]))
+        return 0
     checkpoint = state / "checkpoint"
     start = int(checkpoint.read_text()) if checkpoint.exists() else 0
     heartbeat = HeartbeatClient()
@@ -49,9 +54,11 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif fault.kind == "exception":
                 raise RuntimeError(f"injected exception at step {step} on {host_name()}")
+            elif fault.kind == "abort":
+                os.abort()
             else:
                 with open(os.environ[FAILED_HOSTS_ENV], "a") as fh:
-                    fh.write(host_name() + "\n")
+                    fh.write(NanRecord(host_name(), step=step - 1, ranks=[rank]).line() + "\n")
                 return NAN_EXIT_CODE
         time.sleep(step_s)
         with open(state / f"steps.rank{rank}", "a") as fh:
@@ -62,6 +69,8 @@ def main() -> int:
             tmp.write_text(str(step))
             tmp.replace(checkpoint)
     heartbeat.beat(steps, "end")
+    if os.environ.get("FAKE_HANG_AFTER_END") and rank == 0:  # a teardown that never finishes
+        time.sleep(3600)
     return 0
 
 

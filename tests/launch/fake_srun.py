@@ -1,6 +1,10 @@
 """A stand-in for ``srun`` on a machine without SLURM: logs its command line, runs the step with the local backend
 (one process per task, node names from ``--nodelist``) and reports failed tasks with srun's own lines
-(``srun: error: HOST: task R: Killed`` / ``Exited with exit code C``). SIGTERM stops the step, as srun does.
+with srun's own wordings: ``srun: error: HOST: task R: Exited with exit code C``, and for a signal the C library's
+name of it (``Killed``, ``Aborted (core dumped)``, ``Segmentation fault (core dumped)``, ...). ``FAKE_NODE_FAILURE=1``
+reports a task killed by SIGKILL as ``srun: error: Node failure on HOST`` (SLURM's line when a node dies);
+``FAKE_SRUN_NOISE=1`` writes 1 MB of output with invalid UTF-8 bytes (a rank's binary garbage) to stderr first.
+SIGTERM stops the step, as srun does.
 """
 
 import json
@@ -26,14 +30,27 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     worst = 0
 
+    if os.environ.get("FAKE_SRUN_NOISE"):
+        noise = b"\xff\xfe\x80 not utf-8 \xc3\x28" + b"x" * 1000 + b"\n"
+        sys.stderr.buffer.write(noise * 1000 + b"\xffno newline for a while " * 2000 + b"\n")
+        sys.stderr.buffer.flush()
+
     def report() -> None:
         nonlocal worst
         for ended in step.poll():
             if ended.code == 0:
                 continue
-            what = "Killed" if ended.code < 0 else f"Exited with exit code {ended.code}"
-            print(f"srun: error: {ended.host}: task {ended.ranks[0]}: {what}", file=sys.stderr, flush=True)
-            worst = max(worst, ended.code if ended.code > 0 else 137)
+            if ended.code == -signal.SIGKILL and os.environ.get("FAKE_NODE_FAILURE"):
+                line = f"srun: error: Node failure on {ended.host}"
+            else:
+                if ended.code < 0:
+                    core = " (core dumped)" if -ended.code in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS) else ""
+                    what = signal.strsignal(-ended.code).split(":")[0] + core
+                else:
+                    what = f"Exited with exit code {ended.code}"
+                line = f"srun: error: {ended.host}: task {ended.ranks[0]}: {what}"
+            print(line, file=sys.stderr, flush=True)
+            worst = max(worst, ended.code if ended.code > 0 else 128 - ended.code)
 
     while not step.finished():
         if stop:

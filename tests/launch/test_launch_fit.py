@@ -1,6 +1,8 @@
 """`mula launch` around real `mula fit` runs (tiny MoE, 3 simulated nodes x 1 rank + 1 buffer, gloo, epso): a node
-killed at step 5 and a node producing NaN at step 7 are taken out, the buffer node takes their place, the run resumes
-from the newest DualCheckpoint slot, and every step's loss equals an uninterrupted run's, bit for bit (CPU)."""
+killed at step 5 or stopped at step 5 is taken out and the buffer node takes its place, a node producing NaN once at
+step 7 is only a suspect and the relaunch keeps it; every run resumes from the newest DualCheckpoint slot and every
+step's loss equals an uninterrupted run's, bit for bit (CPU). A requeued launch resumes on its first attempt; a
+user's --ckpt_path is kept until the run saved its own slot."""
 
 import csv
 import json
@@ -18,17 +20,20 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 
 
-def _launch(workdir: Path, data_dir: Path, fault: str | None, hang_timeout: float = 120) -> tuple[int, dict, str]:
-    """`mula launch --nnodes 3 --buffer-nodes 1 -- mula fit --config tiny.yaml` in ``workdir``."""
+def _launch(
+    workdir: Path, data_dir: Path, fault: str | None, hang_timeout: float = 120, extra: tuple[str, ...] = (),
+    max_restarts: int = 3, steps: int = STEPS,
+) -> tuple[int, dict, str]:  # fmt: skip
+    """`mula launch --nnodes 3 --buffer-nodes 1 -- mula fit --config tiny.yaml [extra]` in ``workdir``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "tiny.yaml").write_text(yaml.safe_dump(tiny_fit_config(data_dir, STEPS, every_n_train_steps=2)))
+    (workdir / "tiny.yaml").write_text(yaml.safe_dump(tiny_fit_config(data_dir, steps, every_n_train_steps=2)))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     env.pop("MULA_FAULT", None)
     if fault:
         env["MULA_FAULT"] = fault
     argv = [sys.executable, "-m", "mula_lightning.cli", "launch", "--nnodes", "3", "--buffer-nodes", "1"]
-    argv += ["--hang-timeout", str(hang_timeout), "--grace", "5", "--report-dir", "launch", "--"]
-    argv += ["mula", "fit", "--config", "tiny.yaml"]
+    argv += ["--hang-timeout", str(hang_timeout), "--grace", "5", "--report-dir", "launch"]
+    argv += ["--max-restarts", str(max_restarts), "--", "mula", "fit", "--config", "tiny.yaml", *extra]
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=540)
     report = json.loads((workdir / "launch" / "launch_report.json").read_text())
     return proc.returncode, report, proc.stdout + proc.stderr
@@ -39,28 +44,37 @@ def _losses(workdir: Path) -> list[dict[int, str]]:
     out = []
     versions = sorted((workdir / "runs" / "tiny").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     for version in versions:
+        if not (version / "metrics.csv").exists():  # an attempt that died before its first log flush
+            out.append({})
+            continue
         with open(version / "metrics.csv") as fh:
             out.append({int(r["step"]) + 1: r["train/loss"] for r in csv.DictReader(fh) if r.get("train/loss")})
     return out
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_data):
-    """The uninterrupted run: the same launch with no fault (one attempt, every step)."""
+def reference_run(tmp_path_factory, tiny_data):
+    """The uninterrupted run: the same launch with no fault (one attempt, every step); (workdir, losses)."""
     workdir = tmp_path_factory.mktemp("launch_reference")
     code, report, output = _launch(workdir, tiny_data, None)
     assert code == 0, output[-3000:]
     assert len(report["attempts"]) == 1 and report["outcome"] == "succeeded"
     (losses,) = _losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses
+    return workdir, losses
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run's losses: optimizer step -> train/loss as written."""
+    return reference_run[1]
 
 
 @pytest.mark.parametrize(
     ("fault", "bad_node", "resumed_from"),
     [
         ("kill@step=5,node=node1", "node1", 4),
-        ("nan@step=7,node=node2", "node2", 6),
+        ("nan@step=7,node=node2", None, 6),
         ("hang@step=5,node=node1", "node1", 4),
     ],
     ids=["hard-kill", "soft-nan", "hang-sigstop"],
@@ -68,17 +82,22 @@ def reference(tmp_path_factory, tiny_data):
 def test_failed_node_is_replaced_and_losses_equal_an_uninterrupted_run(
     reference, tiny_data, tmp_path, leftover_processes, fault, bad_node, resumed_from
 ):
-    """The faulty node is taken out (vanished / named by NaNDetector / its rank stopped by SIGSTOP and silent past
-    --hang-timeout 10 s, detected within the timeout + 10 s), the buffer node3 takes its place, the relaunch resumes
-    from the newest slot (step 4 after the kill and the hang, step 6 after the NaN: the NaN step is never applied),
+    """The faulty node is taken out (vanished / its rank stopped by SIGSTOP and silent past --hang-timeout 10 s,
+    detected within the timeout + 10 s) and the buffer node3 takes its place, or, after one NaN on node2, node2 is a
+    suspect and the relaunch keeps it; the relaunch resumes from the newest slot (step 4 after the kill and the hang,
+    step 6 after the NaN: the NaN step is never applied),
     the losses of every step, before and after the resume, equal the uninterrupted run's exactly, and no process of
     the launch is left (the stopped one and the ranks blocked in a collective with it included)."""
     hang = fault.startswith("hang")
     code, report, output = _launch(tmp_path, tiny_data, fault, hang_timeout=10 if hang else 120)
     assert code == 0, output[-3000:]
     first, second = report["attempts"]
-    assert first["failed_hosts"] == [bad_node], first
-    assert bad_node not in second["nodes"] and "node3" in second["nodes"]
+    if bad_node is None:
+        assert first["failed_hosts"] == [] and first["suspect_hosts"] == ["node2"], first
+        assert second["nodes"] == first["nodes"]
+    else:
+        assert first["failed_hosts"] == [bad_node], first
+        assert bad_node not in second["nodes"] and "node3" in second["nodes"]
     (restart,) = report["restarts"]
     assert restart["resumed_from_step"] == resumed_from, restart
     before, after = _losses(tmp_path)
@@ -109,3 +128,40 @@ def test_out_of_nodes_after_two_failures_keeps_the_last_checkpoint(tiny_data, tm
     slot = resolve_last(tmp_path / "checkpoints" / "dual", verify_checksums=True)
     assert slot is not None and slot_step(slot) == 4
     assert leftover_processes(report["settings"]["launch_id"]) == []
+
+
+def test_requeued_launch_resumes_on_its_first_attempt(reference, tiny_data, tmp_path, leftover_processes):
+    """A launch that stops (node1 killed at step 5, no restarts left: exit 4) and is then started again on the same
+    directories, as SLURM's requeue or a resubmission does: the new launch's first attempt resumes from the newest
+    slot (step 4), not from step 0, and its losses equal the uninterrupted run's."""
+    code, report, output = _launch(tmp_path, tiny_data, "kill@step=5,node=node1", max_restarts=0)
+    assert code == 4, output[-3000:]
+    code, report, output = _launch(tmp_path, tiny_data, None)
+    assert code == 0, output[-3000:]
+    (attempt,) = report["attempts"]
+    assert attempt["resumed_from_step"] == 4 and attempt["command"][-5:-4] == ["last"]
+    after = _losses(tmp_path)[-1]
+    assert sorted(after) == list(range(5, STEPS + 1)) and after == {s: reference[s] for s in after}
+    assert leftover_processes(report["settings"]["launch_id"]) == []
+
+
+def test_user_ckpt_path_is_kept_until_the_run_saved_its_own_slot(reference_run, tiny_data, tmp_path):
+    """A new run directory started from another run's slot (``--ckpt_path X``, step 8) whose node1 dies at step 9,
+    before the run's first save (step 10): the relaunch starts from X again (step 8), not from scratch, and the
+    losses of steps 9 and 10 equal the uninterrupted run's."""
+    from mula_lightning.checkpoint.slots import SLOT_NAMES, resolve_last, slot_step
+
+    workdir, reference = reference_run
+    source = next(
+        workdir / "checkpoints" / "dual" / n for n in SLOT_NAMES if slot_step(workdir / "checkpoints" / "dual" / n) == 8
+    )
+    code, report, output = _launch(
+        tmp_path / "new", tiny_data, "kill@step=9,node=node1", extra=("--ckpt_path", str(source / "state.ckpt"))
+    )
+    assert code == 0, output[-3000:]
+    first, second = report["attempts"]
+    assert first["resumed_from_step"] == 8 and second["resumed_from_step"] == 8
+    assert str(source / "state.ckpt") in second["command"]
+    after = _losses(tmp_path / "new")[-1]
+    assert after == {9: reference[9], 10: reference[10]}
+    assert slot_step(resolve_last(tmp_path / "new" / "checkpoints" / "dual")) == 10

@@ -9,7 +9,14 @@ import time
 
 import pytest
 
-from mula_lightning.launch import EXIT_INTERRUPTED, EXIT_OUT_OF_NODES, EXIT_RESTARTS_EXHAUSTED, Launcher, LaunchOptions
+from mula_lightning.launch import (
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_OUT_OF_NODES,
+    EXIT_RESTARTS_EXHAUSTED,
+    Launcher,
+    LaunchOptions,
+)
 
 
 @pytest.fixture
@@ -53,14 +60,51 @@ def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, 
     assert any("taken out: node0" in t for t in texts) and any("time lost" in t for t in texts)
 
 
-def test_nan_exit_takes_out_the_named_node(launch, fake_env):
-    """Exit code 86 with the host in MULA_FAILED_HOSTS_FILE (what NaNDetector does): a soft failure; that node is
-    taken out and the relaunch runs on the buffer node."""
-    code, report = launch("nan@step=3,node=node2", nnodes=3, buffer_nodes=1)
+def test_nan_on_one_node_makes_it_a_suspect_and_twice_in_a_row_takes_it_out(launch, fake_env):
+    """Exit code 86 with one host in MULA_FAILED_HOSTS_FILE (what NaNDetector does): node0 is only a suspect (a bad
+    sample or a transient may have caused it) and the relaunch keeps it; a NaN on node0 again in that relaunch (at
+    another step) takes it out and the third attempt runs on the buffer node in its place."""
+    code, report = launch("nan@step=3,node=node0;nan@step=6,node=node0,attempt=1", nnodes=3, buffer_nodes=1)
+    assert code == 0
+    first, second, third = report["attempts"]
+    assert first["suspect_hosts"] == ["node0"] and first["failed_hosts"] == []
+    assert first["reason"].startswith("soft failure: NaN at step 2 on 1 rank on node0")
+    assert second["nodes"] == ["node0", "node1", "node2"] and second["failed_hosts"] == ["node0"]
+    assert third["nodes"] == ["node3", "node1", "node2"] and third["outcome"] == "succeeded"
+
+
+def test_nan_on_every_rank_is_a_divergence_and_evicts_nobody(launch, fake_env):
+    """Every rank non-finite at the same step (a diverging run): the model or the data, not hardware; the launch
+    stops at once with EXIT_DIVERGED, no node is taken out or suspected, the checkpoint is left alone."""
+    code, report = launch("nan@step=3", nnodes=3, buffer_nodes=1)
+    assert code == EXIT_DIVERGED == 5 and report["outcome"] == "diverged"
+    (attempt,) = report["attempts"]
+    assert attempt["failed_hosts"] == [] and attempt["suspect_hosts"] == []
+    assert "divergence" in report["message"] and "node0, node1, node2" in report["message"]
+    assert (fake_env / "checkpoint").read_text() == "2"
+
+
+def test_a_nan_that_replays_on_the_replacement_node_is_the_data(launch, fake_env):
+    """rank 0 NaN at step 3 twice in a row on node0 takes it out; the buffer node2 in its place then hits NaN at the
+    same step for the same rank (the same batch: the data order is replayed): a divergence verdict, not a third
+    eviction."""
+    faults = "nan@step=3,rank=0;nan@step=3,rank=0,attempt=1;nan@step=3,rank=0,attempt=2"
+    code, report = launch(faults, nnodes=2, buffer_nodes=2, max_restarts=5)
+    assert code == EXIT_DIVERGED
+    first, second, third = report["attempts"]
+    assert second["failed_hosts"] == ["node0"] and third["nodes"] == ["node2", "node1"]
+    assert third["failed_hosts"] == [] and "again on other nodes" in third["reason"]
+
+
+def test_a_rank_aborted_once_relaunches_on_the_same_nodes(launch, fake_env):
+    """SIGABRT (what PyTorch's NCCL watchdog does to healthy ranks after a peer's error, also a native library's
+    abort) is not proof of a lost node: node1 is a suspect, the relaunch runs on the same nodes and finishes; an
+    abort first on the same node again would take it out (the exception test shows the chain)."""
+    code, report = launch("abort@step=3,node=node1", nnodes=2, buffer_nodes=1)
     assert code == 0
     first, second = report["attempts"]
-    assert first["failed_hosts"] == ["node2"] and first["reason"] == "soft failure: NaN on node2"
-    assert second["nodes"] == ["node0", "node1", "node3"]
+    assert first["failed_hosts"] == [] and first["suspect_hosts"] == ["node1"] and "SIGABRT" in first["reason"]
+    assert second["nodes"] == ["node0", "node1"] and second["outcome"] == "succeeded"
 
 
 def test_stopped_rank_is_detected_as_a_hang_within_the_timeout(launch, fake_env, monkeypatch):
@@ -120,13 +164,31 @@ def test_a_start_that_never_reports_is_a_hang_after_the_startup_timeout(launch, 
     assert attempt["outcome"] == "hang" and "no rank reported within the startup timeout (2 s)" in attempt["reason"]
 
 
+def test_a_rank_that_reports_the_end_but_never_exits_is_a_hang(launch, monkeypatch):
+    """Rank 0 beats "end" and then never exits (a teardown stuck in a collective): a hang once --hang-timeout passes
+    since its last beat, not a launcher waiting forever."""
+    monkeypatch.setenv("FAKE_HANG_AFTER_END", "1")
+    monkeypatch.setenv("FAKE_STEPS", "3")
+    code, report = launch(None, nnodes=2, max_restarts=0, hang_timeout_s=2.0)
+    assert code == EXIT_RESTARTS_EXHAUSTED
+    (attempt,) = report["attempts"]
+    assert attempt["outcome"] == "hang" and "ranks 0 reported the end of training but did not exit" in attempt["reason"]
+
+
+def test_hang_timeout_zero_turns_detection_off(launch, monkeypatch):
+    """--hang-timeout 0: a command that never sends a heartbeat runs to its end (4 s, past a 1 s startup timeout)."""
+    monkeypatch.setenv("FAKE_SILENT_S", "4")
+    code, report = launch(None, nnodes=2, max_restarts=0, hang_timeout_s=0.0, startup_timeout_s=1.0)
+    assert code == 0 and report["outcome"] == "succeeded"
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
         (["--nnodes", "0", "--", "true"], "--nnodes (0) must be at least 1"),
         (["--nnodes", "2"], "no command to launch"),
         (["--nnodes", "2", "--nodes", "a", "--", "true"], "only 1 are available (a)"),
-        (["--nnodes", "1", "--hang-timeout", "0", "--", "true"], "--hang-timeout (0.0) must be > 0"),
+        (["--nnodes", "1", "--hang-timeout", "-1", "--", "true"], "--hang-timeout (-1.0) must be >= 0 (0 = off)"),
         (["--nnodes", "1", "--backend", "slurm", "--", "true"], "SLURM_JOB_NODELIST is not set"),
     ],
 )

@@ -6,7 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from mula_lightning.launch import Launcher, LaunchOptions
+from mula_lightning.launch.backends import parse_srun_line
 
 HERE = Path(__file__).parent
 
@@ -23,11 +26,7 @@ def test_srun_command_lines_exclude_the_failed_host(tmp_path, monkeypatch, fake_
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _tool(bin_dir / "srun", HERE / "fake_srun.py")
-    (bin_dir / "scontrol").write_text(
-        f'#!/bin/sh\nexec {sys.executable} -c "import sys; from mula_lightning.launch import expand_hostlist; '
-        f'print(chr(10).join(expand_hostlist(sys.argv[3])))" "$@"\n'
-    )
-    (bin_dir / "scontrol").chmod(0o755)
+    _tool(bin_dir / "scontrol", HERE / "fake_scontrol.py")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-4]")
     monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
@@ -55,5 +54,121 @@ def test_srun_command_lines_exclude_the_failed_host(tmp_path, monkeypatch, fake_
     ]
     report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
     assert report["attempts"][0]["failed_hosts"] == ["node2"]
-    assert report["attempts"][0]["reason"] == "hard failure: node2 lost"
+    assert report["attempts"][0]["reason"].startswith("hard failure: node2 lost (every rank killed by a SIGKILL")
     assert leftover_processes(launcher.launch_id) == []
+
+
+def _slurm_launch(tmp_path, monkeypatch, fake_command, fault, **env):
+    """3 active + 1 buffer over the fake srun; returns (exit code, report, srun command lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _tool(bin_dir / "srun", HERE / "fake_srun.py")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
+    monkeypatch.setenv("MULA_FAULT", fault)
+    monkeypatch.setenv("FAKE_STEPS", "5")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    options = LaunchOptions(
+        command=fake_command, nnodes=3, buffer_nodes=1, backend="slurm", nodes=["node1", "node2", "node3", "node4"],
+        report_dir=str(tmp_path / "launch"), grace_s=3.0, settle_s=0.5, poll_s=0.05,
+    )  # fmt: skip
+    code = Launcher(options).run()
+    report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    return code, report, [next(a for a in line if a.startswith("--nodelist=")) for line in lines]
+
+
+def test_srun_abort_and_segfault_wordings_make_a_suspect_not_a_lost_node(tmp_path, monkeypatch, fake_env, fake_command):
+    """srun's "task 1: Aborted (core dumped)" (NCCL's watchdog on a healthy rank): node2 is a suspect after the first
+    (the relaunch keeps it) and is taken out only when it fails first again in that relaunch; the second relaunch runs
+    on the buffer node. Before, any wording srun printed for a signal read as a lost node (the other wordings:
+    test_parse_srun_line_knows_the_real_wordings)."""
+    fault = "abort@step=2,node=node2;abort@step=5,node=node2,attempt=1"
+    code, report, nodelists = _slurm_launch(tmp_path, monkeypatch, fake_command, fault)
+    assert code == 0
+    first, second, _ = report["attempts"]
+    assert first["failed_hosts"] == [] and first["suspect_hosts"] == ["node2"] and "SIGABRT" in first["reason"]
+    assert second["failed_hosts"] == ["node2"]
+    assert nodelists == ["--nodelist=node1,node2,node3"] * 2 + ["--nodelist=node1,node4,node3"]
+
+
+def test_srun_node_failure_line_is_a_lost_node_even_amid_invalid_bytes(tmp_path, monkeypatch, fake_env, fake_command):
+    """1 MB of stderr with invalid UTF-8 bytes (and a 50 kB line without a newline) before srun's "Node failure on
+    node2": the reader keeps reading (the step does not block on a full pipe), the node-failure line takes node2 out
+    at once and the relaunch runs on node4."""
+    code, report, nodelists = _slurm_launch(
+        tmp_path, monkeypatch, fake_command, "kill@step=2,node=node2", FAKE_NODE_FAILURE="1", FAKE_SRUN_NOISE="1"
+    )
+    assert code == 0
+    first, second = report["attempts"]
+    assert first["failed_hosts"] == ["node2"] and "SLURM node failure" in first["reason"]
+    assert nodelists == ["--nodelist=node1,node2,node3", "--nodelist=node1,node4,node3"]
+
+
+@pytest.mark.parametrize(
+    ("line", "host", "code", "node_failure"),
+    [
+        ("srun: error: nid001: task 3: Exited with exit code 86", "nid001", 86, False),
+        ("srun: error: nid001: tasks 0-3: Killed", "nid001", -9, False),
+        ("srun: error: nid002: task 1: Aborted (core dumped)", "nid002", -6, False),
+        ("srun: error: nid002: task 1: Segmentation fault (core dumped)", "nid002", -11, False),
+        ("srun: error: nid002: task 1: Bus error", "nid002", -7, False),
+        ("srun: error: nid002: task 1: Something new in SLURM 27", "nid002", 1, False),
+        ("srun: error: Node failure on nid007", "nid007", -9, True),
+    ],
+)
+def test_parse_srun_line_knows_the_real_wordings(line, host, code, node_failure):
+    """Each srun report line maps to its host, exit code (-signal) and node-failure flag; an unknown wording is an
+    ordinary failure (code 1, wording kept), never a lost node."""
+    event = parse_srun_line(line)
+    assert (event.host, event.code, event.node_failure) == (host, code, node_failure)
+    if code == 1:
+        assert event.detail == "Something new in SLURM 27" and "Something new" in event.describe()
+
+
+def test_a_hang_under_slurm_is_blamed_on_the_rank_that_fell_behind(tmp_path, monkeypatch, fake_env, fake_command):
+    """Under SLURM no process state is visible from the launcher: node2's rank stops at step 2 (SIGSTOP), the others
+    run on and report higher steps; after --hang-timeout the heartbeats say who fell behind, so node2 becomes a
+    suspect (not a lost node) and the relaunch on the same nodes finishes."""
+    monkeypatch.setenv("FAKE_STEPS", "4")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _tool(bin_dir / "srun", HERE / "fake_srun.py")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
+    monkeypatch.setenv("MULA_FAULT", "hang@step=2,node=node2")
+    options = LaunchOptions(
+        command=fake_command, nnodes=3, buffer_nodes=1, backend="slurm", nodes=["node1", "node2", "node3", "node4"],
+        report_dir=str(tmp_path / "launch"), grace_s=3.0, settle_s=0.5, poll_s=0.05, hang_timeout_s=2.0,
+    )  # fmt: skip
+    assert Launcher(options).run() == 0
+    report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
+    first, second = report["attempts"]
+    assert first["outcome"] == "hang" and first["suspect_hosts"] == ["node2"] and first["failed_hosts"] == []
+    assert "rank 1 stopped first (step 1, the others reached 4) on node2" in first["reason"]
+    assert second["nodes"] == ["node1", "node2", "node3"] and second["outcome"] == "succeeded"
+
+
+@pytest.mark.parametrize(
+    ("kill_on_node_fail", "expected"),
+    [("1", "was submitted without --no-kill"), ("0", None), (None, "cannot tell whether SLURM job 4242")],
+)
+def test_no_kill_is_checked_with_scontrol(tmp_path, monkeypatch, kill_on_node_fail, expected):
+    """A job without --no-kill (SLURM ends the allocation when a node fails, so no buffer node is ever used) gets a
+    warning naming the fix; with --no-kill none; a SLURM that cannot answer gets a warning that says so."""
+    from mula_lightning.launch.hostlist import no_kill_warning
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _tool(bin_dir / "scontrol", HERE / "fake_scontrol.py")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    if kill_on_node_fail is not None:
+        monkeypatch.setenv("FAKE_KILL_ON_NODE_FAIL", kill_on_node_fail)
+    else:
+        monkeypatch.delenv("FAKE_KILL_ON_NODE_FAIL", raising=False)
+    warning = no_kill_warning(env)
+    if expected is None:
+        assert warning is None
+    else:
+        assert expected in warning and "sbatch --no-kill" in warning

@@ -19,10 +19,20 @@ Lightning:
   The RNG states are restored right before the first batch after the resume.
 * Fabric: :meth:`DualCheckpoint.save_fabric` / :meth:`DualCheckpoint.load_fabric` (or :func:`resolve_last` for a
   path to pass to ``fabric.load``).
+
+Lineage: every marker carries the run's id. A resume adopts the id of the slot it loads; a fresh run draws a new
+one. A fresh run that finds slots of another run in ``dirpath`` refuses to start (they would outlive its own older
+slots, and a later ``ckpt_path="last"`` could pick the other run's step): resume it (``ckpt_path="last"``), give a
+new ``dirpath``, or pass ``overwrite=True`` (the other run's markers are removed before the first save).
+
+Metadata: the Trainer's checkpoint is made plain data before it is written (configs as dicts, paths as str, NumPy
+scalars as numbers, enums by value: :mod:`mula_lightning.utils.plain_data`), and a value the safe reader would
+refuse fails the save that writes it, naming the entry, instead of the resume after the next failure.
 """
 
 from __future__ import annotations
 
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,13 +44,26 @@ from mula_lightning.checkpoint.slots import (
     MARKER_NAME,
     SLOT_NAMES,
     STATE_NAME,
+    invalidate_slots,
     load_rng,
     model_signature,
     newest_marked_slot,
     read_marker,
     resolve_last,
     save_slot,
+    slot_lineages,
 )
+from mula_lightning.utils.dist import broadcast_object, rank_world
+from mula_lightning.utils.plain_data import to_plain_data
+from mula_lightning.utils.safe_load import load_torch_file
+
+
+class CheckpointLineageError(RuntimeError):
+    """A fresh run found another run's checkpoint slots in its ``dirpath`` and was not told what to do with them."""
+
+
+def _new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def _layout(strategy: Any) -> dict[str, Any]:
@@ -81,6 +104,8 @@ class DualCheckpoint(ModelCheckpoint):
         phase_hook: called with each protocol phase name during a save (fault injection in tests).
         save_on_train_end: also save the last step when training ends normally (``max_steps`` reached, a stop
             requested), whatever the interval: a short run, or the steps after the last multiple, are not lost.
+        overwrite: a fresh run (not resumed from ``dirpath``) whose ``dirpath`` holds another run's slots removes
+            their markers before its first save; without it such a run refuses to start (see the module docstring).
 
     Resume with ``trainer.fit(model, ckpt_path="last")`` (Trainer) or :meth:`load_fabric` (Fabric).
     """
@@ -92,6 +117,7 @@ class DualCheckpoint(ModelCheckpoint):
         verify_checksums: bool = True,
         phase_hook: Any = None,
         save_on_train_end: bool = True,
+        overwrite: bool = False,
     ) -> None:
         if int(every_n_train_steps) < 1:
             raise ValueError(f"every_n_train_steps ({every_n_train_steps}) must be >= 1")
@@ -101,7 +127,10 @@ class DualCheckpoint(ModelCheckpoint):
         self.verify_checksums = verify_checksums
         self.phase_hook = phase_hook
         self.save_on_train_end = save_on_train_end
+        self.overwrite = overwrite
+        self.run_id: str | None = None  # this run's lineage: adopted on resume, drawn by the first save otherwise
         self.last_saved_step = -1
+        self.saves_this_process = 0  # slots completed by this process (``mula launch`` resumes from them)
         self.resumed_from: Path | None = None
         self._restore_rng_pending = False
 
@@ -121,7 +150,15 @@ class DualCheckpoint(ModelCheckpoint):
         strategy.load_checkpoint = load_checkpoint  # instance attribute: only this trainer's strategy is affected
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        pass
+        """A fresh run checks ``dirpath`` for another run's slots before its first step, not at its first save."""
+        self._claim_lineage()
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Everything but the tensors as plain data, so that Lightning's own strategies (which ``torch.save`` the
+        dict as it is) write what the safe reader loads; the sharded strategies normalise their metadata too."""
+        for key in list(checkpoint):
+            if key not in ("state_dict", "optimizer_states"):
+                checkpoint[key] = to_plain_data(checkpoint[key])
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._restore_rng_pending:
@@ -167,24 +204,63 @@ class DualCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ saving / resuming
     def save(self, trainer: Any) -> Path:
-        """Write the Trainer's full state into the older slot now (collective)."""
+        """Write the Trainer's full state into the slot that is not the newest valid one, now (collective)."""
+        self._claim_lineage()
         step = trainer.global_step
         self.last_saved_step = step  # before the save, so the checkpoint's own copy of this callback says so
         signature = model_signature(trainer.strategy.lightning_module_state_dict())
-        return save_slot(
+
+        def write(path: Path) -> None:
+            trainer.save_checkpoint(path)
+            if path.is_file() and rank_world()[0] == 0:  # Lightning's own single-file format: prove it loads
+                load_torch_file(path, mmap=True)
+
+        slot = save_slot(
             self.dirpath,
             step,
-            lambda path: trainer.save_checkpoint(path),
+            write,
             layout=_layout(trainer.strategy),
             signature=signature,
             phase_hook=self.phase_hook,
+            run_id=self.run_id,
         )
+        self.saves_this_process += 1
+        return slot
+
+    def _claim_lineage(self) -> None:
+        """Give a fresh run its lineage id (collective, once): refuse, or with ``overwrite`` invalidate, the slots of
+        another run found in ``dirpath``. A resumed run already holds the id of the slot it loaded."""
+        if self.run_id is not None:
+            return
+        problem, run_id = "", None
+        if rank_world()[0] == 0:
+            others = slot_lineages(self.dirpath)
+            if others and not self.overwrite:
+                found = ", ".join(f"{n} (step {step}, run {rid or 'unknown'})" for n, (step, rid) in others.items())
+                problem = (
+                    f"{self.dirpath} holds checkpoints of another run: {found}. A new run would interleave its slots "
+                    "with them and a later resume could pick the other run's step. Resume it (ckpt_path='last', "
+                    "`mula fit ... --ckpt_path last`), choose a new dirpath, or pass DualCheckpoint(overwrite=True) "
+                    "to discard them"
+                )
+            run_id = _new_run_id()
+        problem, run_id = broadcast_object((problem, run_id))
+        if problem:
+            raise CheckpointLineageError(problem)
+        if self.overwrite and any((Path(self.dirpath) / n / MARKER_NAME).exists() for n in SLOT_NAMES):
+            invalidate_slots(self.dirpath)
+        self.run_id = run_id
+
+    def _adopt_lineage(self, slot: Path) -> None:
+        marker = read_marker(slot) or {}
+        self.run_id = marker.get("run_id") or _new_run_id()
 
     def _agreed_slot(self, signature: dict[str, list[int]] | None) -> Path:
         slot = resolve_last(self.dirpath, signature, self.verify_checksums)
         if slot is None:
             raise FileNotFoundError(f"{self.dirpath}: no complete checkpoint slot to resume from")
         self.resumed_from = slot
+        self._adopt_lineage(slot)
         self._restore_rng_pending = True
         return slot
 
@@ -208,14 +284,18 @@ class DualCheckpoint(ModelCheckpoint):
         """Save Fabric ``state`` (modules, optimizers, schedulers, plain values) as step ``step`` (collective)."""
         modules = [v for v in state.values() if isinstance(v, nn.Module)]
         signature = _module_signature(fabric.strategy, modules[0]) if modules else None
-        return save_slot(
+        self._claim_lineage()
+        slot = save_slot(
             self.dirpath,
             step,
             lambda path: fabric.save(path, state),
             layout=_layout(fabric.strategy),
             signature=signature,
             phase_hook=self.phase_hook,
+            run_id=self.run_id,
         )
+        self.saves_this_process += 1
+        return slot
 
     def load_fabric(self, fabric: Any, state: dict[str, Any]) -> dict[str, Any] | None:
         """Restore ``state`` in place from the newest slot every rank sees as complete, and the RNG states.
@@ -229,6 +309,7 @@ class DualCheckpoint(ModelCheckpoint):
         if slot is None:
             return None
         self.resumed_from = slot
+        self._adopt_lineage(slot)
         remainder = fabric.load(slot / STATE_NAME, state)
         self._restore_rng(fabric.world_size)
         return remainder
@@ -245,4 +326,4 @@ def resolve_last_checkpoint(dirpath: str | Path, module: nn.Module | None = None
     return None if slot is None else slot / STATE_NAME
 
 
-__all__ = ["DualCheckpoint", "resolve_last_checkpoint"]
+__all__ = ["CheckpointLineageError", "DualCheckpoint", "resolve_last_checkpoint"]

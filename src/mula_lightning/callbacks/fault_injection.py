@@ -9,6 +9,7 @@ drilled without editing its config::
     MULA_FAULT="hang@step=3,node=node2,local_rank=0"    # one rank stops (SIGSTOP): a hang
     MULA_FAULT="nan@step=7,node=node1"                  # that node's gradients turn NaN (NaNDetector: exit 86)
     MULA_FAULT="exception@step=4,rank=0"                # an ordinary Python error
+    MULA_FAULT="abort@step=4,node=node1"                # SIGABRT, as NCCL's watchdog ends healthy ranks
     MULA_FAULT="kill@step=5,node=node1;nan@step=9,node=node2,attempt=1"   # several, ';'-separated
 
 ``step=S`` acts while optimizer step S (1-based) is computed, before it is applied: at the first batch of that step.
@@ -66,6 +67,8 @@ class FaultInjector(Callback):
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "exception":
             raise RuntimeError(f"{FAULT_ENV}: injected exception at {where}")
+        elif fault.kind == "abort":
+            os.abort()
         else:  # nan: this step's gradients, on this rank only (before any reduction), become NaN
             self._nan_pending = True
 

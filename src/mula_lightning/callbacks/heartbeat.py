@@ -20,6 +20,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from mula_lightning.callbacks.dual_checkpoint import DualCheckpoint
 from mula_lightning.utils.launch_env import HeartbeatClient
 
 __all__ = ["Heartbeat"]
@@ -40,10 +41,15 @@ class Heartbeat(Callback):
         self.client.beat(trainer.global_step, "start", trainer.global_rank)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.client.beat(trainer.global_step, "train", trainer.global_rank)
+        self.client.beat(trainer.global_step, "train", trainer.global_rank, saved=_saved(trainer))
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
-        self.client.beat(trainer.global_step, "validation", trainer.global_rank)
+        self.client.beat(trainer.global_step, "validation", trainer.global_rank, saved=_saved(trainer))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.client.beat(trainer.global_step, "end", trainer.global_rank)
+        self.client.beat(trainer.global_step, "end", trainer.global_rank, saved=_saved(trainer))
+
+
+def _saved(trainer: Any) -> bool:
+    """Whether a DualCheckpoint of this trainer saved a slot in this process (the launcher's resume switch)."""
+    return any(isinstance(cb, DualCheckpoint) and cb.saves_this_process for cb in trainer.callbacks)

@@ -18,8 +18,10 @@ What runs, per rank:
 
 On detection every rank knows the offending ranks from that single all-reduce, so all leave together (nobody is
 left waiting in a collective): the offending ranks' details are gathered, rank 0 writes the JSON report and
-appends the offending hosts to the failed-hosts file (and to ``MULA_FAILED_HOSTS_FILE`` when ``mula launch`` set it:
-the launcher swaps in buffer nodes for them), and
+appends one line per offending host to the failed-hosts file (and to ``MULA_FAILED_HOSTS_FILE`` when ``mula launch``
+set it): ``HOST step=S ranks=R,.. ep_groups=G,.. bad=B world=W``, from which the launcher tells a node's fault (one
+host, or one expert-parallel group: a NaN crosses the dispatch all-to-all within the group) from the model's or the
+data's (several at once: nobody is evicted), and
 every rank exits with :data:`NAN_EXIT_CODE` without running the optimizer step, so the weights and every later
 checkpoint stay clean (no hook of any other callback runs after the event). Hosts are named by
 ``MULA_NODE_NAME`` when set (simulated nodes), else the hostname.
@@ -42,7 +44,7 @@ from lightning.pytorch.callbacks import Callback
 
 from mula_lightning.utils.dist import all_gather_object, flag_device, is_distributed
 from mula_lightning.utils.io import atomic_write_text
-from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EXIT_CODE, host_name
+from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EXIT_CODE, NanRecord, host_name
 
 REPORT_NAME = "nan_report.json"
 FAILED_HOSTS_NAME = "failed_hosts.txt"
@@ -168,9 +170,19 @@ class NaNDetector(Callback):
             files = [self.failed_hosts_file]
             if os.environ.get(FAILED_HOSTS_ENV) and Path(os.environ[FAILED_HOSTS_ENV]) != self.failed_hosts_file:
                 files.append(Path(os.environ[FAILED_HOSTS_ENV]))
+            ep_size = max(1, int(getattr(getattr(trainer.strategy, "topology", None), "ep_size", 1)))
             for host in dict.fromkeys(r["host"] for r in offenders):
+                ranks = [r["rank"] for r in offenders if r["host"] == host]
+                line = NanRecord(
+                    host,
+                    step=trainer.global_step,
+                    ranks=ranks,
+                    ep_groups=sorted({r // ep_size for r in ranks}) if ep_size > 1 else [],
+                    bad=len(bad_ranks),
+                    world=report["world_size"],
+                ).line()
                 for path in files:
-                    _append_line(path, host)
+                    _append_line(path, line)
         if distributed:
             dist.barrier()  # the report is on disk before anyone leaves
         where = ", ".join(

@@ -42,7 +42,7 @@ def save_dcp(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], plan
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save({**tensors, METADATA_KEY: dumps_data(metadata)}, checkpoint_id=str(path), planner=planner)
+    dcp.save({**tensors, METADATA_KEY: dumps_data(metadata, path)}, checkpoint_id=str(path), planner=planner)
 
 
 def saved_keys(path: Path) -> set[str]:

@@ -6,8 +6,8 @@ complete one. What makes a slot *complete* is a marker file written last; the pr
 that a crash at any instant (SIGKILL included) leaves at least one slot whose marker describes exactly the bytes
 on disk:
 
-1. All ranks agree which slot to overwrite (rank 0 picks the one without a marker, else the older step, and
-   broadcasts the choice).
+1. All ranks agree which slot to overwrite: never the newest *valid* one (:func:`choose_slot`: after a resume fell
+   back from a damaged newest slot, the older slot is the one to keep, whatever the markers' steps say).
 2. Rank 0 removes the slot's marker and fsyncs the slot directory, *then* deletes the old payload. From here on
    the slot reads as incomplete, even after a power loss. A barrier keeps every rank from writing earlier.
 3. Every rank writes its part (``write(path)``: a DCP save, ``trainer.save_checkpoint``, ...) and its RNG states
@@ -17,7 +17,7 @@ on disk:
    raises :class:`CheckpointWriteError` and no marker is written (the other slot stays the newest complete one).
 5. Rank 0 gathers the checksums, fsyncs the slot's directories and writes the marker atomically (temporary file,
    fsync, rename, fsync of the directory). The marker holds the step, the layout, every file's size and CRC32,
-   and the model's signature (logical key -> shape).
+   the model's signature (logical key -> shape) and the run's lineage id (:func:`slot_lineages`).
 
 Resume (:func:`resolve_last`) checks each slot on every rank (marker readable, every listed file present with
 its size; the CRC32s are split over the ranks so each file is read by one rank only; the model signature, when
@@ -169,19 +169,77 @@ def _load_rng_file(path: Path) -> dict[str, Any]:
         return load_torch_file(path)
 
 
+# dirpath (resolved) -> (slot name, step) this process knows to be the newest valid slot: the one resolve_last
+# picked (every rank checked it) or the one its own last save completed. Every rank of a job holds the same entry.
+_KNOWN_VALID: dict[str, tuple[str, int]] = {}
+
+
+def _marker_step(slot: Path) -> int:
+    try:
+        marker = read_marker(slot)
+    except ValueError:
+        return -1
+    return -1 if marker is None else int(marker["step"])
+
+
+def _remember_valid(slot: Path, step: int) -> None:
+    _KNOWN_VALID[str(slot.parent.resolve())] = (slot.name, int(step))
+
+
+def newest_valid_slot(dirpath: Path, verify_checksums: bool = True) -> str | None:
+    """The name of the newest slot every rank sees as complete and valid, None when there is none (collective).
+
+    The same check as :func:`resolve_last` (sizes on every rank, each CRC32 read by one rank), without raising.
+    """
+    views = [check_slot(dirpath / name, None, verify_checksums) for name in SLOT_NAMES]
+    gathered = all_gather_object(views)
+    best, best_step = None, -1
+    for i, name in enumerate(SLOT_NAMES):
+        steps = {view[i][0] for view in gathered}
+        if None not in steps and len(steps) == 1 and (step := steps.pop()) > best_step:
+            best, best_step = name, step
+    return best
+
+
 def choose_slot(dirpath: Path) -> Path:
-    """The slot to overwrite next (agreed: rank 0 decides): one without a valid marker, else the older step."""
-    choice = None
+    """The slot to overwrite next: never the newest *valid* slot (payload checks included); agreed by all ranks.
+
+    Looking at the markers alone is not enough: after a resume fell back from a damaged newest slot to the older
+    one, the older one is the only good checkpoint left, and overwriting it (because its marker names the lower step)
+    loses everything if the job dies during that save. So the slot to keep is the newest valid one as this process
+    knows it (what :func:`resolve_last` resolved, or the slot its own last save completed), used while the markers
+    on disk still say the same; otherwise (a fresh process, or markers changed by another job) every rank checks
+    the slots (:func:`newest_valid_slot`). Rank 0's view decides and is broadcast.
+    """
+    keep = None
     if rank_world()[0] == 0:
-        steps = {}
-        for name in SLOT_NAMES:
-            try:
-                marker = read_marker(dirpath / name)
-            except ValueError:
-                marker = None
-            steps[name] = -1 if marker is None else int(marker["step"])
-        choice = min(SLOT_NAMES, key=lambda n: (steps[n], n))
-    return dirpath / broadcast_object(choice)
+        known = _KNOWN_VALID.get(str(dirpath.resolve()))
+        if known is not None:
+            steps = {name: _marker_step(dirpath / name) for name in SLOT_NAMES}
+            if steps[known[0]] == known[1] and all(v <= known[1] for v in steps.values()):
+                keep = known[0]
+    keep = broadcast_object(keep)
+    if keep is None:
+        keep = newest_valid_slot(dirpath)
+    if keep is None:  # nothing valid to protect: a slot without a marker first, else the older step
+        steps = {name: _marker_step(dirpath / name) for name in SLOT_NAMES}
+        choice = broadcast_object(min(SLOT_NAMES, key=lambda n: (steps[n], n)))
+        return dirpath / choice
+    return dirpath / next(name for name in SLOT_NAMES if name != keep)
+
+
+def invalidate_slots(dirpath: str | Path, names: list[str] | tuple[str, ...] = SLOT_NAMES) -> None:
+    """Remove the markers of the given slots (collective; rank 0 removes, fsyncs, then every rank continues):
+    their payloads can no longer be chosen by a resume. Used when a new run is told to overwrite another's."""
+    dirpath = Path(dirpath)
+    if rank_world()[0] == 0:
+        for name in names:
+            (dirpath / name / MARKER_NAME).unlink(missing_ok=True)
+            if (dirpath / name).is_dir():
+                fsync_dir(dirpath / name)
+    _KNOWN_VALID.pop(str(dirpath.resolve()), None)
+    if is_distributed():
+        dist.barrier()
 
 
 def save_slot(
@@ -191,8 +249,9 @@ def save_slot(
     layout: dict[str, Any] | None = None,
     signature: dict[str, list[int]] | None = None,
     phase_hook: Callable[[str], None] | None = None,
+    run_id: str | None = None,
 ) -> Path:
-    """Write one checkpoint into the older slot of ``dirpath`` with the protocol of the module docstring.
+    """Write one checkpoint into the slot of ``dirpath`` that is not the newest valid one (the module's protocol).
 
     Collective: every rank calls it with the same ``step``.
 
@@ -205,6 +264,7 @@ def save_slot(
         signature: :func:`model_signature` of the model, stored in the marker and checked on resume.
         phase_hook: called with ``"begin"``, ``"cleared"``, ``"written"``, ``"agreed"``, ``"done"``; for fault
             injection in tests (a sleep or a kill between the protocol's steps).
+        run_id: the lineage of the run (stored in the marker, see :func:`slot_lineages`).
 
     Returns:
         The slot directory.
@@ -261,10 +321,12 @@ def save_slot(
             "layout": layout or {},
             "files": files,
             "model": signature,
+            "run_id": run_id,
         }
         atomic_write_text(slot / MARKER_NAME, json.dumps(marker, indent=1, sort_keys=True))
     if is_distributed():
         dist.barrier()
+    _remember_valid(slot, step)
     hook("done")
     return slot
 
@@ -339,7 +401,27 @@ def resolve_last(
             best, best_step = dirpath / name, step
     if best is None and any_marker:
         raise CheckpointIntegrityError(f"{dirpath}: no complete, valid checkpoint slot: " + " | ".join(problems))
+    if best is not None:
+        _remember_valid(best, best_step)
     return best
+
+
+def slot_lineages(dirpath: str | Path) -> dict[str, tuple[int, str | None]]:
+    """``slot name -> (step, run id)`` of every slot with a readable marker (this process only, no checksum).
+
+    The run id is the lineage: every save of one training run (its first attempt and every resume of it) writes
+    the same id, so a fresh run can tell another run's checkpoints from its own. Markers written before lineages
+    existed have ``None``.
+    """
+    out = {}
+    for name in SLOT_NAMES:
+        try:
+            marker = read_marker(Path(dirpath) / name)
+        except ValueError:
+            continue
+        if marker is not None:
+            out[name] = (int(marker["step"]), marker.get("run_id"))
+    return out
 
 
 def newest_marked_slot(dirpath: str | Path) -> Path | None:

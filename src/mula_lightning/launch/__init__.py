@@ -13,6 +13,7 @@ The ranks' side lives in :mod:`mula_lightning.callbacks`: ``Heartbeat`` (progres
 
 from mula_lightning.launch.hostlist import allocation_nodes, expand_hostlist
 from mula_lightning.launch.launcher import (
+    EXIT_DIVERGED,
     EXIT_INTERRUPTED,
     EXIT_OUT_OF_NODES,
     EXIT_RESTARTS_EXHAUSTED,
@@ -22,6 +23,7 @@ from mula_lightning.launch.launcher import (
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 
 __all__ = [
+    "EXIT_DIVERGED",
     "EXIT_INTERRUPTED",
     "EXIT_OUT_OF_NODES",
     "EXIT_RESTARTS_EXHAUSTED",

@@ -44,6 +44,8 @@ class RankExit:
     ranks: list[int]
     code: int
     at: float = field(default_factory=time.monotonic)
+    node_failure: bool = False  # SLURM reported the node itself as failed (hard evidence)
+    detail: str = ""  # srun's own wording, when it is not one this module knows
 
     @property
     def killed(self) -> bool:
@@ -51,7 +53,11 @@ class RankExit:
         return self.code < 0
 
     def describe(self) -> str:
-        if self.code < 0:
+        if self.node_failure:
+            return f"node failure on {self.host} (SLURM)"
+        if self.detail:
+            how = f"ended: {self.detail}"
+        elif self.code < 0:
             try:
                 how = f"killed by {signal.Signals(-self.code).name}"
             except ValueError:
@@ -175,6 +181,18 @@ class LocalAttempt:
 _TASK_LINE = re.compile(r"srun: error: (?P<host>[^:\s]+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)$")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (?P<host>\S+)")
 _EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
+# the wordings of strsignal() that srun prints for a task ended by a signal
+_SIGNAL_WORDS = {
+    "Killed": signal.SIGKILL,
+    "Terminated": signal.SIGTERM,
+    "Segmentation fault": signal.SIGSEGV,
+    "Aborted": signal.SIGABRT,
+    "Bus error": signal.SIGBUS,
+    "Illegal instruction": signal.SIGILL,
+    "Floating point exception": signal.SIGFPE,
+    "Interrupt": signal.SIGINT,
+    "Hangup": signal.SIGHUP,
+}
 
 
 def _task_ids(text: str) -> list[int]:
@@ -189,18 +207,20 @@ def parse_srun_line(line: str) -> RankExit | None:
     """One of srun's report lines as a :class:`RankExit` (``None`` for any other line)."""
     match = _NODE_FAILURE.search(line)
     if match:
-        return RankExit(match.group("host"), [], -int(signal.SIGKILL))
+        return RankExit(match.group("host"), [], -int(signal.SIGKILL), node_failure=True)
     match = _TASK_LINE.search(line.strip())
     if not match:
         return None
-    what = match.group("what")
+    what = match.group("what").strip()
     code_match = _EXIT_CODE.search(what)
+    detail = ""
     if code_match:
         code = int(code_match.group(1))
-    else:  # "Killed", "Terminated", "Segmentation fault", ...: the task was killed by a signal
-        names = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM, "Segmentation fault": signal.SIGSEGV}
-        code = -int(names.get(what.strip().split(" (")[0], signal.SIGKILL))
-    return RankExit(match.group("host"), _task_ids(match.group("tasks")), code)
+    else:  # "Killed", "Aborted (core dumped)", "Segmentation fault", ...: the task was killed by a signal
+        sig = _SIGNAL_WORDS.get(what.split(" (")[0])
+        code = -int(sig) if sig is not None else 1  # an unknown wording is an ordinary failure, never a lost node
+        detail = "" if sig is not None else what
+    return RankExit(match.group("host"), _task_ids(match.group("tasks")), code, detail=detail)
 
 
 class SlurmAttempt:
@@ -227,18 +247,24 @@ class SlurmAttempt:
             *command,
         ]
         step_env = {**env, "MASTER_ADDR": self.nodes[0], "MASTER_PORT": str(port)}
-        self.proc = subprocess.Popen(
-            self.argv, env=step_env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
-        )
+        self.proc = subprocess.Popen(self.argv, env=step_env, stderr=subprocess.PIPE, start_new_session=True)
         self._lock = threading.Lock()
         self._pending: list[RankExit] = []
         self._reader = threading.Thread(target=self._read, name="srun-stderr", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stderr:
-            sys.stderr.write(line)  # srun's and the ranks' stderr reach the user unchanged
-            event = parse_srun_line(line)
+        """Drain srun's stderr to the end whatever it holds: bytes, split on newlines (a line of any length),
+        decoded with replacement; a failure to echo or parse one line never stops the reading (a reader that died
+        would let the pipe fill and block every rank that writes to stderr)."""
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            with contextlib.suppress(Exception):
+                sys.stderr.write(line)  # srun's and the ranks' stderr reach the user
+            try:
+                event = parse_srun_line(line)
+            except Exception:  # noqa: BLE001 - a line that does not parse is not a report line
+                event = None
             if event is not None:
                 with self._lock:
                     self._pending.append(event)

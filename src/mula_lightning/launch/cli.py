@@ -6,15 +6,16 @@ Examples::
     MULA_FAULT="kill@step=5,node=node1" mula launch --nnodes 3 --buffer-nodes 1 --report-dir runs/launch \\
         -- mula fit --config examples/configs/mula-tiny-moe.yaml
 
-    # SLURM: allocate N + B nodes, run the launcher once on the first one
-    sbatch --nodes 66 --wrap "mula launch --backend slurm --nnodes 64 --buffer-nodes 2 --nproc-per-node 4 \\
+    # SLURM: allocate N + B nodes with --no-kill (a failed node must not end the job), run the launcher once
+    sbatch --nodes 66 --no-kill --wrap "mula launch --backend slurm --nnodes 64 --buffer-nodes 2 --nproc-per-node 4 \\
         --hang-timeout 900 --report-dir runs/launch -- mula fit --config examples/configs/mula-7b-a1b.yaml"
 
 Exit codes: 0 the command finished; 1 a bad option (one line naming it); 3 out of healthy nodes
 (:data:`~mula_lightning.launch.launcher.EXIT_OUT_OF_NODES`); 4 the restarts are used up
-(:data:`~mula_lightning.launch.launcher.EXIT_RESTARTS_EXHAUSTED`); 130 the launcher was stopped (every rank is
-stopped first). The report is ``REPORT_DIR/launch_report.json``; each rank's output (local backend) is in
-``REPORT_DIR/logs/attemptK/NODE.rankR.log``.
+(:data:`~mula_lightning.launch.launcher.EXIT_RESTARTS_EXHAUSTED`); 5 non-finite values the model or the data caused
+(:data:`~mula_lightning.launch.launcher.EXIT_DIVERGED`: several nodes at once, or the same step again elsewhere;
+nobody is evicted); 130 the launcher was stopped (every rank is stopped first). The report is
+``REPORT_DIR/launch_report.json``; each rank's output (local backend) is in ``REPORT_DIR/logs/attemptK/NODE.rankR.log``.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mula launch",
         description="Run a command on N nodes; relaunch it from the newest checkpoint around failed nodes.",
-        epilog="Everything after -- is the command (mula fit gets --ckpt_path last on relaunch).",
+        epilog="Everything after -- is the command (mula fit gets --ckpt_path last on every attempt).",
     )
     parser.add_argument("--nnodes", type=int, required=True, help="active nodes every attempt runs on")
     parser.add_argument("--buffer-nodes", type=int, default=0, help="spare nodes that replace failed ones")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
     parser.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up")
-    parser.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without a heartbeat = a hang")
     parser.add_argument(
-        "--startup-timeout", type=float, default=1800.0, help="seconds until the first heartbeat (rendezvous, load)"
+        "--hang-timeout", type=float, default=600.0, help="seconds without a heartbeat = a hang (0: off)"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=1800.0, help="seconds until the first heartbeat (0: off)"
     )
     parser.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL on a stop")
     parser.add_argument("--report-dir", default="launch", help="where launch_report.json and the logs go")

@@ -12,13 +12,14 @@ a range is kept (``[08-10]`` -> ``08, 09, 10``); several groups give the cartesi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 from collections.abc import Mapping
 
-__all__ = ["allocation_nodes", "expand_hostlist"]
+__all__ = ["allocation_nodes", "expand_hostlist", "no_kill_warning"]
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -111,3 +112,30 @@ def allocation_nodes(env: Mapping[str, str] | None = None) -> list[str]:
     if proc.returncode != 0:
         raise ValueError(f"scontrol show hostnames {spec!r} failed ({proc.returncode}): {proc.stderr.strip()}")
     return list(dict.fromkeys(line.strip() for line in proc.stdout.splitlines() if line.strip()))
+
+
+def no_kill_warning(env: Mapping[str, str] | None = None) -> str | None:
+    """Why node replacement may not work in this SLURM job, or None when the job was submitted with ``--no-kill``.
+
+    Without ``--no-kill`` SLURM ends the whole allocation when one of its nodes fails, the launcher included, so the
+    buffer nodes are never used for a hard failure. ``scontrol --json show job $SLURM_JOB_ID`` says so
+    (``kill_on_node_fail``); when it cannot be asked (no job id, no ``scontrol``, a SLURM without ``--json``) the
+    warning says that it could not tell.
+    """
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    fix = "submit with `sbatch --no-kill` (or `#SBATCH --no-kill`) so that a failed node does not end the allocation"
+    if not job or scontrol is None:
+        return f"cannot tell whether this SLURM job survives a node failure (no SLURM_JOB_ID or scontrol); {fix}"
+    try:
+        proc = subprocess.run([scontrol, "--json", "show", "job", job], capture_output=True, text=True, timeout=30)
+        jobs = json.loads(proc.stdout)["jobs"] if proc.returncode == 0 else []
+        kill = jobs[0]["kill_on_node_fail"] if jobs else None
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError, TypeError):
+        kill = None
+    if kill is None:
+        return f"cannot tell whether SLURM job {job} survives a node failure (scontrol --json show job); {fix}"
+    if kill:
+        return f"SLURM job {job} was submitted without --no-kill: a node failure ends the whole job; {fix}"
+    return None

@@ -9,18 +9,23 @@ One attempt runs the command on N nodes x P ranks (:mod:`~mula_lightning.launch.
 
 * every rank exits 0: the launch succeeds;
 * a rank exits non-zero or is killed: the launcher waits ``settle_s`` for the other ranks of that moment, then
-  names the cause. Exit code 86 (:class:`~mula_lightning.callbacks.NaNDetector`) is a soft failure: the hosts it
-  wrote to ``MULA_FAILED_HOSTS_FILE`` are taken out. A node whose every rank was killed by a signal vanished (hard
-  failure): taken out. Otherwise the host of the first failing rank is suspect (the error may be the program's: it
-  is taken out only when it fails first again, see :mod:`~mula_lightning.launch.node_pool`);
+  asks :mod:`~mula_lightning.launch.attribution` what it means: a node is lost only on hard evidence (SLURM's node
+  failure report, every rank of a node killed by a SIGKILL the launcher did not send); an abort, a segfault, an exit
+  code or a NaN on one node makes the node a suspect, taken out only when it is blamed again in the next attempt;
+  NaN on ranks of several nodes (or expert-parallel groups), or the same step going non-finite again on other
+  nodes, is the model or the data: the launch stops with :data:`EXIT_DIVERGED` and nobody is evicted;
 * no heartbeat (:class:`~mula_lightning.callbacks.heartbeat.Heartbeat`) from a rank for ``hang_timeout_s`` (or none
-  at all within ``startup_timeout_s``: a rendezvous that never completes): a hang. Hosts with a stopped process
-  are taken out; a hang with no host to blame restarts on the same nodes.
+  at all within ``startup_timeout_s``: a rendezvous that never completes), also after a rank reported the end of
+  training without exiting: a hang. Hosts with a stopped process are taken out; otherwise the hosts of the ranks
+  that fell behind (lowest step) are suspects. ``hang_timeout_s = 0`` turns hang detection off (a command that
+  sends no heartbeats).
 
 Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
-are chosen among active + buffer - failed, and the command is relaunched; ``mula fit`` resumes with
-``--ckpt_path last`` (DualCheckpoint's newest complete slot). The launch stops with :data:`EXIT_OUT_OF_NODES` when
-fewer than N healthy nodes remain and :data:`EXIT_RESTARTS_EXHAUSTED` when ``max_restarts`` relaunches were used;
+are chosen among active + buffer - failed, and the command is relaunched. Every attempt of ``mula fit``, the first
+included, runs with ``--ckpt_path last`` (DualCheckpoint's newest valid slot; with none yet Lightning starts fresh),
+so a job that SLURM requeues or a user resubmits continues its run; a ``--ckpt_path`` the user gave is kept until
+a rank reports a checkpoint saved by this launch. The launch stops with :data:`EXIT_OUT_OF_NODES` when fewer than
+N healthy nodes remain and :data:`EXIT_RESTARTS_EXHAUSTED` when ``max_restarts`` relaunches were used;
 checkpoints are never touched by the launcher.
 """
 
@@ -38,8 +43,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mula_lightning.launch.attribution import (
+    DIVERGED,
+    LOST,
+    SUSPECT,
+    NanRecord,
+    Verdict,
+    attribute_exits,
+    attribute_hang,
+    attribute_nan,
+    parse_nan_line,
+)
 from mula_lightning.launch.backends import LocalAttempt, RankExit, SlurmAttempt
-from mula_lightning.launch.hostlist import allocation_nodes
+from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 from mula_lightning.launch.report import AttemptRecord, LaunchReport
 from mula_lightning.utils.launch_env import (
@@ -52,6 +68,7 @@ from mula_lightning.utils.launch_env import (
 )
 
 __all__ = [
+    "EXIT_DIVERGED",
     "EXIT_INTERRUPTED",
     "EXIT_OUT_OF_NODES",
     "EXIT_RESTARTS_EXHAUSTED",
@@ -64,6 +81,8 @@ __all__ = [
 EXIT_OUT_OF_NODES = 3
 #: ``--max-restarts`` relaunches were used and the last attempt failed too
 EXIT_RESTARTS_EXHAUSTED = 4
+#: non-finite values the model or the data caused (several nodes at once, or the same step again elsewhere)
+EXIT_DIVERGED = 5
 #: seconds between rewrites of the report while an attempt runs (events rewrite it at once)
 REPORT_EVERY_S = 10.0
 #: the launcher itself was stopped (SIGINT / SIGTERM, e.g. ``scancel``); every rank was stopped first
@@ -101,9 +120,11 @@ class LaunchOptions:
         for name in ("buffer_nodes", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 0")
-        for name in ("hang_timeout_s", "startup_timeout_s", "grace_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name[:-2].replace('_', '-')} ({getattr(self, name)}) must be > 0 seconds")
+        for name in ("hang_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} ({getattr(self, name)}) must be >= 0 (0 = off)")
+        if self.grace_s <= 0:
+            raise ValueError(f"--grace ({self.grace_s}) must be > 0 seconds")
         if self.backend not in ("local", "slurm"):
             raise ValueError(f"--backend {self.backend!r}: expected local or slurm")
 
@@ -117,14 +138,22 @@ def _fit_index(command: Sequence[str]) -> int | None:
     return None
 
 
-def command_for_attempt(command: Sequence[str], attempt: int, nnodes: int, nproc_per_node: int) -> list[str]:
+def _user_ckpt_path(command: Sequence[str]) -> bool:
+    return any(arg == "--ckpt_path" or arg.startswith("--ckpt_path=") for arg in command)
+
+
+def command_for_attempt(
+    command: Sequence[str], attempt: int, nnodes: int, nproc_per_node: int, keep_user_ckpt: bool = False
+) -> list[str]:
     """The command line of one attempt: ``mula fit`` gets the node layout (``--trainer.num_nodes`` /
-    ``--trainer.devices``) and, from the second attempt on, ``--ckpt_path last`` (replacing any ``--ckpt_path``);
-    any other command runs unchanged."""
+    ``--trainer.devices``) and ``--ckpt_path last`` on every attempt, the first included (a requeued or resubmitted
+    job resumes from the newest valid slot; with no slot yet Lightning starts fresh), replacing any ``--ckpt_path``
+    of the user's unless ``keep_user_ckpt`` (no checkpoint of this launch exists yet, so the user's start point is
+    still the newest). Any other command runs unchanged. ``attempt`` is kept for the report and the callers."""
     out = list(command)
     if _fit_index(out) is None:
         return out
-    if attempt > 0:
+    if not (keep_user_ckpt and _user_ckpt_path(out)):
         kept: list[str] = []
         skip = False
         for arg in out:
@@ -197,6 +226,8 @@ class Launcher:
         settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
         self.report = LaunchReport(self.report_dir, settings)
         self.world_size = options.nnodes * options.nproc_per_node
+        self.saved = False  # a rank reported a checkpoint saved during this launch
+        self._previous_nan: list[NanRecord] = []  # the NaN records of the previous attempt, if it stopped on NaN
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -218,6 +249,8 @@ class Launcher:
         server = HeartbeatServer(opts.heartbeat_host)
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.failed_hosts_file.touch()
+        if opts.backend == "slurm" and (warning := no_kill_warning()) is not None:
+            self.report.event(f"warning: {warning}", no_kill=False)
         failure_at: float | None = None
         attempt = 0
         while True:
@@ -225,11 +258,13 @@ class Launcher:
                 nodes = self.pool.choose()
             except OutOfNodesError as err:
                 return self._finish("out_of_nodes", EXIT_OUT_OF_NODES, str(err))
-            command = command_for_attempt(opts.command, attempt, opts.nnodes, opts.nproc_per_node)
+            command = command_for_attempt(
+                opts.command, attempt, opts.nnodes, opts.nproc_per_node, keep_user_ckpt=not self.saved
+            )
             record = self.report.start_attempt(attempt, nodes, command)
             self.report.event(
                 f"attempt {attempt}: {self.world_size} ranks on {', '.join(nodes)}"
-                + (" (resuming from the newest checkpoint)" if attempt else ""),
+                + (" (resuming from the newest checkpoint, if any)" if "last" in command[-5:] else ""),
                 attempt=attempt,
                 nodes=nodes,
             )
@@ -251,6 +286,8 @@ class Launcher:
                 return self._finish("interrupted", EXIT_INTERRUPTED, f"stopped by {err}; every rank was stopped")
             if ok:
                 return self._finish("succeeded", 0, f"finished in attempt {attempt} on {', '.join(nodes)}")
+            if record.outcome == DIVERGED:
+                return self._finish(DIVERGED, EXIT_DIVERGED, record.reason)
             failure_at = record.failure_at
             if attempt >= opts.max_restarts:
                 return self._finish(
@@ -279,8 +316,9 @@ class Launcher:
         opts = self.options
         start = time.monotonic()
         seen: dict[int, tuple[str, float]] = {}  # rank -> (record text, launcher clock when it last changed)
+        records: dict[int, dict[str, Any]] = {}
         steps: dict[int, int] = {}
-        ended_ok: set[int] = set()
+        exited_ok: set[int] = set()  # processes known to have exited 0 (a rank that only reported "end" may hang)
         hosts_offset = self.failed_hosts_file.stat().st_size
         written = start
         while True:
@@ -290,16 +328,15 @@ class Launcher:
                 text = json.dumps(beat, sort_keys=True)
                 if seen.get(rank, ("",))[0] != text:
                     seen[rank] = (text, now)
+                    records[rank] = beat
                     self._note_beat(record, beat, failure_at)
                     steps[rank] = int(beat["step"])
-                    if beat.get("phase") == "end":
-                        ended_ok.add(rank)
             if now - written > REPORT_EVERY_S:  # the progress (last step) reaches the report now and then
                 written = now
                 self.report.write()
             for ended in exits:
                 if ended.code == 0:
-                    ended_ok.update(ended.ranks)
+                    exited_ok.update(ended.ranks)
             bad = [e for e in exits if e.code != 0]
             if bad:
                 self._on_exit_failure(handle, record, bad, hosts_offset)
@@ -310,14 +347,15 @@ class Launcher:
                     self.report.write()
                     return True
                 continue  # a failure not yet reported by poll(): the next round sees it
-            hang = self._hang(seen, ended_ok, start, now)
+            hang = self._hang(seen, exited_ok, start, now)
             if hang is not None:
-                self._on_hang(handle, record, hang, seen, steps, now)
+                self._on_hang(handle, record, hang, records, steps, now)
                 return False
             time.sleep(opts.poll_s)
 
     def _note_beat(self, record: AttemptRecord, beat: dict[str, Any], failure_at: float | None) -> None:
         step = int(beat["step"])
+        self.saved |= bool(beat.get("saved"))
         record.last_step = step if record.last_step is None else max(record.last_step, step)
         if record.resumed_from_step is None and beat.get("resumed_from") is not None:
             record.resumed_from_step = int(beat["resumed_from"])
@@ -337,16 +375,20 @@ class Launcher:
     def _hang(
         self, seen: dict[int, tuple[str, float]], ended: set[int], start: float, now: float
     ) -> tuple[list[int], float] | None:
-        """``(silent ranks, when they went silent)`` when the attempt hangs, else None."""
+        """``(silent ranks, when they went silent)`` when the attempt hangs, else None. ``ended``: ranks whose
+        process exited 0; a rank that reported the end of training but did not exit is still watched."""
         opts = self.options
+        if opts.hang_timeout_s == 0:
+            return None
+        startup = opts.startup_timeout_s or float("inf")
         if not seen:
-            return (list(range(self.world_size)), start) if now - start > opts.startup_timeout_s else None
+            return (list(range(self.world_size)), start) if now - start > startup else None
         silent = []
         for rank in range(self.world_size):
             if rank in ended:
                 continue
             since = seen[rank][1] if rank in seen else start
-            limit = opts.hang_timeout_s if rank in seen else opts.startup_timeout_s
+            limit = opts.hang_timeout_s if rank in seen else startup
             if now - since > limit:
                 silent.append(rank)
         if not silent:
@@ -362,35 +404,19 @@ class Launcher:
             time.sleep(0.05)
             bad += [e for e in handle.poll() if e.code != 0]
         bad += [e for e in handle.poll() if e.code != 0]
-        handle.stop(opts.grace_s)
+        handle.stop(opts.grace_s)  # after the classification's evidence is in: the launcher's own kills never count
         record.ended = time.time()
         record.outcome = "failed"
         if any(e.code == NAN_EXIT_CODE for e in bad):
             with open(self.failed_hosts_file) as fh:
                 fh.seek(hosts_offset)
-                hosts = list(dict.fromkeys(line.strip() for line in fh if line.strip()))
-            for host in hosts:
-                self._fail_host(record, host, f"non-finite values (NaNDetector, exit {NAN_EXIT_CODE})")
-            record.reason = f"soft failure: NaN on {', '.join(hosts) or 'an unnamed host'}"
+                nan_records = [r for r in map(parse_nan_line, fh) if r is not None]
+            verdict = attribute_nan(nan_records, self._previous_nan)
+            self._previous_nan = nan_records
         else:
-            killed: dict[str, set[int]] = {}
-            for e in bad:
-                if e.killed and e.host:
-                    killed.setdefault(e.host, set()).update(e.ranks)
-            vanished = [h for h, ranks in killed.items() if not ranks or len(ranks) >= opts.nproc_per_node]
-            for host in vanished:
-                how = next(e.describe() for e in bad if e.host == host and e.killed)
-                self._fail_host(record, host, f"every rank vanished ({how})")
-            if vanished:
-                record.reason = f"hard failure: {', '.join(vanished)} lost"
-            else:
-                record.reason = f"rank failure: {first.describe()}"
-                if first.host:
-                    record.suspect_hosts = [first.host]
-                    if self.pool.mark_suspect(first.host, first.describe()):
-                        record.failed_hosts.append(first.host)
-                else:
-                    self.pool.clear_suspects()
+            verdict = attribute_exits(bad, opts.nproc_per_node)
+            self._previous_nan = []
+        self._apply(record, verdict)
         self._announce_failure(record)
 
     def _on_hang(
@@ -398,7 +424,7 @@ class Launcher:
         handle: Any,
         record: AttemptRecord,
         hang: tuple[list[int], float],
-        seen: dict[int, tuple[str, float]],
+        records: dict[int, dict[str, Any]],
         steps: dict[int, int],
         now: float,
     ) -> None:
@@ -407,22 +433,55 @@ class Launcher:
         stopped = handle.stopped_hosts()
         handle.stop(self.options.grace_s)
         record.ended, record.outcome = time.time(), "hang"
-        for host in stopped:
-            self._fail_host(record, host, "hang: a rank stopped (no progress, process state T)")
-        if not seen:
+        self._previous_nan = []
+        verdict = attribute_hang(silent, records, steps, stopped)
+        self._apply(record, verdict)
+        ended = [r for r in silent if records.get(r, {}).get("phase") == "end"]
+        if not records:
             record.reason = f"hang: no rank reported within the startup timeout ({self.options.startup_timeout_s:g} s)"
         else:
             quiet = time.monotonic() - since
+            what = "reported the end of training but did not exit" if ended and ended == silent else "silent"
             record.reason = (
-                f"hang: ranks {','.join(map(str, silent))} silent for {quiet:.0f} s (timeout "
-                f"{self.options.hang_timeout_s:g} s) at step {max(steps.values(), default=0)}"
+                f"hang: ranks {','.join(map(str, silent))} {what} for {quiet:.0f} s (timeout "
+                f"{self.options.hang_timeout_s:g} s) at step {max(steps.values(), default=0)}; {verdict.reason}"
             )
-        if not stopped:
-            self.pool.clear_suspects()
         self._announce_failure(record)
 
+    def _apply(self, record: AttemptRecord, verdict: Verdict) -> None:
+        """Carry out a verdict on the pool: lost hosts out now, suspects counted, otherwise the chain broken."""
+        record.reason = verdict.reason
+        record.ep_groups = list(verdict.ep_groups)
+        if verdict.kind == DIVERGED:
+            record.outcome = DIVERGED
+            self.pool.clear_suspects()
+            return
+        if verdict.kind == LOST:
+            for host in verdict.lost:
+                self._fail_host(record, host, verdict.why.get(host, verdict.reason))
+            return
+        known = [h for h in verdict.suspects if self._known_host(h, verdict.reason)]
+        if verdict.kind == SUSPECT and known:
+            record.suspect_hosts = known
+            for host in self.pool.mark_suspects(known, verdict.reason):
+                record.failed_hosts.append(host)
+        else:
+            self.pool.clear_suspects()
+
+    def _known_host(self, host: str, why: str) -> bool:
+        """Whether ``host`` is one of the pool's nodes; an unknown name is reported, never dropped silently."""
+        if host in self.pool.nodes:
+            return True
+        self.report.event(
+            f"warning: {why!r} names host {host!r}, which is not one of this launch's nodes "
+            f"({', '.join(self.pool.nodes)}); nobody is taken out for it (do the ranks report the node names the "
+            "pool uses? under SLURM they use SLURMD_NODENAME)",
+            unknown_host=host,
+        )
+        return False
+
     def _fail_host(self, record: AttemptRecord, host: str, why: str) -> None:
-        if host in self.pool.nodes and host not in record.failed_hosts:
+        if self._known_host(host, why) and host not in record.failed_hosts:
             self.pool.mark_failed(host, why)
             record.failed_hosts.append(host)
 

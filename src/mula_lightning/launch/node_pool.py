@@ -8,10 +8,12 @@ Replacement keeps positions: a healthy node keeps its node rank from one attempt
 takes the failed node's rank, so everything that depends on the node rank (data shards per rank, expert
 placement) stays where it was.
 
-A node is *failed* (never used again) when it vanished (every rank on it killed by a signal), when NaNDetector
-named it (soft failure), or when it stopped making progress (a hang traced to it). A node whose rank failed first
-with an ordinary error is only *suspect*: the error may be the program's, so the next attempt keeps the node; it is
-taken out when it is again the first to fail in the following attempt (:data:`SUSPECT_LIMIT` times in a row).
+A node is *failed* (never used again) on hard evidence only: SLURM reported it failed, every rank on it was killed
+by a SIGKILL the launcher did not send, or a process on it is stopped (a hang traced to it). Every other failure
+makes the node it is traced to *suspect* (:mod:`~mula_lightning.launch.attribution`: a crash, an abort, a
+segfault, a NaN on one node, a hang where its ranks fell behind): the cause may be the program's or a peer's, so
+the next attempt keeps the node; it is taken out when it is blamed again in the following attempt
+(:data:`SUSPECT_LIMIT` times in a row).
 """
 
 from __future__ import annotations
@@ -64,14 +66,27 @@ class NodePool:
     def mark_suspect(self, host: str, reason: str) -> bool:
         """Count one more attempt that ``host`` failed first; take it out at :data:`SUSPECT_LIMIT`. Returns whether
         it was taken out."""
-        if host not in self.nodes:
-            raise ValueError(f"node {host!r} is not one of this launch's nodes ({', '.join(self.nodes)})")
-        count = self.suspect.get(host, 0) + 1
-        self.suspect = {host: count}  # "in a row": another node failing first resets the others
-        if count >= SUSPECT_LIMIT:
-            self.mark_failed(host, f"{reason} (first to fail in {count} attempts in a row)")
-            return True
-        return False
+        return host in self.mark_suspects([host], reason)
+
+    def mark_suspects(self, hosts: Sequence[str], reason: str) -> list[str]:
+        """Count one more attempt blamed on ``hosts`` (the host of the first failure, or every host of one
+        expert-parallel group after a NaN); hosts blamed :data:`SUSPECT_LIMIT` attempts in a row are taken out.
+        Returns the hosts taken out.
+
+        Raises:
+            ValueError: a host that is not one of this launch's nodes.
+        """
+        unknown = [h for h in hosts if h not in self.nodes]
+        if unknown:
+            raise ValueError(f"node(s) {unknown} not among this launch's nodes ({', '.join(self.nodes)})")
+        counts = {h: self.suspect.get(h, 0) + 1 for h in dict.fromkeys(hosts)}
+        self.suspect = counts  # "in a row": a failure blamed elsewhere resets the others
+        out = []
+        for host, count in list(counts.items()):
+            if count >= SUSPECT_LIMIT:
+                self.mark_failed(host, f"{reason} (blamed in {count} attempts in a row)")
+                out.append(host)
+        return out
 
     def clear_suspects(self) -> None:
         """An attempt failed with no node to blame: the suspicion chain is broken."""

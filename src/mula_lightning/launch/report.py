@@ -32,10 +32,11 @@ class AttemptRecord:
     command: list[str]
     started: float
     ended: float | None = None
-    outcome: str = "running"  # running | succeeded | failed | hang | interrupted
+    outcome: str = "running"  # running | succeeded | failed | hang | diverged | interrupted
     reason: str = ""
     failed_hosts: list[str] = field(default_factory=list)
     suspect_hosts: list[str] = field(default_factory=list)
+    ep_groups: list[int] = field(default_factory=list)  # expert-parallel groups of the non-finite ranks (NaN stops)
     resumed_from_step: int | None = None  # the step of the attempt's first heartbeat (after the resume)
     last_step: int | None = None  # the highest step any rank reported
     first_step_at: float | None = None  # when the first step after the resume was reported

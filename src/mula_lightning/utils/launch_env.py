@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -32,9 +32,11 @@ __all__ = [
     "NODE_NAME_ENV",
     "Fault",
     "HeartbeatClient",
+    "NanRecord",
     "heartbeat_key",
     "host_name",
     "parse_faults",
+    "parse_nan_line",
 ]
 
 #: ``host:port`` of the launcher's TCPStore
@@ -57,8 +59,10 @@ log = logging.getLogger(__name__)
 
 
 def host_name() -> str:
-    """The node name used in reports: ``MULA_NODE_NAME`` (simulated nodes, launchers) or the hostname."""
-    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+    """The node name used in reports and blame: ``MULA_NODE_NAME`` (simulated nodes, launchers), else SLURM's name
+    of the node (``SLURMD_NODENAME``, the name the launcher's node pool and ``--nodelist`` use, which often differs
+    from ``gethostname()``: ``nid001234`` vs ``nid001234.hsn.cluster``), else the hostname."""
+    return os.environ.get(NODE_NAME_ENV) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def heartbeat_key(attempt: int, rank: int) -> str:
@@ -74,19 +78,25 @@ class HeartbeatClient:
         connect_timeout_s: how long to wait for the store when connecting.
     """
 
+    #: seconds before the first retry after a store error; doubled per failure up to :attr:`MAX_BACKOFF_S`
+    FIRST_BACKOFF_S = 1.0
+    MAX_BACKOFF_S = 60.0
+
     def __init__(self, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
         self.address = address if address is not None else os.environ.get(HEARTBEAT_ENV, "")
         self.connect_timeout_s = connect_timeout_s
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
         self._store: Any = None
         self._seq = 0
-        self._broken = False
+        self._retry_at = 0.0  # after a store error: no attempt before this time (monotonic)
+        self._backoff = 0.0
+        self._saved = False  # a checkpoint was saved by this process
         self._resumed_from: int | None = None  # the step of this process's first beat (after any resume)
         self._first_train_time: float | None = None  # when its first training step ended
 
     @property
     def enabled(self) -> bool:
-        return bool(self.address) and not self._broken
+        return bool(self.address)
 
     def _connect(self) -> Any:
         from torch.distributed import TCPStore
@@ -102,10 +112,17 @@ class HeartbeatClient:
             wait_for_workers=False,
         )
 
-    def beat(self, step: int, phase: str = "train", rank: int | None = None) -> None:
-        """Write this rank's record now (one small message to the store)."""
+    def beat(self, step: int, phase: str = "train", rank: int | None = None, saved: bool = False) -> None:
+        """Write this rank's record now (one small message to the store).
+
+        ``saved``: a checkpoint was saved by this process (sticky; the launcher then resumes from the newest slot
+        rather than from a ``--ckpt_path`` the user gave). A store error (the launcher restarting its store, a network
+        blip) never stops training: this beat is dropped, the connection is rebuilt at the next beat after a backoff
+        (1 s, doubled per failure up to 60 s), and beats resume when the store answers again.
+        """
         if not self.enabled:
             return
+        self._saved |= bool(saved)
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self._seq += 1
         now = time.time()
@@ -122,17 +139,80 @@ class HeartbeatClient:
             "time": now,
             "resumed_from": self._resumed_from,
             "first_train_time": self._first_train_time,
+            "saved": self._saved,
         }
+        if time.monotonic() < self._retry_at:
+            return
         try:
             if self._store is None:
                 self._store = self._connect()
             self._store.set(heartbeat_key(self.attempt, rank), json.dumps(record))
-        except (RuntimeError, OSError) as err:  # the launcher is gone: training goes on, unwatched
-            self._broken = True
-            log.warning("heartbeat: cannot reach the launcher's store at %s (%s); heartbeats stop", self.address, err)
+        except (RuntimeError, OSError, ValueError) as err:  # training goes on; retried after a backoff
+            self._store = None
+            first = self._backoff == 0.0
+            self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2 or self.FIRST_BACKOFF_S)
+            self._retry_at = time.monotonic() + self._backoff
+            if first:
+                log.warning(
+                    "heartbeat: cannot reach the launcher's store at %s (%s); retrying with backoff", self.address, err
+                )
+        else:
+            if self._backoff:
+                log.warning("heartbeat: the launcher's store at %s answers again", self.address)
+            self._backoff = 0.0
 
 
-FAULT_KINDS = ("kill", "hang", "nan", "exception")
+@dataclass
+class NanRecord:
+    """One line NaNDetector appended to the launcher's failed-hosts file: ``HOST key=value ...``.
+
+    ``ranks``: this host's non-finite ranks; ``ep_groups``: their expert-parallel groups; ``bad``: non-finite ranks
+    in the whole event; ``world``: the world size; ``step``: optimizer steps completed before the skipped one. A line
+    with the host only (an older writer) leaves the others empty.
+    """
+
+    host: str
+    step: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    ep_groups: list[int] = field(default_factory=list)
+    bad: int | None = None
+    world: int | None = None
+
+    def line(self) -> str:
+        parts = [self.host]
+        if self.step is not None:
+            parts.append(f"step={self.step}")
+        if self.ranks:
+            parts.append("ranks=" + ",".join(map(str, self.ranks)))
+        if self.ep_groups:
+            parts.append("ep_groups=" + ",".join(map(str, self.ep_groups)))
+        if self.bad is not None:
+            parts.append(f"bad={self.bad}")
+        if self.world is not None:
+            parts.append(f"world={self.world}")
+        return " ".join(parts)
+
+
+def parse_nan_line(line: str) -> NanRecord | None:
+    """A failed-hosts line as a :class:`NanRecord`; None for a blank line. Unknown keys and bad values are skipped
+    (the host is what matters)."""
+    if not line.strip():
+        return None
+    host, *items = line.split()
+    record = NanRecord(host)
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            if key in ("step", "bad", "world"):
+                setattr(record, key, int(value))
+            elif key in ("ranks", "ep_groups"):
+                setattr(record, key, [int(v) for v in value.split(",") if v])
+        except ValueError:
+            continue
+    return record
+
+
+FAULT_KINDS = ("kill", "hang", "nan", "exception", "abort")
 _INT_KEYS = ("step", "rank", "local_rank", "attempt")
 
 

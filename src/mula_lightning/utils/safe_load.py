@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
+from mula_lightning.utils.plain_data import check_plain_data, to_plain_data
+
 __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
@@ -197,11 +199,26 @@ def load_torch_file(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
         raise ValueError(f"{path}: not a readable torch checkpoint ({type(err).__name__}: {err})") from None
 
 
-def dumps_data(obj: Any) -> bytes:
-    """``obj`` (tensors and plain data) as ``torch.save`` bytes, readable by :func:`loads_data` without code."""
+def dumps_data(obj: Any, source: str | Path = "") -> bytes:
+    """``obj`` (tensors and plain data) as ``torch.save`` bytes, readable by :func:`loads_data` without code.
+
+    ``obj`` is normalised first (:func:`~mula_lightning.utils.plain_data.to_plain_data`: configs as dicts, paths as
+    str, NumPy scalars as numbers, enums by value) and the bytes are read back with ``weights_only=True`` before they
+    are returned, so a value the reader would refuse fails here, at the save, naming its key.
+
+    Raises:
+        UnloadableCheckpointValue: naming the first entry the safe reader refuses.
+    """
+    obj = to_plain_data(obj)
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    return buffer.getvalue()
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - find and name the entry
+        check_plain_data(obj, str(source))
+        raise
+    return data
 
 
 def loads_data(data: bytes, source: str | Path) -> Any:
