@@ -9,10 +9,13 @@ dependencies never slow down another one.
 To add a command, add one entry to :data:`COMMANDS`; the target is ``"package.module:function"`` and the
 function takes the argument list (without the command name) and returns an exit code (or None).
 
-Errors: a bad input (a missing or unreadable file, a value that does not fit, an unknown option) is answered with
-one line on stderr naming the values, ``mula <command>: error: <message>``, and exit code 1; an unexpected
-exception also gets one line, marked as an internal error. The traceback is shown only with ``--debug`` (anywhere
-on the command line) or ``MULA_DEBUG=1``, for bug reports. Argument parsing errors keep jsonargparse's exit code 2.
+Errors: a bad input (a missing or unreadable file, a value that does not fit, an unknown option) found before any
+process starts is answered with one line on stderr naming the values, ``mula <command>: error: <message>``, and
+exit code 1; an unexpected exception also gets one line, marked as an internal error. A failure after a run started
+(:class:`~mula_lightning.utils.run_failure.RunFailure`: an out-of-memory or NCCL error at step 50,000, a bug in a
+training step) is printed with its traceback, every line prefixed with the rank, once per rank, then the one line.
+Other tracebacks are shown only with ``--debug`` (anywhere on the command line) or ``MULA_DEBUG=1``, for bug
+reports. Argument parsing errors keep jsonargparse's exit code 2.
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = getattr(importlib.import_module(module_name), func_name)
     try:
         code = func(rest)
-    except Exception as err:  # one line for the user; the traceback with --debug
+    except Exception as err:  # one line for the user; the traceback with --debug or after a run started
         if debug:
             raise
+        if type(err).__name__ == "RunFailure":  # after the run started: the traceback, then one line
+            print(err.report, end="", file=sys.stderr, flush=True)
+            print(f"mula {name}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+            return EXIT_ERROR
         print(f"mula {name}: error: {error_line(err)}", file=sys.stderr, flush=True)
         return EXIT_ERROR
     return int(code or 0)

@@ -10,7 +10,8 @@ whatever ``log_every_n_steps`` is). Examples are in ``examples/configs/``::
     mula fit --config examples/configs/mula-tiny-moe.yaml --trainer.max_steps 50 --model.lr 1e-3
     torchrun --nproc-per-node 4 -m mula_lightning.cli fit --config examples/configs/mula-tiny-moe.yaml
 
-What fails before any process is started, and how (one line on stderr, exit code 1; ``--debug`` for tracebacks):
+What fails before any process is started, and how (one line on stderr, exit code 1; ``--debug`` for tracebacks;
+what fails once training started is printed with its traceback, rank-prefixed: :mod:`mula_lightning.utils.run_failure`):
 
 * a key the classes do not accept (a typo in the YAML): jsonargparse's error names the key (exit code 2);
 * a value a class refuses at construction (an unknown ``model_overrides`` field, a strategy keyword);
@@ -102,10 +103,16 @@ class MulaCLI(LightningCLI):
         trainer.callbacks.extend(launch_callbacks())
         return trainer
 
+    def __init__(self, *args: Any, started: list[str] | None = None, **kwargs: Any) -> None:
+        #: appended to (with the stage) once the preflight checks passed: what fails later is a run failure
+        self.started = started if started is not None else []
+        super().__init__(*args, **kwargs)
+
     def _preflight(self, stage: str) -> None:
         from mula_lightning.preflight import check_before_launch
 
         check_before_launch(self.trainer, self.model, self.datamodule, stage)
+        self.started.append(stage)
 
     def before_fit(self) -> None:
         """Check the whole configuration before the Trainer starts any process."""
@@ -118,12 +125,13 @@ class MulaCLI(LightningCLI):
         self._preflight("test")
 
 
-def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True) -> MulaCLI:
+def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True, started: list[str] | None = None) -> MulaCLI:
     """Parse ``args`` into a :class:`MulaCLI`: ``["fit", "--config", ...]`` when ``run``, else only options (a list
     of flags, or a config dict as the YAML would hold it).
 
     With ``run=False`` the classes are instantiated but nothing runs (``cli.trainer``, ``cli.model``,
-    ``cli.datamodule``), which the tests use to check every shipped YAML.
+    ``cli.datamodule``), which the tests use to check every shipped YAML. ``started`` receives the stage once the
+    preflight checks passed.
     """
     import mula_lightning.strategies  # noqa: F401  (registers "epso" for strategy: epso)
     from mula_lightning.data.datamodule import MulaDataModule
@@ -137,14 +145,28 @@ def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True) -> MulaCLI
         MulaDataModule,
         args=dict(args) if isinstance(args, dict) else list(args),
         run=run,
+        started=started,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"logger": default_loggers(), "default_root_dir": RUNS_DIR},
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``mula <fit|validate|test> ...``: ``argv`` starts with the subcommand."""
-    build_cli(list(sys.argv[1:] if argv is None else argv))
+    """``mula <fit|validate|test> ...``: ``argv`` starts with the subcommand.
+
+    Raises:
+        RunFailure: wrapping what escaped the Trainer after the preflight checks passed (its traceback is
+            printed by the ``mula`` console script); earlier errors (bad input) propagate unchanged.
+    """
+    from mula_lightning.utils.run_failure import RunFailure
+
+    started: list[str] = []
+    try:
+        build_cli(list(sys.argv[1:] if argv is None else argv), started=started)
+    except Exception as err:
+        if started:
+            raise RunFailure(err) from err
+        raise
     return 0
 
 

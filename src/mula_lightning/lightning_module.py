@@ -296,8 +296,10 @@ class MulaLM(LightningModule):
             max_steps = self.trainer.max_steps if self._trainer is not None else -1
             decay = max_steps if max_steps and max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         decay = max(decay, hp.warmup_steps)
+        # the factor of the peak rate; lr 0 (a frozen run: weights load, nothing moves) keeps every rate at 0
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, decay, hp.lr, hp.min_lr) / hp.lr
+            optimizer,
+            lambda step: warmup_cosine(step, hp.warmup_steps, decay, hp.lr, hp.min_lr) / hp.lr if hp.lr > 0 else 0.0,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -101,3 +101,38 @@ def test_xpu_without_devices_is_refused_by_lightning(monkeypatch):
 
     with pytest.raises(Exception, match="xpu|XPU"):
         _trainer(accelerator="xpu", devices=1)
+
+
+def test_a_lightning_without_the_connector_methods_keeps_working_and_warns_once(monkeypatch):
+    """A Lightning release that renamed one of the private connector methods: wrapping leaves the class untouched
+    (no AttributeError at import, so CUDA and CPU users are unaffected), says once why XPU auto-selection is off,
+    and the registered "xpu" accelerator still resolves by name."""
+    import mula_lightning.accelerators.xpu as xpu
+
+    class Renamed:
+        @staticmethod
+        def _choose_auto_accelerator():
+            return "cpu"
+
+        @staticmethod
+        def _choose_gpu_accelerator_backend():
+            return "cuda"
+
+        def _select_strategy(self):  # was _choose_strategy
+            return None
+
+        def _check_and_init_precision(self):
+            return None
+
+    monkeypatch.setattr(xpu, "_WARNED", False)
+    with pytest.warns(UserWarning, match=r"XPU auto-selection is off \(Renamed .* has no _choose_strategy\)"):
+        assert xpu._wrap_connector(Renamed) is False
+    assert Renamed._choose_auto_accelerator() == "cpu" and not hasattr(Renamed, "_mula_xpu_support")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert xpu._wrap_connector(Renamed) is False  # once only
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    assert "xpu" in AcceleratorRegistry

@@ -38,7 +38,7 @@ def _same_tree(a: Path, b: Path) -> None:
     names_b = sorted(p.relative_to(b).as_posix() for p in b.rglob("*"))
     assert names_a == names_b
     for name in names_a:
-        if (a / name).is_file():
+        if (a / name).is_file() and not name.startswith(".verified/"):  # stamps hold each file's mtime
             assert filecmp.cmp(a / name, b / name, shallow=False), f"{name} differs"
 
 

@@ -69,6 +69,7 @@ def main() -> int:
             tmp.write_text(str(step))
             tmp.replace(checkpoint)
     heartbeat.beat(steps, "end")
+    heartbeat.flush()
     if os.environ.get("FAKE_HANG_AFTER_END") and rank == 0:  # a teardown that never finishes
         time.sleep(3600)
     return 0

@@ -61,3 +61,26 @@ def test_hang_blames_the_ranks_behind_and_nobody_when_all_stopped_together():
     v = attribute_hang([0, 1, 2], records, {0: 6, 1: 5, 2: 6}, [])
     assert v.kind == SUSPECT and v.suspects == ["b"]
     assert attribute_hang([0, 1, 2], records, {0: 5, 1: 5, 2: 5}, []).kind == "nobody"
+
+
+def test_every_attempt_of_mula_fit_resumes_unless_the_user_start_point_is_still_the_newest():
+    """``--ckpt_path last`` from the first attempt on (a requeued job continues); a user's ``--ckpt_path X`` is kept
+    while no checkpoint of this launch exists and replaced by ``last`` after; other commands run unchanged."""
+    from mula_lightning.launch.launcher import command_for_attempt
+
+    layout = ["--trainer.num_nodes", "2", "--trainer.devices", "4"]
+    fit = ["mula", "fit", "--config", "c.yaml"]
+    assert command_for_attempt(fit, 0, 2, 4) == [*fit, "--ckpt_path", "last", *layout]
+    user = [*fit, "--ckpt_path", "x/state.ckpt"]
+    assert command_for_attempt(user, 0, 2, 4, keep_user_ckpt=True) == [*user, *layout]
+    assert command_for_attempt(user, 1, 2, 4, keep_user_ckpt=False) == [*fit, "--ckpt_path", "last", *layout]
+    assert command_for_attempt([*fit, "--ckpt_path=x"], 3, 2, 4) == [*fit, "--ckpt_path", "last", *layout]
+    assert command_for_attempt(["python", "train.py"], 0, 2, 4) == ["python", "train.py"]
+
+
+def test_exits_seen_at_the_same_moment_blame_the_signal_death_first():
+    """One poll sees rank 0 exit 1 (its peer died) and rank 1 aborted: the abort's host is the suspect; an earlier
+    report wins whatever its kind."""
+    abort = -int(signal.SIGABRT)
+    assert attribute_exits([RankExit("n0", [0], 1, at=5.0), RankExit("n1", [1], abort, at=5.0)], 1).suspects == ["n1"]
+    assert attribute_exits([RankExit("n0", [0], 1, at=4.0), RankExit("n1", [1], abort, at=5.0)], 1).suspects == ["n0"]

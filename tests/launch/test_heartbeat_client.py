@@ -16,20 +16,22 @@ def _store(port=0):
 
 
 def test_heartbeats_survive_a_store_restart():
-    """Beats reach store A; A goes away (beats fail and back off, each failing beat returns at once); a new store
-    on the same port receives the beats again within a few backoff periods."""
+    """Beats reach store A; A goes away (the sender fails and backs off; every beat still returns at once: a
+    training step never waits for the store); a new store on the same port receives the beats again within a few
+    backoff periods, with the newest record."""
     store = _store()
     port = store.port
     client = HeartbeatClient(f"127.0.0.1:{port}", connect_timeout_s=1.0)
     client.FIRST_BACKOFF_S = 0.1
     client.beat(1, "train", rank=0)
+    assert client.flush(5.0)
     assert json.loads(store.get(heartbeat_key(0, 0)))["step"] == 1
     del store
     gc.collect()
     for step in range(2, 6):  # the store is gone: no beat may block or raise
         start = time.monotonic()
         client.beat(step, "train", rank=0)
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 0.1
         time.sleep(0.05)
     restarted = _store(port)
     deadline = time.monotonic() + 10.0
@@ -40,5 +42,6 @@ def test_heartbeats_survive_a_store_restart():
             break
         step += 1
         time.sleep(0.1)
+    assert client.flush(5.0)
     record = json.loads(restarted.get(heartbeat_key(0, 0)))
-    assert record["step"] >= 6 and record["seq"] == step  # the client's own counter went on
+    assert record["step"] == step and record["seq"] == step  # the newest record; the client's counter went on

@@ -71,29 +71,31 @@ def reference(reference_run):
 
 
 @pytest.mark.parametrize(
-    ("fault", "bad_node", "resumed_from"),
+    ("fault", "bad_node", "suspect", "resumed_from"),
     [
-        ("kill@step=5,node=node1", "node1", 4),
-        ("nan@step=7,node=node2", None, 6),
-        ("hang@step=5,node=node1", "node1", 4),
+        ("kill@step=5,node=node1", "node1", None, 4),
+        ("nan@step=7,node=node2", None, "node2", 6),
+        ("abort@step=5,node=node1", None, "node1", 4),
+        ("hang@step=5,node=node1", "node1", None, 4),
     ],
-    ids=["hard-kill", "soft-nan", "hang-sigstop"],
+    ids=["hard-kill", "soft-nan", "sigabrt", "hang-sigstop"],
 )
 def test_failed_node_is_replaced_and_losses_equal_an_uninterrupted_run(
-    reference, tiny_data, tmp_path, leftover_processes, fault, bad_node, resumed_from
+    reference, tiny_data, tmp_path, leftover_processes, fault, bad_node, suspect, resumed_from
 ):
     """The faulty node is taken out (vanished / its rank stopped by SIGSTOP and silent past --hang-timeout 10 s,
-    detected within the timeout + 10 s) and the buffer node3 takes its place, or, after one NaN on node2, node2 is a
-    suspect and the relaunch keeps it; the relaunch resumes from the newest slot (step 4 after the kill and the hang,
-    step 6 after the NaN: the NaN step is never applied),
-    the losses of every step, before and after the resume, equal the uninterrupted run's exactly, and no process of
-    the launch is left (the stopped one and the ranks blocked in a collective with it included)."""
+    detected within the timeout + 10 s) and the buffer node3 takes its place, or, after one NaN on node2 or one SIGABRT
+    of node1's rank (what NCCL's watchdog does to healthy ranks), that node is a suspect and the relaunch keeps it;
+    the relaunch resumes from the newest slot (step 4 after the kill, the abort and the hang, step 6 after the NaN:
+    the NaN step is never applied), the losses of every step, before and after the resume, equal the uninterrupted
+    run's exactly, and no process of the launch is left (the stopped one and the ranks blocked in a collective with
+    it included)."""
     hang = fault.startswith("hang")
     code, report, output = _launch(tmp_path, tiny_data, fault, hang_timeout=10 if hang else 120)
     assert code == 0, output[-3000:]
     first, second = report["attempts"]
     if bad_node is None:
-        assert first["failed_hosts"] == [] and first["suspect_hosts"] == ["node2"], first
+        assert first["failed_hosts"] == [] and first["suspect_hosts"] == [suspect], first
         assert second["nodes"] == first["nodes"]
     else:
         assert first["failed_hosts"] == [bad_node], first

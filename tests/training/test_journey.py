@@ -91,12 +91,23 @@ def test_readme_journey_runs_end_to_end(tmp_path):
                 steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
             assert steps == [4, 5], steps
         if command.startswith("python examples/generate.py"):
-            assert "def main(" in output
+            generate_argv, generate_output = shlex.split(command), output
 
     # model-only checkpoints carry the tokenizer too: through `mula upcycle`, and into an export of their own
     assert (tmp_path / "checkpoints" / "mula-tiny-upcycled" / "start" / "tokenizer.json").is_file()
     weights = tmp_path / "checkpoints" / "mula-tiny-moe" / "weights" / "step-00000006"
     _run(["mula", "export", str(weights), "--to", "hf", str(tmp_path / "out" / "step6")], tmp_path)
+
+    # the example's printed text is transformers' own greedy continuation of the prompt by the exported model (the
+    # prompt alone, or another model's text, would differ: the continuation is checked, not the echoed prompt)
+    model_dir, prompt = tmp_path / generate_argv[2], generate_argv[3]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**ids, max_new_tokens=20, do_sample=False)
+    assert expected.shape[1] > ids["input_ids"].shape[1]
+    assert tokenizer.decode(expected[0]) in generate_output
 
     manifest = DataManifest.load(tmp_path / "data" / "stdlib")
     text = "import os\nprint(os.getcwd())\n"

@@ -140,3 +140,17 @@ def test_model_may_be_a_config_object():
     assert lm.config.top_k == 1 and lm.config.moe_impl == "fast" and lm.config.hidden_size == 32
     with pytest.raises(ValueError, match="topk"):
         MulaLM(model=base, model_overrides={"topk": 1})
+
+
+def test_lr_zero_is_a_frozen_run_not_a_division_by_zero(tiny_data, tmp_path):
+    """``lr: 0`` (a run that only checks that weights load) trains 3 steps at learning rate 0: the schedule gives 0
+    at every step and no weight moves (AdamW's decoupled decay is scaled by the rate too)."""
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY, warmup_steps=2, lr=0.0, min_lr=0.0)
+    trainer = _trainer(tmp_path, max_steps=3, limit_val_batches=0)
+    data = MulaDataModule(str(tiny_data), micro_batch_size=2)
+    lm.configure_model()
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    trainer.fit(lm, data)
+    assert trainer.global_step == 3
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.0]
+    assert all(torch.equal(v, before[k]) for k, v in lm.model.state_dict().items())

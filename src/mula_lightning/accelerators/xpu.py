@@ -13,7 +13,9 @@ maps ``xpu`` to ``xccl``), so the accelerator is thin:
 * ``get_device_stats`` gives ``torch.xpu.memory_stats`` (``DeviceStatsMonitor``, throughput logging).
 
 Lightning chooses accelerators, single-device strategies and AMP devices in its connectors from fixed lists (CUDA,
-MPS, TPU); :func:`install_lightning_xpu_support` wraps four of those methods so that ``accelerator="auto"`` and
+MPS, TPU); :func:`install_lightning_xpu_support` wraps four of those (private) methods, when this Lightning has them
+(2.5.5 to 2.6; a release without them leaves the connectors untouched, with one warning, and only the auto-selection
+of XPU is lost), so that ``accelerator="auto"`` and
 ``"gpu"`` pick XPU when ``torch.xpu.is_available()`` (after CUDA, MPS and TPU), one XPU device gets a
 ``SingleDeviceStrategy`` on that device instead of the CPU, and ``bf16-mixed`` autocasts on ``xpu``, not ``cuda``.
 The wrappers only change a decision that involves XPU; every other answer is Lightning's own. ``accelerator: auto``
@@ -23,6 +25,7 @@ on a machine with no accelerator logs one line saying it runs on the CPU.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -135,10 +138,39 @@ def _is_xpu(flag: Any) -> bool:
     return flag == "xpu" or isinstance(flag, XPUAccelerator)
 
 
-def _wrap_connector(connector_cls: type) -> None:
-    """Make one Lightning connector class (Trainer's or Fabric's) XPU-aware; idempotent."""
+#: the private connector methods the XPU support wraps (Lightning 2.5.5 - 2.6 have all four)
+CONNECTOR_METHODS = (
+    "_choose_auto_accelerator",
+    "_choose_gpu_accelerator_backend",
+    "_choose_strategy",
+    "_check_and_init_precision",
+)
+
+
+def _xpu_selection_off(why: str) -> bool:
+    """Warn once that ``accelerator="auto"`` / ``"gpu"`` will not pick XPU (``"xpu"`` still works); False."""
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn(
+            f"mula_lightning: XPU auto-selection is off ({why}); Trainer(accelerator='xpu') still works, and CUDA "
+            "and CPU runs are unaffected",
+            stacklevel=3,
+        )
+    return False
+
+
+_WARNED = False
+
+
+def _wrap_connector(connector_cls: type) -> bool:
+    """Make one Lightning connector class (Trainer's or Fabric's) XPU-aware; idempotent. Returns whether it did:
+    a Lightning without one of :data:`CONNECTOR_METHODS` is left untouched, with one warning."""
     if getattr(connector_cls, "_mula_xpu_support", False):
-        return
+        return True
+    missing = [name for name in CONNECTOR_METHODS if not callable(getattr(connector_cls, name, None))]
+    if missing:
+        return _xpu_selection_off(f"{connector_cls.__name__} of this Lightning has no {', '.join(missing)}")
     auto, gpu = connector_cls._choose_auto_accelerator, connector_cls._choose_gpu_accelerator_backend
     choose_strategy, init_precision = connector_cls._choose_strategy, connector_cls._check_and_init_precision
 
@@ -183,16 +215,20 @@ def _wrap_connector(connector_cls: type) -> None:
     connector_cls._choose_strategy = choose_strategy_for_xpu
     connector_cls._check_and_init_precision = check_and_init_precision_for_xpu
     connector_cls._mula_xpu_support = True
+    return True
 
 
 def install_lightning_xpu_support() -> None:
     """Register ``"xpu"`` with the Trainer's and Fabric's accelerator registries and make their connectors choose it
     (see the module docstring). Idempotent; called when :mod:`mula_lightning.accelerators` is imported."""
-    from lightning.fabric.connector import _Connector
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
     for registry in (AcceleratorRegistry, ACCELERATOR_REGISTRY):
         if "xpu" not in registry:
             XPUAccelerator.register_accelerators(registry)
+    try:
+        from lightning.fabric.connector import _Connector
+        from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    except ImportError as err:  # a Lightning that moved its connectors: registration above still works
+        _xpu_selection_off(f"Lightning's connectors are not where 2.5.5 - 2.6 keep them: {err}")
+        return
     _wrap_connector(_AcceleratorConnector)
     _wrap_connector(_Connector)

@@ -48,6 +48,7 @@ class Heartbeat(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.client.beat(trainer.global_step, "end", trainer.global_rank, saved=_saved(trainer))
+        self.client.flush(timeout_s=5.0)  # the sender is a daemon thread: deliver the end before the process ends
 
 
 def _saved(trainer: Any) -> bool:

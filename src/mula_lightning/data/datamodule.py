@@ -130,8 +130,11 @@ class MulaDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------------- loaders
     def setup(self, stage: str | None = None) -> None:
-        """Open the splits and build the training sampler (restoring a loaded position, if any)."""
+        """Verify the shards no one verified yet (each by one rank; collective under a process group: see
+        :meth:`DataManifest.verify_checksums_once`), open the splits and build the training sampler (restoring a
+        loaded position, if any)."""
         manifest = self.manifest
+        manifest.verify_checksums_once()
         dataset_class: type[TokenShardDataset] = TokenShardDataset
         if manifest.storage == "litdata":  # the same instances and sampler, read through litdata's StreamingDataset
             from mula_lightning.data.litdata_io import LitdataTokenDataset

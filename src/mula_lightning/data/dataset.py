@@ -55,16 +55,17 @@ class TokenShardDataset(Dataset):
     worker processes map the files themselves. Items are dicts ``{"input_ids": (T,), "labels": (T,)}`` of int64;
     :meth:`__getitems__` returns a whole batch ``(B, T)`` and reads contiguous index runs as one slice.
 
-    Integrity: sizes, shapes and dtypes are checked by the manifest; each shard's SHA-256 is checked the first
-    time a process maps it (:meth:`DataManifest.verify_checksum_once`: later opens of an unchanged file only
-    compare a stamp); every read checks its token ids against the vocabulary and names the shard, the instance
-    and the id of the first one outside it.
+    Integrity: sizes, shapes and dtypes are checked by the manifest (headers only); a shard's SHA-256 is checked
+    when it is mapped only if nobody verified it before (:meth:`DataManifest.verify_checksum_once`: ``prepare``
+    and ``mula data verify`` stamp the shards, and ``MulaDataModule.setup`` verifies unstamped ones once over all
+    ranks, so DataLoader workers and ranks never re-read a shard for hashing); every read checks its token ids
+    against the vocabulary and names the shard, the instance and the id of the first one outside it.
 
     Args:
         root: the dataset folder written by ``prepare``.
         split: ``"train"`` or ``"val"``.
         manifest: an already loaded manifest of ``root`` (loaded and verified otherwise).
-        verify_checksums: check each shard's SHA-256 on first open (see above).
+        verify_checksums: check the SHA-256 of shards not verified before, on first open (see above).
     """
 
     def __init__(

@@ -79,6 +79,8 @@ class DataManifest:
     root: Path
     content: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step, set by the prepare call that wrote it
+    #: shard files this object knows to match their checksums (verified here, or stamped and unchanged)
+    verified: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -144,40 +146,90 @@ class DataManifest:
             raise ValueError(
                 f"shard {path} holds {tuple(shape)} {np.dtype(dtype)}, the manifest says {expected_shape} {self.dtype}"
             )
-        if checksums and sha256_file(path) != shard["sha256"]:
-            raise ValueError(f"shard {path}: SHA-256 differs from the manifest (the file is corrupt)")
+        if checksums:
+            if sha256_file(path) != shard["sha256"]:
+                raise ValueError(f"shard {path}: SHA-256 differs from the manifest (the file is corrupt)")
+            self.stamp(shard)
+
+    def _stamp_key(self, shard: dict[str, Any]) -> dict[str, Any]:
+        stat = (self.root / shard["file"]).stat()
+        return {"sha256": shard["sha256"], "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+    def has_stamp(self, shard: dict[str, Any]) -> bool:
+        """Whether this shard was verified (by ``prepare``, ``mula data verify`` or a run's start-up) and has not
+        changed since: its stamp ``.verified/<file>.json`` matches the manifest's checksum, the size and the
+        modification time (one ``stat`` and one small read)."""
+        try:
+            stamp = self.root / VERIFIED_DIR / f"{shard['file']}.json"
+            return json.loads(stamp.read_text()) == self._stamp_key(shard)
+        except (OSError, ValueError):
+            return False
+
+    def stamp(self, shard: dict[str, Any]) -> None:
+        """Record that this shard matches its checksum (a read-only dataset folder keeps no stamp: the record then
+        lives in this object only, see :attr:`verified`)."""
+        self.verified.add(shard["file"])
+        try:
+            (self.root / VERIFIED_DIR).mkdir(exist_ok=True)
+            atomic_write_json(self.root / VERIFIED_DIR / f"{shard['file']}.json", self._stamp_key(shard))
+        except OSError:
+            pass
 
     def verify_checksum_once(self, shard: dict[str, Any]) -> None:
-        """Check one shard's SHA-256 against the manifest, unless this file was already verified unchanged.
+        """Check one shard's SHA-256 against the manifest, unless it was already verified unchanged.
 
-        A verification leaves a stamp ``.verified/<file>.json`` (checksum, size, modification time); while the
-        file's size and modification time match the stamp the hash is not recomputed, so only the first open of a
-        shard reads it whole. A file changed in place (same size, new content) has a new modification time and is
-        hashed again. A read-only dataset folder gets no stamp and is hashed on every open.
+        Verified means: in :attr:`verified` (this object checked it, or a run's start-up did with
+        :meth:`verify_checksums_once`; the set travels with the object into DataLoader workers), or a stamp
+        ``.verified/<file>.json`` (checksum, size, modification time) that still matches. A file changed in place
+        (same size, new content) has a new modification time and is hashed again.
 
         Raises:
             ValueError: the shard's SHA-256 differs from the manifest's (the file is corrupt).
         """
+        if shard["file"] in self.verified or self.has_stamp(shard):
+            self.verified.add(shard["file"])
+            return
         path = self.root / shard["file"]
-        stat = path.stat()
-        key = {"sha256": shard["sha256"], "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-        stamp = self.root / VERIFIED_DIR / f"{shard['file']}.json"
-        try:
-            if json.loads(stamp.read_text()) == key:
-                return
-        except (OSError, ValueError):
-            pass
         found = sha256_file(path)
         if found != shard["sha256"]:
             raise ValueError(
                 f"shard {path}: SHA-256 {found[:16]}... differs from the manifest's {shard['sha256'][:16]}... (the "
                 "file is corrupt or was changed after `mula data prepare`); re-run `mula data prepare`"
             )
-        try:
-            stamp.parent.mkdir(exist_ok=True)
-            atomic_write_json(stamp, key)
-        except OSError:  # a read-only dataset: verified again next time
-            pass
+        self.stamp(shard)
+
+    def verify_checksums_once(self) -> None:
+        """Verify every shard that is not yet verified, each by one rank of the default process group (collective
+        when one is initialised; one process otherwise).
+
+        Cost per process at a run's start: one ``stat`` and one stamp read per shard (rank 0 lists the unverified
+        shards and broadcasts the list); then shard ``i`` of that list is hashed by rank ``i mod world``, so over a
+        whole job each unverified shard's bytes are read once for hashing, and none after ``prepare`` or
+        ``mula data verify`` stamped them. A read-only folder (no stamps can be written) is verified this way at
+        every start. Every rank raises the first mismatch found by any rank.
+        """
+        from mula_lightning.utils.dist import all_gather_object, broadcast_object, rank_world
+
+        rank, world = rank_world()
+        shards = [s for split in self.splits for s in self.shards(split)] if self.storage == "npy" else []
+        pending = None
+        if rank == 0:
+            pending = [s["file"] for s in shards if s["file"] not in self.verified and not self.has_stamp(s)]
+        pending = broadcast_object(pending)
+        by_file = {s["file"]: s for s in shards}
+        error = ""
+        for i, name in enumerate(pending):
+            if i % world != rank:
+                continue
+            try:
+                self.verify_checksum_once(by_file[name])
+            except (OSError, ValueError) as err:
+                error = str(err)
+                break
+        errors = [e for e in all_gather_object(error) if e]
+        if errors:
+            raise ValueError(errors[0])
+        self.verified.update(s["file"] for s in shards)
 
     # ---------------------------------------------------------------------------------------- accessors
     @property

@@ -13,8 +13,8 @@ what ended the attempt                                  verdict
 srun's ``Node failure on HOST``                          HOST lost (SLURM's own report)
 every rank of HOST killed by SIGKILL, which the          HOST lost (the node vanished: power, kernel, OOM killer of the
 launcher did not send (it classifies before stopping)    whole node)
-anything else: exit code, SIGABRT, SIGSEGV, SIGBUS,      the host of the first failing rank is a suspect
-an unknown signal or srun wording
+anything else: exit code, SIGABRT, SIGSEGV, SIGBUS,      the host of the first failing rank is a suspect (seen at
+an unknown signal or srun wording                        the same moment: a signal death before an exit code)
 NaNDetector (exit 86), non-finite ranks in one unit      that unit's hosts are suspects (a unit is an expert-parallel
                                                          group when the ranks say which: a NaN crosses the dispatch
                                                          all-to-all before the other ranks' gradient hooks run; else a
@@ -92,7 +92,9 @@ def attribute_exits(bad: Sequence[RankExit], nproc_per_node: int) -> Verdict:
             lost=vanished,
             why=why,
         )
-    first = bad[0]
+    # the first failure: the earliest report; among exits seen at the same moment a death by a signal comes first
+    # (the peers of an aborted or segfaulted rank exit with an error because it died, not the other way round)
+    first = min(bad, key=lambda e: (e.at, e.code >= 0))
     if not first.host:
         return Verdict(NOBODY, f"rank failure with no host to blame: {first.describe()}")
     return Verdict(SUSPECT, f"rank failure: {first.describe()}", suspects=[first.host])

@@ -145,11 +145,12 @@ class LocalAttempt:
     def poll(self) -> list[RankExit]:
         """The ranks that ended since the last call."""
         ended = []
+        now = time.monotonic()  # one poll cannot tell which of its exits came first: they share one time
         for host, rank, proc in self.procs:
             code = proc.poll()
             if code is not None and rank not in self._reported:
                 self._reported.add(rank)
-                ended.append(RankExit(host, [rank], code))
+                ended.append(RankExit(host, [rank], code, at=now))
         return ended
 
     def finished(self) -> bool:

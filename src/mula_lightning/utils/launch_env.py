@@ -12,11 +12,13 @@ every beat changes the record) and ``time`` (the rank's clock; the launcher meas
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +75,12 @@ def heartbeat_key(attempt: int, rank: int) -> str:
 class HeartbeatClient:
     """Writes this rank's heartbeat records; does nothing without an address (``MULA_HEARTBEAT`` unset).
 
+    A beat never blocks the caller: it leaves the newest record for a sender thread, which connects, writes and, on
+    a store error (the launcher restarting its store, a network blip), drops the connection, waits (1 s, doubled per
+    failure up to 60 s) and tries again with the newest record then. A training step therefore never waits for the
+    store, and beats resume by themselves when it answers again. Only changed records are sent, so a rank whose
+    training loop stops (a hang) falls silent for the launcher even though its sender thread lives on.
+
     Args:
         address: ``host:port`` of the store (default: ``MULA_HEARTBEAT``).
         connect_timeout_s: how long to wait for the store when connecting.
@@ -88,8 +96,12 @@ class HeartbeatClient:
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
         self._store: Any = None
         self._seq = 0
-        self._retry_at = 0.0  # after a store error: no attempt before this time (monotonic)
         self._backoff = 0.0
+        self._cond = threading.Condition()
+        self._pending: tuple[str, str] | None = None  # the newest record not yet written: (key, JSON)
+        self._busy = False  # the sender is writing a record
+        self._sender: threading.Thread | None = None
+        self._closed = False
         self._saved = False  # a checkpoint was saved by this process
         self._resumed_from: int | None = None  # the step of this process's first beat (after any resume)
         self._first_train_time: float | None = None  # when its first training step ended
@@ -113,12 +125,10 @@ class HeartbeatClient:
         )
 
     def beat(self, step: int, phase: str = "train", rank: int | None = None, saved: bool = False) -> None:
-        """Write this rank's record now (one small message to the store).
+        """Hand this rank's new record to the sender thread (returns at once; see the class docstring).
 
         ``saved``: a checkpoint was saved by this process (sticky; the launcher then resumes from the newest slot
-        rather than from a ``--ckpt_path`` the user gave). A store error (the launcher restarting its store, a network
-        blip) never stops training: this beat is dropped, the connection is rebuilt at the next beat after a backoff
-        (1 s, doubled per failure up to 60 s), and beats resume when the store answers again.
+        rather than from a ``--ckpt_path`` the user gave).
         """
         if not self.enabled:
             return
@@ -141,25 +151,75 @@ class HeartbeatClient:
             "first_train_time": self._first_train_time,
             "saved": self._saved,
         }
-        if time.monotonic() < self._retry_at:
-            return
+        with self._cond:
+            self._pending = (heartbeat_key(self.attempt, rank), json.dumps(record))
+            self._cond.notify_all()
+            if not self._closed and (self._sender is None or not self._sender.is_alive()):
+                self._sender = threading.Thread(target=self._send_forever, name="mula-heartbeat", daemon=True)
+                self._sender.start()
+                atexit.register(self.close)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the newest record is written (at most ``timeout_s``); whether it was."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the sender once its write in flight (if any) is done, at most ``timeout_s``; registered with
+        ``atexit``. A daemon thread still inside the store's native code when the interpreter finalises aborts the
+        process (SIGABRT), which the launcher would read as a crash of a rank that exited normally."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while self._busy and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            if not self._busy:
+                self._store = None
+
+    def _send_forever(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                (key, value), self._pending = self._pending, None
+                self._busy = True
+            ok = self._send(key, value)
+            with self._cond:
+                self._busy = False
+                if not ok and self._pending is None:
+                    self._pending = (key, value)  # retried after the backoff unless a newer record came
+                self._cond.notify_all()
+            if not ok:
+                with self._cond:  # the backoff, cut short by close()
+                    self._cond.wait_for(lambda: self._closed, timeout=self._backoff)
+
+    def _send(self, key: str, value: str) -> bool:
         try:
             if self._store is None:
                 self._store = self._connect()
-            self._store.set(heartbeat_key(self.attempt, rank), json.dumps(record))
+            self._store.set(key, value)
         except (RuntimeError, OSError, ValueError) as err:  # training goes on; retried after a backoff
             self._store = None
             first = self._backoff == 0.0
             self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2 or self.FIRST_BACKOFF_S)
-            self._retry_at = time.monotonic() + self._backoff
             if first:
                 log.warning(
                     "heartbeat: cannot reach the launcher's store at %s (%s); retrying with backoff", self.address, err
                 )
-        else:
-            if self._backoff:
-                log.warning("heartbeat: the launcher's store at %s answers again", self.address)
-            self._backoff = 0.0
+            return False
+        if self._backoff:
+            log.warning("heartbeat: the launcher's store at %s answers again", self.address)
+        self._backoff = 0.0
+        return True
 
 
 @dataclass
