@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test test-cpus gpu-check lint format clean
+.PHONY: venv demo test test-quick test-cpus gpu-check lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q --durations=20 tests
+
+# The inner loop: unit tests and the parity tests not marked slow, without the launcher and end-to-end tiers that
+# start `mula` processes. Every test of it is also in `make test` (what CI runs).
+test-quick: venv
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/launch --ignore=tests/training tests
 
 # The parity and distributed tests under other CPU kernels (AVX2, no SIMD, one thread): one line per setting.
 test-cpus: venv

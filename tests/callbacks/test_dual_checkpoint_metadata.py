@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from mula_lightning.callbacks import DualCheckpoint
 from mula_lightning.lightning_module import MulaLM
 from mula_lightning.models import MulaConfig
-from mula_lightning.testing import DistributedTestError, run_distributed_test
+from mula_lightning.testing import DistributedTestError, run_pooled_test
 from mula_lightning.utils.plain_data import UnloadableCheckpointValue, check_plain_data, to_plain_data
 from mula_lightning.utils.safe_load import dumps_data, loads_data
 
@@ -116,10 +116,8 @@ def test_typed_config_path_and_numpy_hyperparameters_save_and_resume(tmp_path, s
     callback whose state holds a Path and NumPy scalars: 2 ranks save at step 2 and resume from it to step 4
     (before the normalisation the resume was refused: "refused to load ...MulaConfig"). The callback gets its state
     back as plain values."""
-    run_distributed_test(_fit, 2, root=str(tmp_path), strategy=strategy, max_steps=2, timeout=240)
-    results = run_distributed_test(
-        _fit, 2, root=str(tmp_path), strategy=strategy, max_steps=4, resume=True, timeout=240
-    )
+    run_pooled_test(_fit, 2, root=str(tmp_path), strategy=strategy, max_steps=2, timeout=240)
+    results = run_pooled_test(_fit, 2, root=str(tmp_path), strategy=strategy, max_steps=4, resume=True, timeout=240)
     for resumed, loaded, step in results:
         assert resumed and step == 4
         assert loaded == {"where": str(tmp_path / "x"), "best": 1.5, "seen": 3}
@@ -130,5 +128,5 @@ def test_callback_state_the_reader_would_refuse_fails_at_the_first_save(tmp_path
     """A callback state holding an object the safe reader refuses: the first save fails on every rank, naming the
     entry, and leaves no marker (the run stops at the save, not at the resume after the next failure)."""
     with pytest.raises(DistributedTestError, match=r"callbacks\..*handle"):
-        run_distributed_test(_fit, 2, root=str(tmp_path), strategy="epso", max_steps=2, opaque=True, timeout=240)
+        run_pooled_test(_fit, 2, root=str(tmp_path), strategy="epso", max_steps=2, opaque=True, timeout=240)
     assert not list((tmp_path / "dual").rglob("COMPLETE.json"))

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from mula_lightning.callbacks import DualCheckpoint, ModelOnlyCheckpoint, NaNDetector
 from mula_lightning.checkpoint.slots import SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import run_pooled_test
 
 STEPS = 3
 
@@ -64,7 +64,7 @@ def _run(rank, world_size, root):
 def test_model_only_checkpoints_under_zero_topo_hold_the_full_weights(tmp_path):
     """Every step's model-only checkpoint under zero_topo (2 ranks) holds the full, trained weights: at the last
     step exactly the DualCheckpoint's model tensors (a separate gather path: DCP shards), and not the initial ones."""
-    run_distributed_test(_run, 2, root=str(tmp_path), timeout=240)
+    run_pooled_test(_run, 2, root=str(tmp_path), timeout=240)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [f"step-{s:08d}" for s in range(1, STEPS + 1)]
     newest = max(SLOT_NAMES, key=lambda n: read_marker(tmp_path / "dual" / n)["step"])
     assert read_marker(tmp_path / "dual" / newest)["step"] == STEPS

@@ -13,7 +13,7 @@ from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import FabricEPSOStrategy
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import run_pooled_test
 
 DP, EP = 2, 2
 
@@ -75,7 +75,7 @@ def test_dp_scattered_writes_and_one_reader_per_model_shard(tmp_path):
     reads the non-expert weights and its experts, rank 1 only its experts, ranks 2 and 3 no weights at all (they
     get them by broadcast: their NaN-filled weights come back exactly) and every rank reads its optimizer shard."""
     path = str(tmp_path / "ckpt")
-    results = run_distributed_test(_save_then_load, DP * EP, path=path, timeout=240)
+    results = run_pooled_test(_save_then_load, DP * EP, path=path, timeout=240)
     assert all(r["same"] for r in results)
 
     metadata = dcp.FileSystemReader(path).read_metadata()

@@ -295,11 +295,11 @@ def test_online_ranks_over_gloo_equal_offline(world_size, ep_size, tmp_path):
     """Real gloo processes: upcycle(..., ep_group=topology.ep_group) from a Mula model-only checkpoint gives each
     rank its EP slice of the offline MoE, tensor for tensor (noise included), and the local model plugs straight
     into apply_expert_parallel, whose expert-parallel forward reproduces the dense logits within 1e-5."""
-    from mula_lightning.testing import run_distributed_test
+    from mula_lightning.testing import run_pooled_test
 
     dense = _tiny_dense()
     path = str(save_model_only(dense, tmp_path / "dense"))
-    results = run_distributed_test(_upcycle_on_rank, world_size, path=path, ep_size=ep_size)
+    results = run_pooled_test(_upcycle_on_rank, world_size, path=path, ep_size=ep_size)
     full = upcycle(dense, num_experts=4, top_k=2, noise=0.1).state_dict()
     per = 4 // ep_size
     for rank, result in enumerate(results):

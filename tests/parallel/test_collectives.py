@@ -25,7 +25,7 @@ from mula_lightning.parallel.collectives import (
 )
 from mula_lightning.parallel.hardware import HardwareTopology
 from mula_lightning.parallel.ledger import CommLedger
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import run_pooled_test
 
 pytestmark = pytest.mark.distributed
 
@@ -157,7 +157,7 @@ def _check_ledger(records: list[dict], members: list[int], rank: int, level: str
 def test_collectives_match_single_process_math_with_two_ranks() -> None:
     """On a world of 2, every collective's values and gradients equal the single-process reference, dtypes gloo
     cannot move are sent exactly as bytes, bad input is refused clearly, and the ledger bytes equal the closed form."""
-    results = run_distributed_test(_run_world, world_size=2, timeout=90)
+    results = run_pooled_test(_run_world, world_size=2, timeout=90)
     for rank, records in enumerate(results):
         _check_ledger(records, [0, 1], rank, level="intra_node")
 
@@ -166,7 +166,7 @@ def test_collectives_with_four_ranks_and_subgroups_within_and_across_nodes() -> 
     """On 4 ranks over 2 simulated nodes: the world group (d = 4, spanning nodes) and 2 groups of 2 laid out within
     nodes, then across nodes, all match the single-process reference with results and gradients staying inside
     each group; the ledger tags pairs 'intra_node' or 'inter_node' and its bytes equal the closed form."""
-    results = run_distributed_test(_run_subgroups, world_size=4, ranks_per_node=2, timeout=90)
+    results = run_pooled_test(_run_subgroups, world_size=4, ranks_per_node=2, timeout=90)
     for rank, result in enumerate(results):
         assert result["discovered"], "Topology.discover() must agree with the launcher variables"
         for name, level in (("world", "inter_node"), ("pairs", "intra_node"), ("strided", "inter_node")):

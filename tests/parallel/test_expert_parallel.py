@@ -10,6 +10,7 @@ Parity runs in float64 (experts on the per-expert ``torch.mm`` path) with the ti
 (a dropped token, dispatch over the world instead of the EP group) must fail the same check.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -20,7 +21,7 @@ from mula_lightning.moe import FastSparseMoEBlock
 from mula_lightning.parallel import apply_expert_parallel
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.topology import build_topology
-from mula_lightning.testing import DistributedTestError, assert_parity, run_distributed_test
+from mula_lightning.testing import DistributedTestError, assert_parity, run_pooled_test
 
 H, E, K, FF = 16, 8, 2, 12  # FF: expert intermediate size
 S = 15  # tokens per rank
@@ -70,12 +71,14 @@ def _step(block, x, weights):
     return out.detach(), x.grad, grads, aux
 
 
-def _inject(bug):
-    """Break expert parallelism on purpose (in the rank process): the parity check must then fail."""
+@contextlib.contextmanager
+def _injected(bug):
+    """Break expert parallelism on purpose (in the rank process) while the block runs: the parity check must then
+    fail. Put back on exit, so that a pooled rank runs the next test unbroken."""
     import mula_lightning.parallel.token_dispatchers as dispatchers
 
+    build = dispatchers.build_dispatch_plan
     if bug == "dropped_token":  # the first (token, k) pair gathered from rank 0 never reaches its expert
-        build = dispatchers.build_dispatch_plan
 
         def build_dropping_one(indices_SK, *args, **kwargs):
             indices_SK = indices_SK.clone()
@@ -83,6 +86,10 @@ def _inject(bug):
             return build(indices_SK, *args, **kwargs)
 
         dispatchers.build_dispatch_plan = build_dropping_one
+    try:
+        yield
+    finally:
+        dispatchers.build_dispatch_plan = build
 
 
 def _expert_parallel(block, group, dispatcher, where, bug=None):
@@ -101,12 +108,12 @@ def _expert_parallel(block, group, dispatcher, where, bug=None):
 
 
 def _ep_run(rank, world_size, ep, dispatcher, case, dtype, bug=None, where="bare"):
-    _inject(bug)
     topo = build_topology(ep)
     block = _expert_parallel(_block(case, dtype), topo.ep_group, dispatcher, where, bug)
     assert type(block) is FastSparseMoEBlock and block.dispatcher.name == dispatcher
     x, w = _batch(rank, case, dtype)
-    out, x_grad, grads, aux = _step(block, x, w)
+    with _injected(bug):
+        out, x_grad, grads, aux = _step(block, x, w)
     return out, x_grad, grads, aux.num_dropped.item(), aux.tokens_per_expert
 
 
@@ -147,7 +154,7 @@ def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dt
     """
     refs = [_step(_block(case, dtype), *_batch(r, case, dtype)) for r in range(world_size)]
     for dispatcher in ("allgather", "alltoall"):
-        results = run_distributed_test(
+        results = run_pooled_test(
             _ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, dtype=dtype, where=where, timeout=120
         )
         _check_ep(results, refs, world_size, ep, dispatcher, dtype)
@@ -165,8 +172,8 @@ def test_parity_check_catches_injected_bugs(bug):
     world_size, ep, dtype = 4, 2, torch.float64
     refs = [_step(_block("random", dtype), *_batch(r, "random", dtype)) for r in range(world_size)]
     kwargs = dict(ep=ep, dispatcher="allgather", case="random", dtype=dtype, timeout=120)
-    _check_ep(run_distributed_test(_ep_run, world_size, **kwargs), refs, world_size, ep, "allgather", dtype)
-    results = run_distributed_test(_ep_run, world_size, bug=bug, **kwargs)
+    _check_ep(run_pooled_test(_ep_run, world_size, **kwargs), refs, world_size, ep, "allgather", dtype)
+    results = run_pooled_test(_ep_run, world_size, bug=bug, **kwargs)
     with pytest.raises(AssertionError):
         _check_ep(results, refs, world_size, ep, "allgather", dtype)
 
@@ -184,7 +191,7 @@ def _ledger_run(rank, world_size):
 def test_allgather_dispatch_bytes_equal_the_closed_form():
     """One forward+backward of the all-gather dispatcher sends exactly the ring bytes of the module docstring."""
     d, s = 2, 15
-    records = run_distributed_test(_ledger_run, d)[0]
+    records = run_pooled_test(_ledger_run, d)[0]
     got = {(tag, phase): sent for _, tag, phase, sent in records}
     x, w, idx = s * H * 4, s * K * 4, s * K * 8
     expected = {
@@ -210,9 +217,9 @@ def _unequal_tokens(rank, world_size):
 def test_bad_input_is_named():
     """EP size not dividing num_experts or the world size, and unequal token counts under all-gather, are named."""
     with pytest.raises(DistributedTestError, match=r"\[4, 5\]"):
-        run_distributed_test(_unequal_tokens, 2)
+        run_pooled_test(_unequal_tokens, 2)
     with pytest.raises(DistributedTestError) as err:
-        run_distributed_test(_bad_sizes, 3)
+        run_pooled_test(_bad_sizes, 3)
     assert "num_experts (8) must be divisible by ep_size (3)" in str(err.value)
     assert "world size (3) must be divisible by ep_size (2)" in str(err.value)
 
@@ -261,7 +268,7 @@ def _reapply(rank, world_size):
 def test_reapplying_swaps_the_transport_and_refuses_foreign_layouts():
     """Applying expert parallelism again over the same group swaps the dispatcher and keeps the expert slice; over
     another group, or onto an expert slice that is not this rank's, it is refused with the values named."""
-    for rank, (swapped, other_group, wrong_slice) in enumerate(run_distributed_test(_reapply, 2)):
+    for rank, (swapped, other_group, wrong_slice) in enumerate(run_pooled_test(_reapply, 2)):
         assert swapped == ("alltoall", True)
         assert "already expert parallel over another process group" in other_group
         assert f"expected all {E} or this EP rank's {E // 2} experts [{rank * E // 2}, {(rank + 1) * E // 2}]" in (

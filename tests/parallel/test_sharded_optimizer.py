@@ -16,7 +16,7 @@ from torch import nn
 
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
 from mula_lightning.parallel.topology import build_topology
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
 
 E = 4
 SHAPES = {"embed.weight": (7, 5), "attn.norm.weight": (5,), "layers.0.mlp.gate.weight": (E, 5)}
@@ -116,7 +116,7 @@ def test_every_mode_matches_torch_adamw_on_reduced_gradients(world_size, ep, acc
     """
     steps, max_norm = 4, 0.5
     modes = ("ep_aware", "dp", "none")
-    results = run_distributed_test(
+    results = run_pooled_test(
         _run_modes,
         world_size,
         ep=ep,
@@ -151,7 +151,7 @@ def test_state_bytes_follow_the_formula():
     """Optimizer-state bytes per rank = 8 per owned element of float32 parameters (padding included): SO keeps
     non-expert states EP times."""
     world_size, ep = 4, 2
-    results = run_distributed_test(
+    results = run_pooled_test(
         _run_modes,
         world_size,
         ep=ep,

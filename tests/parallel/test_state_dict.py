@@ -17,7 +17,7 @@ from torch import nn
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
 from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.topology import build_topology
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
 
 E = 4
 SHAPES = {
@@ -134,10 +134,10 @@ def _check(results, ref, ep):
 def test_resume_at_other_layouts_modes_and_in_one_process(tmp_path):
     """Saved at DP=2 x EP=2 (ep_aware), resumed at DP=1 x EP=2 (dp), DP=4 x EP=1 (none) and one process."""
     path = str(tmp_path / "ckpt")
-    run_distributed_test(_save, 4, ep=2, mode="ep_aware", path=path, timeout=120)
+    run_pooled_test(_save, 4, ep=2, mode="ep_aware", path=path, timeout=120)
     ref = _reference(saved_world=4, saved_ep=2)
-    _check(run_distributed_test(_resume, 2, ep=2, mode="dp", path=path, timeout=120), ref, ep=2)
-    _check(run_distributed_test(_resume, 4, ep=1, mode="none", path=path, timeout=120), ref, ep=1)
+    _check(run_pooled_test(_resume, 2, ep=2, mode="dp", path=path, timeout=120), ref, ep=2)
+    _check(run_pooled_test(_resume, 4, ep=1, mode="none", path=path, timeout=120), ref, ep=1)
     _check([_resume(0, 1, ep=1, mode="none", path=path)], ref, ep=1)
 
 
@@ -145,5 +145,5 @@ def test_resume_at_other_layouts_modes_and_in_one_process(tmp_path):
 def test_grow_from_two_to_four_ranks_with_ep_aware(tmp_path):
     """Saved at DP=1 x EP=2 (dp mode), resumed at DP=2 x EP=2 (ep_aware): the 2 -> 4 direction."""
     path = str(tmp_path / "ckpt")
-    run_distributed_test(_save, 2, ep=2, mode="dp", path=path, timeout=120)
-    _check(run_distributed_test(_resume, 4, ep=2, mode="ep_aware", path=path, timeout=120), _reference(2, 2), ep=2)
+    run_pooled_test(_save, 2, ep=2, mode="dp", path=path, timeout=120)
+    _check(run_pooled_test(_resume, 4, ep=2, mode="ep_aware", path=path, timeout=120), _reference(2, 2), ep=2)

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric import Fabric
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import run_pooled_test
 
 STEPS, MICRO, LR = 20, 2, 1e-3
 BOUND = 2e-3  # largest relative loss difference bf16-true may show against float32 in any of the 20 steps
@@ -96,7 +96,7 @@ def _train(rank, world_size, strategy_name, precision, wrong_state):
 
 @functools.cache
 def _run(strategy_name: str, precision: str, wrong_state: bool = False):
-    return run_distributed_test(
+    return run_pooled_test(
         _train, 4, strategy_name=strategy_name, precision=precision, wrong_state=wrong_state, timeout=300
     )[0]
 

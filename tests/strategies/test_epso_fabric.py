@@ -9,7 +9,7 @@ from lightning.fabric import Fabric
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import FabricEPSOStrategy
-from mula_lightning.testing import DistributedTestError, run_distributed_test
+from mula_lightning.testing import DistributedTestError, run_pooled_test
 
 
 def _config():
@@ -65,7 +65,7 @@ def test_every_layout_starts_bit_identical_to_one_process():
     """Meta-built models materialised at DP=2 x EP=2 and DP=4 x EP=1 equal init_weights(seed 0) bit for bit."""
     expected = init_weights(MulaForCausalLM(_config()), seed=0).state_dict()
     for ep in (2, 1):
-        for state in run_distributed_test(_initial_state, 4, ep=ep, timeout=180):
+        for state in run_pooled_test(_initial_state, 4, ep=ep, timeout=180):
             assert set(state) == set(expected)
             assert all(torch.equal(state[k], v) for k, v in expected.items())
 
@@ -90,8 +90,8 @@ def test_checkpoint_reshards_between_layouts_and_loads_in_one_process(tmp_path, 
     """fabric.save at one DP x EP layout / mode, fabric.load at another: same weights, step and optimizer step;
     the same directory also loads into a plain single-process MulaForCausalLM with DCP."""
     path = str(tmp_path / "ckpt")
-    saved = run_distributed_test(_save, save_at[0], ep=save_at[1], mode=save_at[2], path=path, timeout=180)[0]
-    for weights, step, remainder, opt_step in run_distributed_test(
+    saved = run_pooled_test(_save, save_at[0], ep=save_at[1], mode=save_at[2], path=path, timeout=180)[0]
+    for weights, step, remainder, opt_step in run_pooled_test(
         _load, load_at[0], ep=load_at[1], mode=load_at[2], path=path, timeout=180
     ):
         assert step == 2 and opt_step == 2 and remainder == {}
@@ -110,8 +110,8 @@ def _losses(rank, world_size, **strategy_kwargs):
 @pytest.mark.distributed
 def test_activation_checkpointing_and_regional_compile_do_not_change_training():
     """Recomputing decoder layers and compiling attention/norms (eager backend) give the same losses."""
-    plain = run_distributed_test(_losses, 2, timeout=180)
-    changed = run_distributed_test(_losses, 2, activation_checkpointing=True, compile={"backend": "eager"}, timeout=300)
+    plain = run_pooled_test(_losses, 2, timeout=180)
+    changed = run_pooled_test(_losses, 2, activation_checkpointing=True, compile={"backend": "eager"}, timeout=300)
     torch.testing.assert_close(torch.tensor(changed), torch.tensor(plain), rtol=1e-6, atol=1e-6)
 
 
@@ -126,7 +126,7 @@ def _bf16(rank, world_size):
 @pytest.mark.distributed
 def test_bf16_true_keeps_bf16_parameters_and_fp32_master_shards():
     """bf16-true: parameters are bf16, the optimizer keeps fp32 master shards (12 bytes per owned element)."""
-    for losses, dtypes, shard_keys, nbytes in run_distributed_test(_bf16, 2, timeout=180):
+    for losses, dtypes, shard_keys, nbytes in run_pooled_test(_bf16, 2, timeout=180):
         assert dtypes == {torch.bfloat16}
         assert all(keys == {"exp_avg", "exp_avg_sq", "master"} for keys in shard_keys.values())
         assert all(torch.isfinite(torch.tensor(losses)))
@@ -147,4 +147,4 @@ def _bad(rank, world_size, case):
 def test_fabric_bad_settings_fail_clearly(case, fragment):
     """Mixed precision and value clipping are refused with messages naming them."""
     with pytest.raises(DistributedTestError, match=fragment):
-        run_distributed_test(_bad, 2, case=case, timeout=120)
+        run_pooled_test(_bad, 2, case=case, timeout=120)

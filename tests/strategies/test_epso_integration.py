@@ -20,7 +20,7 @@ from lightning.fabric import Fabric
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import FabricEPSOStrategy
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 0.05
@@ -56,25 +56,38 @@ def _batch(step, rank):
 
 
 def _inject(bug):
-    """Break the sharded optimizer on purpose (in the rank process): the parity check must then fail."""
+    """Break the sharded optimizer on purpose (in the rank process): the parity check must then fail. Returns what
+    puts it back (a pooled rank runs the next test unbroken)."""
     import mula_lightning.parallel.sharded_optimizer as so
+
+    is_expert, init = so.is_expert_param, so.ShardedAdamW.__init__
+
+    def undo():
+        so.is_expert_param, so.ShardedAdamW.__init__ = is_expert, init
 
     if bug == "world_group":  # expert gradients treated as replicated: reduced over the world, not their DP group
         so.is_expert_param = lambda name: False
     elif bug == "missing_dp_scale":  # gradients divided by EP only
-        init = so.ShardedAdamW.__init__
 
         def init_without_dp(self, *args, **kwargs):
             init(self, *args, **kwargs)
             self.world_size = self.topology.ep_size
 
         so.ShardedAdamW.__init__ = init_without_dp
+    return undo
 
 
 def _fabric_train(rank, world_size, ep, modes, dispatcher="allgather", precision="64-true", bug=None):
     import mula_lightning.strategies  # noqa: F401  (registers "epso")
 
-    _inject(bug)
+    undo = _inject(bug)
+    try:
+        return _fabric_train_modes(rank, world_size, ep, modes, dispatcher, precision)
+    finally:
+        undo()
+
+
+def _fabric_train_modes(rank, world_size, ep, modes, dispatcher, precision):
     results = {}
     for mode in modes:
         strategy = FabricEPSOStrategy(ep_size=ep, sharded_optimizer=mode, dispatcher=dispatcher, bucket_numel=5000)
@@ -155,7 +168,7 @@ def test_fabric_epso_matches_one_process_dp2_ep2_every_mode():
     """4 processes (DP=2 x EP=2), modes ep_aware / dp / none: the reduced gradients of the first step and 10 clipped
     AdamW steps (losses, final parameters) equal one process."""
     modes = ("ep_aware", "dp", "none")
-    results = run_distributed_test(_fabric_train, 4, ep=2, modes=modes, timeout=300)
+    results = run_pooled_test(_fabric_train, 4, ep=2, modes=modes, timeout=300)
     _compare(results, _reference(4), 4)
 
 
@@ -163,7 +176,7 @@ def test_fabric_epso_matches_one_process_dp2_ep2_every_mode():
 def test_fabric_epso_float32_grouped_gemm_matches_one_process():
     """4 processes (DP=2 x EP=2), EP-aware, float32 (the grouped GEMM kernels): the first step's reduced gradients
     and 10 steps of losses equal one process within float32's rounding rule."""
-    results = run_distributed_test(_fabric_train, 4, ep=2, modes=("ep_aware",), precision="32-true", timeout=300)
+    results = run_pooled_test(_fabric_train, 4, ep=2, modes=("ep_aware",), precision="32-true", timeout=300)
     _compare(results, _reference(4, torch.float32), 4, torch.float32)
 
 
@@ -172,7 +185,7 @@ def test_fabric_epso_float32_grouped_gemm_matches_one_process():
 def test_parity_check_catches_injected_bugs(bug):
     """Expert gradients reduced over the world instead of their DP group, or gradients divided by EP instead of
     DP*EP, fail the float64 parity check (DP=2 x EP=2, EP-aware): the rule is tight enough to see real bugs."""
-    results = run_distributed_test(_fabric_train, 4, ep=2, modes=("ep_aware",), bug=bug, timeout=300)
+    results = run_pooled_test(_fabric_train, 4, ep=2, modes=("ep_aware",), bug=bug, timeout=300)
     with pytest.raises(AssertionError):
         _compare(results, _reference(4), 4)
 
@@ -182,5 +195,5 @@ def test_fabric_epso_matches_one_process_dp2_ep4_alltoall_every_mode():
     """8 processes (DP=2 x EP=4), every mode with the all-to-all dispatcher: 10 clipped AdamW steps and the reduced
     gradients of the first step equal one process."""
     modes = ("ep_aware", "dp", "none")
-    results = run_distributed_test(_fabric_train, 8, ep=4, modes=modes, dispatcher="alltoall", timeout=400)
+    results = run_pooled_test(_fabric_train, 8, ep=4, modes=modes, dispatcher="alltoall", timeout=400)
     _compare(results, _reference(8), 8)

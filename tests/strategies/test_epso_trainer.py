@@ -15,7 +15,7 @@ from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.parallel.ledger import CommLedger
 from mula_lightning.strategies import EPSOStrategy
-from mula_lightning.testing import DistributedTestError, adamw_parameter_scale, assert_parity, run_distributed_test
+from mula_lightning.testing import DistributedTestError, adamw_parameter_scale, assert_parity, run_pooled_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MICRO, SEQ, ACCUM, CLIP = 2, 12, 2, 0.05
@@ -142,7 +142,7 @@ def _assert_state_close(got, expected, what, steps=3):
 def test_trainer_epso_matches_one_process_with_accumulation_and_reduces_once_per_step():
     """4 processes (DP=2 x EP=2): 3 steps with accumulation 2, clipping and an LR schedule equal one process,
     and gradients are reduce-scattered once per optimizer step (not once per micro-batch)."""
-    results = run_distributed_test(_fit, 4, ep=2, epochs=3, timeout=300)
+    results = run_pooled_test(_fit, 4, ep=2, epochs=3, timeout=300)
     expected = _reference(4, 3)
     for rank, (state, reduce_scatters, steps) in enumerate(results):
         assert steps == 3
@@ -154,13 +154,13 @@ def test_trainer_epso_matches_one_process_with_accumulation_and_reduces_once_per
 def test_trainer_save_resume_equals_straight_run_and_reshards(tmp_path):
     """Save after 2 steps and resume for 1 more equals 3 straight steps; the 4-rank checkpoint loads at 2 ranks."""
     path = str(tmp_path / "step2.ckpt")
-    run_distributed_test(_fit, 4, ep=2, epochs=2, save=path, timeout=300)
-    resumed = run_distributed_test(_fit, 4, ep=2, epochs=3, resume=path, timeout=300)
+    run_pooled_test(_fit, 4, ep=2, epochs=2, save=path, timeout=300)
+    resumed = run_pooled_test(_fit, 4, ep=2, epochs=3, resume=path, timeout=300)
     expected = _reference(4, 3)
     for rank, (state, _, steps) in enumerate(resumed):
         assert steps == 3
         _assert_state_close(state, expected, f"resumed rank {rank}")
-    at_two = run_distributed_test(_fit, 2, ep=2, epochs=2, resume=path, mode="dp", timeout=300)  # nothing left to do
+    at_two = run_pooled_test(_fit, 2, ep=2, epochs=2, resume=path, mode="dp", timeout=300)  # nothing left to do
     for state, _, steps in at_two:
         assert steps == 2
         _assert_state_close(state, _reference(4, 2), "resharded to 2 ranks")
@@ -200,4 +200,4 @@ def _bad(rank, world_size, case):
 def test_trainer_bad_settings_fail_clearly(case, fragment):
     """Mixed precision, value clipping, a non-AdamW optimizer and an EP size that does not divide are named."""
     with pytest.raises(DistributedTestError, match=fragment):
-        run_distributed_test(_bad, 2, case=case, timeout=120)
+        run_pooled_test(_bad, 2, case=case, timeout=120)

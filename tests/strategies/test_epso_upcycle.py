@@ -13,7 +13,7 @@ from mula_lightning.models.checkpoint_io import save_model_only
 from mula_lightning.models.upcycle import upcycle
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import FabricEPSOStrategy
-from mula_lightning.testing import DistributedTestError, assert_parity, run_distributed_test
+from mula_lightning.testing import DistributedTestError, assert_parity, run_pooled_test
 
 SHAPE = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=24)
 
@@ -54,7 +54,7 @@ def test_setup_upcycles_online_and_keeps_the_dense_function(tmp_path):
     with torch.no_grad():
         expected = dense.to(torch.float64)(_tokens()).logits
     offline = upcycle(_dense(), num_experts=4, top_k=2, seed=1).state_dict()
-    for logits, full in run_distributed_test(_setup_upcycled, 2, path=path, timeout=180):
+    for logits, full in run_pooled_test(_setup_upcycled, 2, path=path, timeout=180):
         # float64 rounding along the model (~1e-13) plus the float32 rounding of the returned logits: 2 x eps32
         assert_parity(logits.double(), expected, reduction_len=2, dtype=torch.float32, msg="upcycled logits")
         assert set(full) == set(offline)
@@ -66,4 +66,4 @@ def test_a_dense_checkpoint_that_does_not_fit_the_model_is_named(tmp_path):
     """A model config whose shapes differ from the dense checkpoint (hidden 48 vs 32) fails with the tensors named."""
     path = str(save_model_only(_dense(), tmp_path / "dense"))
     with pytest.raises(DistributedTestError, match="does not fit the model config"):
-        run_distributed_test(_setup_upcycled, 2, path=path, hidden_size=48, timeout=180)
+        run_pooled_test(_setup_upcycled, 2, path=path, hidden_size=48, timeout=180)

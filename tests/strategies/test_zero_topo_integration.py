@@ -13,7 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP = 0.05
@@ -106,7 +106,7 @@ def test_fabric_zero_topo_trains_saves_resumes_and_reshards(tmp_path):
     a checkpoint saved after 3 steps, loaded into a ZeRO-3 layout of the same ranks, continues with the same losses;
     loaded into one process (the engine on one rank), it continues with the same averaged losses."""
     path = str(tmp_path / "ckpt")
-    results = run_distributed_test(_fabric_run, 4, path=path, timeout=300)
+    results = run_pooled_test(_fabric_run, 4, path=path, timeout=300)
     ref = _reference(4)
     for rank, (losses, resumed) in enumerate(results):
         expected = torch.tensor([s[rank] for s in ref], dtype=DTYPE)
@@ -186,12 +186,12 @@ def test_trainer_zero_topo_accumulation_resume_equals_one_process_and_reshards(t
     equals one process running 3 steps on the same micro-batches (gradients accumulate in the sharded buffers); the
     same checkpoint loads on 4 processes (2 simulated nodes, other shard sizes) with the same full weights."""
     path = str(tmp_path / "trainer.ckpt")
-    saved = run_distributed_test(_trainer_fit, 2, epochs=2, save=path, timeout=300)[0][0]
-    for state, steps in run_distributed_test(_trainer_fit, 4, epochs=2, resume=path, timeout=300):
+    saved = run_pooled_test(_trainer_fit, 2, epochs=2, save=path, timeout=300)[0][0]
+    for state, steps in run_pooled_test(_trainer_fit, 4, epochs=2, resume=path, timeout=300):
         assert steps == 2  # restored at the end of epoch 2: nothing left to train
         for k, v in saved.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=f"resharded to 4 processes: {k}")
-    results = run_distributed_test(_trainer_fit, 2, epochs=3, resume=path, timeout=300)
+    results = run_pooled_test(_trainer_fit, 2, epochs=3, resume=path, timeout=300)
     model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     for _ in range(3):

@@ -94,7 +94,8 @@ def test_hang_times_out_kills_children_and_names_running_ranks() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0(, 1)?\] of 2 had not finished"):
         run_distributed_test(_hang_on_rank_zero, world_size=2, timeout=5)
     assert time.monotonic() - start < 20
-    assert multiprocessing.active_children() == []
+    # the pooled workers of other tests (mula-pool*) live on by design; no rank of this run may
+    assert [p.name for p in multiprocessing.active_children() if p.name.startswith("mula-rank")] == []
 
 
 def test_timeout_names_exactly_the_unfinished_ranks() -> None:

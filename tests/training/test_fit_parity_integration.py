@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import run_pooled_test
 
 STEPS = 6
 
@@ -48,7 +48,7 @@ def test_mula_fit_epso_matches_ddp(tiny_config):
         logger=False,
         enable_checkpointing=False,
     )
-    results = run_distributed_test(_fit_both, 4, config=config, timeout=300)
+    results = run_pooled_test(_fit_both, 4, config=config, timeout=300)
     for rank, per_strategy in enumerate(results):
         ddp, epso = per_strategy["ddp"], per_strategy["epso"]
         assert ddp["steps"] == epso["steps"] == STEPS

@@ -14,7 +14,7 @@ from mula_lightning.lightning_module import MulaLM
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.models.checkpoint_io import save_model_only
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
-from mula_lightning.testing import run_distributed_test
+from mula_lightning.testing import run_pooled_test
 
 SHAPE = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=16)
 
@@ -100,7 +100,7 @@ def test_sharded_strategies_start_from_the_source(tmp_path, strategy_name):
     """2 processes under ``epso`` (EP=2: each rank reads its own experts) and ``zero_topo``: the gathered weights when
     training starts equal the source on every rank."""
     source, path = _source(tmp_path)
-    for state in run_distributed_test(_start_rank, 2, path=path, strategy_name=strategy_name, timeout=240):
+    for state in run_pooled_test(_start_rank, 2, path=path, strategy_name=strategy_name, timeout=240):
         _assert_weights_of(state, source)
 
 

@@ -7,7 +7,7 @@ compares a fast or distributed result with its reference under one rule (``reduc
 passing on a CPU-only machine.
 """
 
-from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test
+from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test, run_pooled_test
 from mula_lightning.testing.markers import BACKENDS, available_backends, gpu_available, requires_gpu
 from mula_lightning.testing.parity import adamw_parameter_scale, assert_parity, parity_tolerance
 
@@ -21,4 +21,5 @@ __all__ = [
     "parity_tolerance",
     "requires_gpu",
     "run_distributed_test",
+    "run_pooled_test",
 ]

@@ -27,35 +27,25 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import get_context, parent_process
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["DistributedTestError", "run_distributed_test"]
+from mula_lightning.testing.processes import (
+    FAILURE_GRACE_S,
+    DistributedTestError,
+    child_env,
+    exit_description,
+    exit_when_parent_dies,
+    start_context,
+)
 
-# After the first failing rank, how long the others may take to finish (or fail) before they are killed. Peers of a
-# failed rank normally block in a collective, so waiting for the full timeout would only slow the test down.
-_FAILURE_GRACE_S = 2.0
-
-
-class DistributedTestError(RuntimeError):
-    """One or more ranks of :func:`run_distributed_test` failed; the message has each rank's traceback.
-
-    Attributes:
-        failures: ``{rank: description}`` for every rank that failed, the first failure first.
-    """
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
+__all__ = ["DistributedTestError", "run_distributed_test", "run_pooled_test"]
 
 
 @dataclass
@@ -67,76 +57,6 @@ class _Outcome:
     detail: str = ""
     finished_at: float = 0.0  # parent's monotonic clock: for the grace period
     reported_at: float = 0.0  # wall clock at which the child reported: for ordering failures
-
-
-def _exit_description(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "is still running"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name} (exit code {exitcode})"
-    return f"exited with code {exitcode}"
-
-
-def _child_env(
-    rank: int, world_size: int, ranks_per_node: int, ranks_per_gpu: int, host: str, port: int
-) -> dict[str, str]:
-    """The variables a real launcher (torchrun, SLURM + Lightning) would set, for one simulated rank."""
-    node = rank // ranks_per_node
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank % ranks_per_node),
-        "LOCAL_WORLD_SIZE": str(ranks_per_node),
-        "GROUP_RANK": str(node),
-        "NODE_RANK": str(node),
-        "MASTER_ADDR": host,
-        "MASTER_PORT": str(port),
-        "MULA_NODE_NAME": f"node{node}",
-        "MULA_RANKS_PER_NODE": str(ranks_per_node),
-        "MULA_RANKS_PER_GPU": str(ranks_per_gpu),
-        # The parent owns the store server: code that initialises a group from env:// must connect as a client.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "OMP_NUM_THREADS": "1",
-    }
-    # Keep gloo's sockets on loopback: the host name may resolve to an interface that is not reachable.
-    if "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform.startswith("linux"):
-        if any(name == "lo" for _, name in socket.if_nameindex()):
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-    return env
-
-
-def _exit_when_parent_dies() -> None:
-    """Daemon thread in the child: leave at once if the parent process disappears (no orphans)."""
-    parent = parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(3)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _context():
-    """The multiprocessing context for ranks: a fork server with torch already imported, else ``spawn``.
-
-    Every child of a fork server starts as a copy of one fresh process that imported torch once (no threads,
-    no accelerator context), so starting 8 ranks costs milliseconds instead of 8 interpreter + torch imports,
-    with the isolation of ``spawn``. ``MULA_TEST_START_METHOD=spawn`` forces plain spawn.
-    """
-    method = os.environ.get("MULA_TEST_START_METHOD", "forkserver")
-    if method == "forkserver" and sys.platform != "win32":
-        ctx = get_context("forkserver")
-        # torch only: preloading this package would pin it to the path it had when the server started (a worktree
-        # or another checkout would then run the wrong copy); children import it after their sys.path is set.
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
-        return ctx
-    return get_context("spawn")
 
 
 def _child_main(
@@ -154,7 +74,7 @@ def _child_main(
     A failure is sent *before* the process group is destroyed: destroying it closes the sockets, which makes the
     peers fail with "connection closed", and the parent must see the root cause first.
     """
-    _exit_when_parent_dies()
+    exit_when_parent_dies()
     os.environ.update(env)
     dist = None
     try:
@@ -209,7 +129,7 @@ def _watch(proc: Any, conn: Connection, outcome: _Outcome, done: threading.Condi
     reported_at = message[2] if message is not None else time.time()
     if message is None:
         proc.join()  # it has exited (the sentinel fired or the pipe hit EOF): this only collects the exit code
-    status, value, detail = "died", None, f"{_exit_description(proc.exitcode)} without reporting a result"
+    status, value, detail = "died", None, f"{exit_description(proc.exitcode)} without reporting a result"
     if message is not None and message[0] == "ok":
         try:
             # Safe here: the bytes come through a pipe from a child this process started running the test's own
@@ -261,6 +181,7 @@ def run_distributed_test(
     ranks_per_node: int | None = None,
     ranks_per_gpu: int | None = None,
     timeout: float = 120.0,
+    pool: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes with an initialised process group.
@@ -283,6 +204,9 @@ def run_distributed_test(
         ranks_per_gpu: simulate this many consecutive ranks per GPU (default 1), e.g. 2 for the two GCDs of an
             MI250X or the two tiles of an Intel Max GPU; only sets ``MULA_RANKS_PER_GPU`` on gloo.
         timeout: seconds the whole run may take, including start-up; also the collectives' own time-out.
+        pool: run on the pooled workers of :mod:`mula_lightning.testing.pool` (started once per layout and reused:
+            no process start, import or rendezvous per test) instead of fresh processes; gloo only; for functions
+            that leave their process as they found it (see that module). ``MULA_TEST_POOL=0`` turns pooling off.
         **kwargs: passed to ``fn`` on every rank.
 
     Returns:
@@ -303,6 +227,10 @@ def run_distributed_test(
     if ranks_per_gpu < 1 or ranks_per_node % ranks_per_gpu:
         raise ValueError(f"ranks_per_gpu ({ranks_per_gpu}) must divide ranks_per_node ({ranks_per_node})")
     _check_picklable(fn)
+    if pool and backend == "gloo" and os.environ.get("MULA_TEST_POOL", "1") != "0":
+        from mula_lightning.testing.pool import run_on_pool
+
+        return run_on_pool(fn, world_size, ranks_per_node, ranks_per_gpu, timeout, kwargs)
 
     import torch.distributed as dist
 
@@ -310,14 +238,14 @@ def run_distributed_test(
     store = dist.TCPStore(
         host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
     )
-    ctx = _context()
+    ctx = start_context()
     done = threading.Condition()
     procs, outcomes, threads = [], [_Outcome(status="running") for _ in range(world_size)], []
     succeeded = False
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            env = _child_env(rank, world_size, ranks_per_node, ranks_per_gpu, host, store.port)
+            env = child_env(rank, world_size, ranks_per_node, ranks_per_gpu, host, store.port)
             proc = ctx.Process(
                 target=_child_main,
                 args=(fn, rank, world_size, backend, env, timeout, kwargs, send_end),
@@ -352,7 +280,7 @@ def _wait_for_ranks(outcomes: list[_Outcome], done: threading.Condition, timeout
                 break
             if failed:
                 first_failure = min(outcomes[r].finished_at for r in failed)
-                limit = min(deadline, first_failure + _FAILURE_GRACE_S)
+                limit = min(deadline, first_failure + FAILURE_GRACE_S)
             else:
                 limit = deadline
             now = time.monotonic()
@@ -378,3 +306,9 @@ def _wait_for_ranks(outcomes: list[_Outcome], done: threading.Condition, timeout
             f"run_distributed_test timed out after {timeout:g} s: ranks {running} of {len(outcomes)} had not "
             f"finished and were killed"
         )
+
+
+def run_pooled_test(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
+    """:func:`run_distributed_test` on the pooled workers (``pool=True``): for test modules whose rank functions
+    leave their process as they found it (see :mod:`mula_lightning.testing.pool`)."""
+    return run_distributed_test(fn, world_size, pool=True, **kwargs)

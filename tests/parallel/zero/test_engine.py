@@ -15,7 +15,7 @@ import torch
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.zero.quantization import packed_bytes
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_distributed_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 0.05
@@ -49,18 +49,22 @@ def _batch(step, rank):
 
 
 def _inject(bug):
-    """Break the engine on purpose (in the rank process): the parity check must then fail."""
+    """Break the engine on purpose (in the rank process): the parity check must then fail. Returns what puts it
+    back (a pooled rank runs the next test unbroken)."""
     import mula_lightning.parallel.zero.engine as hz
 
+    group, finish = hz.HierarchicalZeroAdamW._group, hz.HierarchicalZeroAdamW.finish_grad_sync
+
+    def undo():
+        hz.HierarchicalZeroAdamW._group, hz.HierarchicalZeroAdamW.finish_grad_sync = group, finish
+
     if bug == "no_cross_node_reduce":  # gradient shards summed inside the node only, not over the other nodes
-        group = hz.HierarchicalZeroAdamW._group
 
         def group_without_cross(self, kind):
             return (None, 1, [0]) if kind == "grad_cross" else group(self, kind)
 
         hz.HierarchicalZeroAdamW._group = group_without_cross
     elif bug == "missing_world_scale":  # summed gradients never divided by the world size
-        finish = hz.HierarchicalZeroAdamW.finish_grad_sync
 
         def finish_without_scale(self):
             if not self._synced:
@@ -69,13 +73,21 @@ def _inject(bug):
                     u.grad_shard.mul_(self.layout.world_size)
 
         hz.HierarchicalZeroAdamW.finish_grad_sync = finish_without_scale
+    return undo
 
 
 def _train(rank, world_size, configs, bug=None):
+    undo = _inject(bug)
+    try:
+        return _train_configs(rank, configs)
+    finally:
+        undo()
+
+
+def _train_configs(rank, configs):
     from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
     from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 
-    _inject(bug)
     results = {}
     for name, sizes, quant in configs:
         layout = ZeroTopoLayout.from_env(**sizes)
@@ -181,7 +193,7 @@ def test_eight_processes_match_one_process_and_ledger_closed_form():
     fp32 scales when quantized) and each collective sits on the level the paper puts it (forward all-gather on
     the GCD pair, reduce-scatter inside the node, all-reduce and post-step gather across nodes). The quantized
     run stays within 2% of the unquantized loss but is not identical (quantization really happened)."""
-    results = run_distributed_test(_train, 8, ranks_per_node=4, ranks_per_gpu=2, configs=EIGHT, timeout=400)
+    results = run_pooled_test(_train, 8, ranks_per_node=4, ranks_per_gpu=2, configs=EIGHT, timeout=400)
     _assert_parity(results, _reference(8), ["zero_topo", "zero3", "hpz", "zero_topo_s4"])
     topo = {
         "weights.forward": "gcd",
@@ -216,7 +228,7 @@ def test_parity_check_catches_injected_bugs(bug):
     """Gradient shards not all-reduced across nodes (4 processes as 2 nodes x 2), or gradients not divided by the
     world size, fail the float64 parity check of the tests here: the rule is tight enough to see real bugs."""
     configs = [("zero_topo", {}, False)]
-    results = run_distributed_test(_train, 4, ranks_per_node=2, ranks_per_gpu=1, configs=configs, bug=bug, timeout=300)
+    results = run_pooled_test(_train, 4, ranks_per_node=2, ranks_per_gpu=1, configs=configs, bug=bug, timeout=300)
     with pytest.raises(AssertionError):
         _assert_parity(results, _reference(4), ["zero_topo"])
 
@@ -232,7 +244,7 @@ FOUR = [
 def test_four_processes_other_group_sizes_match_one_process():
     """4 gloo processes as 2 nodes x 2 ranks: no weight sharding (w=1, g=2, o=4), optimizer states replicated twice
     (w=g=o=2) and ZeRO-3 over all 4: 10 clipped AdamW steps equal one process, ledger bytes equal the closed form."""
-    results = run_distributed_test(_train, 4, ranks_per_node=2, ranks_per_gpu=1, configs=FOUR, timeout=300)
+    results = run_pooled_test(_train, 4, ranks_per_node=2, ranks_per_gpu=1, configs=FOUR, timeout=300)
     _assert_parity(results, _reference(4), [c[0] for c in FOUR])
     for per_config in results:
         for name, *_ in FOUR:
@@ -268,7 +280,7 @@ def test_quantized_collectives_follow_the_precise_semantics():
     the same dequantized values at the right positions, and the sent chunk is not modified."""
     from mula_lightning.parallel.zero.quantization import QMAX, dequantize, quantize
 
-    results = run_distributed_test(_collectives, 4, timeout=120)
+    results = run_pooled_test(_collectives, 4, timeout=120)
     n = 4 * BLOCK
     inputs = [torch.randn(4 * n, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(4)]
     positions = [0, 2, 1, 3]
