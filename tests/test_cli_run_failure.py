@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mula_lightning.testing.tiny_run import tiny_fit_config
@@ -30,6 +31,7 @@ sys.exit(main(["fit", "--config", sys.argv[1]]))
 """
 
 
+@pytest.mark.slow
 def test_value_error_inside_training_step_reaches_the_terminal_with_its_traceback(tiny_data, tmp_path):
     """The traceback names training_step and the ValueError, every line starts with "[rank 0] ", it is printed once,
     and the last line is the one-line summary; exit code 1."""

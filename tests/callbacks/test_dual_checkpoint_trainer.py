@@ -19,7 +19,7 @@ from mula_lightning.checkpoint.slots import MARKER_NAME, SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import EPSOStrategy
-from mula_lightning.testing import DistributedTestError, run_distributed_test
+from mula_lightning.testing import DistributedTestError, run_pooled_test
 
 MICRO, SEQ, ACCUM = 2, 8, 2
 
@@ -110,19 +110,17 @@ def test_trainer_epso_killed_inside_saves_resumes_from_last_and_matches_straight
     equal a straight 6-step run's."""
     phases = ["cleared", "written", "agreed"]
     rng = random.Random(3)
-    straight = run_distributed_test(_fit, 2, ckpt_dir=None, max_steps=6, timeout=240)
+    straight = run_pooled_test(_fit, 2, ckpt_dir=None, max_steps=6, timeout=240)
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(DistributedTestError, match="SIGKILL"):
-        run_distributed_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), timeout=240)
+        run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), timeout=240)
     steps = sorted(
         read_marker(tmp_path / "ckpt" / n)["step"] for n in SLOT_NAMES if (tmp_path / "ckpt" / n / MARKER_NAME).exists()
     )
     assert steps == [2]
     with pytest.raises(DistributedTestError, match="SIGKILL"):
-        run_distributed_test(
-            _fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), resume=True, timeout=240
-        )
-    final = run_distributed_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, resume=True, timeout=240)
+        run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), resume=True, timeout=240)
+    final = run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, resume=True, timeout=240)
     for rank in range(2):
         losses, state, resumed = final[rank]
         expected_losses, expected_state, _ = straight[rank]

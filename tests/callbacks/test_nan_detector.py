@@ -15,7 +15,7 @@ from mula_lightning.callbacks.model_only_checkpoint import directory_bytes, rest
 from mula_lightning.checkpoint.slots import SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import EPSOStrategy
-from mula_lightning.testing import DistributedTestError, run_distributed_test
+from mula_lightning.testing import DistributedTestError, run_pooled_test
 
 BAD_RANK, BAD_STEP = 2, 3
 
@@ -102,7 +102,7 @@ def test_nan_in_one_rank_gradient_stops_all_ranks_with_report_and_clean_checkpoi
     Then, from the same run: a model-only checkpoint holds exactly the full checkpoint's weights, a fresh
     single-process Trainer restarts from it with fresh optimizer states, and the size ratio is printed."""
     with pytest.raises(DistributedTestError) as info:
-        run_distributed_test(_run, 4, ranks_per_node=2, root=str(tmp_path), timeout=240)
+        run_pooled_test(_run, 4, ranks_per_node=2, root=str(tmp_path), timeout=240)
     failures = info.value.failures
     assert sorted(failures) == [0, 1, 2, 3], str(info.value)[:3000]
     assert all(f"exited with code {NAN_EXIT_CODE}" in d for d in failures.values()), failures

@@ -108,6 +108,7 @@ def _relative_difference(strategy_name: str, wrong_state: bool) -> torch.Tensor:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["epso", "zero_topo"])
 def test_bf16_true_follows_float32_within_the_bound(strategy_name):
     """bf16-true trains (the loss falls by more than 0.5 in 20 steps) and stays within BOUND of the float32 run in

@@ -191,6 +191,7 @@ def test_parity_check_catches_injected_bugs(bug):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_fabric_epso_matches_one_process_dp2_ep4_alltoall_every_mode():
     """8 processes (DP=2 x EP=4), every mode with the all-to-all dispatcher: 10 clipped AdamW steps and the reduced
     gradients of the first step equal one process."""

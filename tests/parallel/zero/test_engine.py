@@ -186,6 +186,7 @@ EIGHT = [
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_eight_processes_match_one_process_and_ledger_closed_form():
     """8 gloo processes as 2 nodes x 2 GPUs x 2 GCDs. Unquantized zero_topo (w=2, g=4, o=8, s=2), ZeRO-3, hpZ and
     zero_topo with s=node: 10 clipped AdamW steps give the one-process losses and parameters (1e-5). For every
