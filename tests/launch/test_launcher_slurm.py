@@ -3,6 +3,7 @@ is one srun step, a failed host named by srun's report lines is excluded from th
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def _slurm_launch(tmp_path, monkeypatch, fake_command, fault, **env):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _tool(bin_dir / "srun", HERE / "fake_srun.py")
+    _tool(bin_dir / "scontrol", HERE / "fake_scontrol.py")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
     monkeypatch.setenv("MULA_FAULT", fault)
@@ -146,7 +148,8 @@ def test_a_hang_under_slurm_is_blamed_on_the_rank_that_fell_behind(tmp_path, mon
     report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
     first, second = report["attempts"]
     assert first["outcome"] == "hang" and first["suspect_hosts"] == ["node2"] and first["failed_hosts"] == []
-    assert "rank 1 stopped first (step 1, the others reached 4) on node2" in first["reason"]
+    # step 1 or 0: its beat of step 1 may still sit in its sender thread when SIGSTOP arrives
+    assert re.search(r"rank 1 stopped first \(step [01], the others reached 4\) on node2", first["reason"])
     assert second["nodes"] == ["node1", "node2", "node3"] and second["outcome"] == "succeeded"
 
 
@@ -172,3 +175,28 @@ def test_no_kill_is_checked_with_scontrol(tmp_path, monkeypatch, kill_on_node_fa
         assert warning is None
     else:
         assert expected in warning and "sbatch --no-kill" in warning
+
+
+def test_a_node_slurm_reports_down_is_lost_whatever_its_rank_printed(tmp_path, monkeypatch, fake_env, fake_command):
+    """node2's rank exits 1 (alone that makes node2 a suspect), but SLURM reports node2 DOWN+NOT_RESPONDING after the
+    failure: an unreachable node is hard evidence, node2 is taken out at once and the relaunch runs on node4."""
+    code, report, nodelists = _slurm_launch(
+        tmp_path, monkeypatch, fake_command, "exception@step=2,node=node2", FAKE_DOWN_NODES="node2"
+    )
+    assert code == 0
+    first, second = report["attempts"]
+    assert first["failed_hosts"] == ["node2"] and "node2 (State=DOWN+NOT_RESPONDING) unreachable" in first["reason"]
+    assert nodelists == ["--nodelist=node1,node2,node3", "--nodelist=node1,node4,node3"]
+
+
+def test_unreachable_nodes_reads_scontrol_states(tmp_path, monkeypatch):
+    """Only the nodes whose State has DOWN / NOT_RESPONDING (or a trailing *) count; without scontrol: no evidence."""
+    from mula_lightning.launch.hostlist import unreachable_nodes
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _tool(bin_dir / "scontrol", HERE / "fake_scontrol.py")
+    monkeypatch.setenv("FAKE_DOWN_NODES", "n2,n5")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    assert unreachable_nodes(["n1", "n2", "n3"], env) == {"n2": "DOWN+NOT_RESPONDING"}
+    assert unreachable_nodes(["n1", "n2"], {"PATH": str(tmp_path / "empty")}) == {}

@@ -11,6 +11,7 @@ makes it a *suspect*, taken out when it is again the one to blame in the next at
 what ended the attempt                                  verdict
 ======================================================  ===============================================================
 srun's ``Node failure on HOST``                          HOST lost (SLURM's own report)
+SLURM reports HOST down / not responding after a failure HOST lost (``scontrol show node``: the node is unreachable)
 every rank of HOST killed by SIGKILL, which the          HOST lost (the node vanished: power, kernel, OOM killer of the
 launcher did not send (it classifies before stopping)    whole node)
 anything else: exit code, SIGABRT, SIGSEGV, SIGBUS,      the host of the first failing rank is a suspect (seen at
@@ -41,6 +42,7 @@ from mula_lightning.utils.launch_env import NAN_EXIT_CODE, NanRecord, parse_nan_
 
 __all__ = [
     "DIVERGED",
+    "attribute_unreachable",
     "LOST",
     "SUSPECT",
     "NanRecord",
@@ -155,3 +157,14 @@ def attribute_hang(
         f"{max(steps.values())})" + (f" on {', '.join(hosts)}" if hosts else ""),
         suspects=hosts,
     )
+
+
+def attribute_unreachable(states: dict[str, str], verdict: Verdict) -> Verdict:
+    """``verdict`` overruled by SLURM's view of the nodes after a failure: hosts it reports down or not responding
+    (``states``: host -> State) are lost whatever else the ranks' ends suggested; a divergence stands."""
+    if not states or verdict.kind == DIVERGED:
+        return verdict
+    hosts = sorted(states)
+    why = {h: f"SLURM reports the node unreachable (State={states[h]})" for h in hosts}
+    listed = ", ".join(f"{h} (State={states[h]})" for h in hosts)
+    return Verdict(LOST, f"hard failure: {listed} unreachable; {verdict.reason}", lost=hosts, why=why)

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-__all__ = ["allocation_nodes", "expand_hostlist", "no_kill_warning"]
+__all__ = ["UNREACHABLE_STATES", "allocation_nodes", "expand_hostlist", "no_kill_warning", "unreachable_nodes"]
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -139,3 +139,31 @@ def no_kill_warning(env: Mapping[str, str] | None = None) -> str | None:
     if kill:
         return f"SLURM job {job} was submitted without --no-kill: a node failure ends the whole job; {fix}"
     return None
+
+
+#: SLURM node states (``scontrol show node``'s ``State=``, ``+``-joined flags) that mean the node itself is gone
+UNREACHABLE_STATES = frozenset({"DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "POWER_DOWN", "POWERED_DOWN"})
+
+
+def unreachable_nodes(hosts: list[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``host -> State`` for the hosts SLURM reports down or not responding (``scontrol show node -o``); empty when
+    ``scontrol`` is missing or does not answer (no evidence is no evidence)."""
+    env = os.environ if env is None else env
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None or not hosts:
+        return {}
+    try:
+        proc = subprocess.run(
+            [scontrol, "show", "node", "-o", ",".join(hosts)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found = {}
+    for line in proc.stdout.splitlines():
+        name, state = re.search(r"NodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
+        if name is None or state is None or name.group(1) not in hosts:
+            continue
+        flags = {flag.rstrip("*~#!%$@^-") for flag in state.group(1).split("+")}
+        if flags & UNREACHABLE_STATES or "*" in state.group(1):  # a trailing * marks a node not responding
+            found[name.group(1)] = state.group(1)
+    return found

@@ -52,10 +52,11 @@ from mula_lightning.launch.attribution import (
     attribute_exits,
     attribute_hang,
     attribute_nan,
+    attribute_unreachable,
     parse_nan_line,
 )
 from mula_lightning.launch.backends import LocalAttempt, RankExit, SlurmAttempt
-from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning
+from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning, unreachable_nodes
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 from mula_lightning.launch.report import AttemptRecord, LaunchReport
 from mula_lightning.utils.launch_env import (
@@ -449,7 +450,10 @@ class Launcher:
         self._announce_failure(record)
 
     def _apply(self, record: AttemptRecord, verdict: Verdict) -> None:
-        """Carry out a verdict on the pool: lost hosts out now, suspects counted, otherwise the chain broken."""
+        """Carry out a verdict on the pool: lost hosts out now, suspects counted, otherwise the chain broken. Under
+        SLURM the attempt's nodes that ``scontrol`` reports down or not responding are lost first."""
+        if self.options.backend == "slurm":
+            verdict = attribute_unreachable(unreachable_nodes(record.nodes), verdict)
         record.reason = verdict.reason
         record.ep_groups = list(verdict.ep_groups)
         if verdict.kind == DIVERGED:
