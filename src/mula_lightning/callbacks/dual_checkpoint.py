@@ -232,9 +232,10 @@ class DualCheckpoint(ModelCheckpoint):
         another run found in ``dirpath``. A resumed run already holds the id of the slot it loaded."""
         if self.run_id is not None:
             return
-        problem, run_id = "", None
-        if rank_world()[0] == 0:
+        problem, run_id, discard = "", None, False
+        if rank_world()[0] == 0:  # one rank reads the markers: on a shared file system others may see them late
             others = slot_lineages(self.dirpath)
+            discard = bool(others) and self.overwrite
             if others and not self.overwrite:
                 found = ", ".join(f"{n} (step {step}, run {rid or 'unknown'})" for n, (step, rid) in others.items())
                 problem = (
@@ -244,10 +245,10 @@ class DualCheckpoint(ModelCheckpoint):
                     "to discard them"
                 )
             run_id = _new_run_id()
-        problem, run_id = broadcast_object((problem, run_id))
+        problem, run_id, discard = broadcast_object((problem, run_id, discard))
         if problem:
             raise CheckpointLineageError(problem)
-        if self.overwrite and any((Path(self.dirpath) / n / MARKER_NAME).exists() for n in SLOT_NAMES):
+        if discard:  # collective: every rank takes this branch on rank 0's word, never on its own view of the disk
             invalidate_slots(self.dirpath)
         self.run_id = run_id
 
