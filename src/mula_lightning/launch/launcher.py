@@ -31,7 +31,6 @@ checkpoints are never touched by the launcher.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -56,6 +55,7 @@ from mula_lightning.launch.attribution import (
     parse_nan_line,
 )
 from mula_lightning.launch.backends import LocalAttempt, RankExit, SlurmAttempt
+from mula_lightning.launch.heartbeat_server import HeartbeatServer
 from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning, unreachable_nodes
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 from mula_lightning.launch.report import AttemptRecord, LaunchReport
@@ -65,7 +65,6 @@ from mula_lightning.utils.launch_env import (
     HEARTBEAT_ENV,
     LAUNCH_ID_ENV,
     NAN_EXIT_CODE,
-    heartbeat_key,
 )
 
 __all__ = [
@@ -177,30 +176,6 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-class HeartbeatServer:
-    """The launcher's ``TCPStore``: ranks write their records, the launcher reads them (never blocking)."""
-
-    def __init__(self, host: str = "") -> None:
-        from torch.distributed import TCPStore
-
-        self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(60))
-        self.address = f"{host or '127.0.0.1'}:{self.store.port}"
-        self._known: dict[int, list[int]] = {}  # attempt -> ranks whose key exists
-
-    def read(self, attempt: int, world_size: int) -> dict[int, dict[str, Any]]:
-        """The latest record of every rank that has written one (ranks seen once are read in one round trip)."""
-        known = self._known.setdefault(attempt, [])
-        records = {}
-        if known:
-            values = self.store.multi_get([heartbeat_key(attempt, r) for r in known])
-            records = {rank: json.loads(value) for rank, value in zip(known, values, strict=True)}
-        for rank in range(world_size):
-            if rank not in records and self.store.check([heartbeat_key(attempt, rank)]):
-                records[rank] = json.loads(self.store.get(heartbeat_key(attempt, rank)))
-                known.append(rank)
-        return records
-
-
 class Launcher:
     """Runs :class:`LaunchOptions` to the end; :meth:`run` returns the exit code."""
 
@@ -246,8 +221,11 @@ class Launcher:
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
+        with HeartbeatServer(self.options.heartbeat_host) as server:
+            return self._attempts(server)
+
+    def _attempts(self, server: HeartbeatServer) -> int:
         opts = self.options
-        server = HeartbeatServer(opts.heartbeat_host)
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.failed_hosts_file.touch()
         if opts.backend == "slurm" and (warning := no_kill_warning()) is not None:
@@ -441,7 +419,7 @@ class Launcher:
         if not records:
             record.reason = f"hang: no rank reported within the startup timeout ({self.options.startup_timeout_s:g} s)"
         else:
-            quiet = time.monotonic() - since
+            quiet = now - since  # at detection: the stop that follows (up to --grace) is not silence
             what = "reported the end of training but did not exit" if ended and ended == silent else "silent"
             record.reason = (
                 f"hang: ranks {','.join(map(str, silent))} {what} for {quiet:.0f} s (timeout "

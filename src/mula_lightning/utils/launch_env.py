@@ -4,16 +4,17 @@ Why a leaf module: the launcher, the callbacks of the ranks (``Heartbeat``, ``Fa
 plain scripts (a Fabric loop, a test's fake rank) all speak this protocol; none of them should have to import
 Lightning to do so (a rank that only beats pays for ``torch.distributed``, not for Lightning).
 
-The heartbeat: the launcher runs a ``torch.distributed.TCPStore`` server and gives its ``host:port`` to every rank
-in ``MULA_HEARTBEAT``; a rank writes one JSON record under ``hb/<attempt>/<rank>``: ``step`` (optimizer steps
-done), ``phase`` (``start``, ``train``, ``validation``, ``end``), ``host``, ``pid``, ``seq`` (a counter, so that
-every beat changes the record) and ``time`` (the rank's clock; the launcher measures silence on its own clock).
+The heartbeat: the launcher runs a small TCP server (:class:`~mula_lightning.launch.heartbeat_server.HeartbeatServer`)
+and gives its ``host:port`` to every rank in ``MULA_HEARTBEAT``; a rank sends one JSON record under
+``hb/<attempt>/<rank>``: ``step`` (optimizer steps done), ``phase`` (``start``, ``train``, ``validation``, ``end``),
+``host``, ``pid``, ``seq`` (a counter, so that every beat changes the record) and ``time`` (the rank's clock; the
+launcher measures silence on its own clock). On the wire one line per record, ``MHB1 <key> <JSON>``, answered with
+``ok``: plain sockets, so that neither the launcher nor a process that only beats imports torch.
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import logging
 import os
@@ -28,7 +29,10 @@ __all__ = [
     "FAILED_HOSTS_ENV",
     "FAULT_ENV",
     "FAULT_KINDS",
+    "HEARTBEAT_ACK",
     "HEARTBEAT_ENV",
+    "HEARTBEAT_MAGIC",
+    "HEARTBEAT_MAX_LINE",
     "LAUNCH_ID_ENV",
     "NAN_EXIT_CODE",
     "NODE_NAME_ENV",
@@ -36,13 +40,21 @@ __all__ = [
     "HeartbeatClient",
     "NanRecord",
     "heartbeat_key",
+    "heartbeat_line",
     "host_name",
     "parse_faults",
+    "parse_heartbeat_line",
     "parse_nan_line",
 ]
 
-#: ``host:port`` of the launcher's TCPStore
+#: ``host:port`` of the launcher's heartbeat server
 HEARTBEAT_ENV = "MULA_HEARTBEAT"
+#: the first word of every heartbeat line (the protocol's name and version)
+HEARTBEAT_MAGIC = b"MHB1"
+#: the server's answer to each record line it stored
+HEARTBEAT_ACK = b"ok\n"
+#: the longest line a server accepts (a record is a few hundred bytes)
+HEARTBEAT_MAX_LINE = 65536
 #: the attempt number the launcher gives each attempt (0 for the first)
 ATTEMPT_ENV = "MULA_LAUNCH_ATTEMPT"
 #: the failed-hosts file of the attempt (NaNDetector appends the hosts it blames)
@@ -68,25 +80,47 @@ def host_name() -> str:
 
 
 def heartbeat_key(attempt: int, rank: int) -> str:
-    """The store key of one rank's record in one attempt (attempts never read each other's records)."""
+    """The key of one rank's record in one attempt (attempts never read each other's records)."""
     return f"hb/{attempt}/{rank}"
+
+
+def heartbeat_line(key: str, record_json: str) -> bytes:
+    """One record on the wire: ``MHB1 <key> <JSON>`` and a newline (``json.dumps`` never writes a newline)."""
+    return b" ".join((HEARTBEAT_MAGIC, key.encode(), record_json.encode())) + b"\n"
+
+
+def parse_heartbeat_line(line: bytes) -> tuple[str, dict[str, Any]] | None:
+    """``(key, record)`` of a heartbeat line (without its newline); None for anything else: another protocol, a
+    key that is not ``hb/<attempt>/<rank>``, a record that is not a JSON object."""
+    magic, _, rest = line.partition(b" ")
+    key, _, payload = rest.partition(b" ")
+    if magic != HEARTBEAT_MAGIC:
+        return None
+    try:
+        prefix, attempt, rank = key.decode("ascii").split("/")
+        record = json.loads(payload)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if prefix != "hb" or not attempt.isdigit() or not rank.isdigit() or not isinstance(record, dict):
+        return None
+    return f"hb/{int(attempt)}/{int(rank)}", record
 
 
 class HeartbeatClient:
     """Writes this rank's heartbeat records; does nothing without an address (``MULA_HEARTBEAT`` unset).
 
     A beat never blocks the caller: it leaves the newest record for a sender thread, which connects, writes and, on
-    a store error (the launcher restarting its store, a network blip), drops the connection, waits (1 s, doubled per
+    a server error (the launcher restarted, a network blip), drops the connection, waits (1 s, doubled per
     failure up to 60 s) and tries again with the newest record then. A training step therefore never waits for the
-    store, and beats resume by themselves when it answers again. Only changed records are sent, so a rank whose
+    server, and beats resume by themselves when it answers again. Only changed records are sent, so a rank whose
     training loop stops (a hang) falls silent for the launcher even though its sender thread lives on.
 
     Args:
-        address: ``host:port`` of the store (default: ``MULA_HEARTBEAT``).
-        connect_timeout_s: how long to wait for the store when connecting.
+        address: ``host:port`` of the launcher's heartbeat server (default: ``MULA_HEARTBEAT``).
+        connect_timeout_s: how long to wait for the server when connecting, and for each acknowledgement.
     """
 
-    #: seconds before the first retry after a store error; doubled per failure up to :attr:`MAX_BACKOFF_S`
+    #: seconds before the first retry after a server error; doubled per failure up to :attr:`MAX_BACKOFF_S`
     FIRST_BACKOFF_S = 1.0
     MAX_BACKOFF_S = 60.0
 
@@ -94,7 +128,7 @@ class HeartbeatClient:
         self.address = address if address is not None else os.environ.get(HEARTBEAT_ENV, "")
         self.connect_timeout_s = connect_timeout_s
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
-        self._store: Any = None
+        self._conn: socket.socket | None = None
         self._seq = 0
         self._backoff = 0.0
         self._cond = threading.Condition()
@@ -110,19 +144,12 @@ class HeartbeatClient:
     def enabled(self) -> bool:
         return bool(self.address)
 
-    def _connect(self) -> Any:
-        from torch.distributed import TCPStore
-
+    def _connect(self) -> socket.socket:
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"{HEARTBEAT_ENV}={self.address!r}: expected host:port")
-        return TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.connect_timeout_s),
-            wait_for_workers=False,
-        )
+        # the timeout also bounds each send and acknowledgement: a server that stops answering is an error
+        return socket.create_connection((host.strip("[]"), int(port)), timeout=self.connect_timeout_s)
 
     def beat(self, step: int, phase: str = "train", rank: int | None = None, saved: bool = False) -> None:
         """Hand this rank's new record to the sender thread (returns at once; see the class docstring).
@@ -172,16 +199,17 @@ class HeartbeatClient:
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the sender once its write in flight (if any) is done, at most ``timeout_s``; registered with
-        ``atexit``. A daemon thread still inside the store's native code when the interpreter finalises aborts the
-        process (SIGABRT), which the launcher would read as a crash of a rank that exited normally."""
+        ``atexit``, so that a process that ends closes its connection after its last record rather than in the
+        middle of one (the server would count a truncated line as a protocol error)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             while self._busy and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
-            if not self._busy:
-                self._store = None
+            if not self._busy and self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def _send_forever(self) -> None:
         while True:
@@ -204,20 +232,32 @@ class HeartbeatClient:
 
     def _send(self, key: str, value: str) -> bool:
         try:
-            if self._store is None:
-                self._store = self._connect()
-            self._store.set(key, value)
-        except (RuntimeError, OSError, ValueError) as err:  # training goes on; retried after a backoff
-            self._store = None
+            if self._conn is None:
+                self._conn = self._connect()
+            self._conn.sendall(heartbeat_line(key, value))
+            answer = b""
+            while not answer.endswith(b"\n"):
+                chunk = self._conn.recv(len(HEARTBEAT_ACK) - len(answer))
+                if not chunk:
+                    raise ConnectionError("the heartbeat server closed the connection")
+                answer += chunk
+            if answer != HEARTBEAT_ACK:
+                raise ConnectionError(f"the heartbeat server answered {answer!r}")
+        except (OSError, ValueError) as err:  # training goes on; retried after a backoff
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
             first = self._backoff == 0.0
             self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2 or self.FIRST_BACKOFF_S)
             if first:
                 log.warning(
-                    "heartbeat: cannot reach the launcher's store at %s (%s); retrying with backoff", self.address, err
+                    "heartbeat: cannot reach the launcher's heartbeat server at %s (%s); retrying with backoff",
+                    self.address,
+                    err,
                 )
             return False
         if self._backoff:
-            log.warning("heartbeat: the launcher's store at %s answers again", self.address)
+            log.warning("heartbeat: the launcher's server at %s answers again", self.address)
         self._backoff = 0.0
         return True
 
