@@ -7,9 +7,9 @@ How a run works:
 
 1. The parent opens a ``TCPStore`` server on ``127.0.0.1`` with port 0, so the OS picks a free port and no other
    process can take it between choosing and binding (the classic "find a free port" race).
-2. It starts ``world_size`` children from a fork server that imported torch once (see :func:`_context`; plain
-   ``spawn`` where that is unavailable; both safe with threads and
-   accelerators) and one watcher thread per child. Each child sets the launcher environment variables
+2. It starts ``world_size`` children from a fork server that imported torch and Lightning once (see
+   :func:`~mula_lightning.testing.processes.start_context`; plain ``spawn`` where that is unavailable; both safe with
+   threads and accelerators) and one watcher thread per child. Each child sets the launcher environment variables
    (``RANK``, ``LOCAL_RANK``, ...), connects to the store, initialises the default process group, calls
    ``fn(rank, world_size, **kwargs)``, destroys the group and sends the return value (or the traceback) back
    through a pipe.
