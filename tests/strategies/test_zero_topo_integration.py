@@ -13,7 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, one_process_data_parallel, run_pooled_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP = 0.05
@@ -88,16 +88,7 @@ def _fabric_run(rank, world_size, path):
 def _reference(world_size, start=0, model=None, opt=None):
     if model is None:
         model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
-        opt = torch.optim.AdamW(model.parameters(), **HP)
-    losses = []
-    for step in range(start, STEPS):
-        per_rank = [model(_batch(step, r), labels=_batch(step, r)).loss for r in range(world_size)]
-        torch.stack(per_rank).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append([p.item() for p in per_rank])
-    return losses
+    return one_process_data_parallel(model, _batch, world_size, range(start, STEPS), CLIP, opt, **HP)
 
 
 @pytest.mark.distributed

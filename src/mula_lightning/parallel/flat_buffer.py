@@ -93,6 +93,8 @@ class FlatBuffer:
         grad_dtype: dtype of the gradient accumulation buffer (default: the parameters' dtype).
         align: each bucket is padded to a multiple of ``shard_count * align`` (default 1), e.g. so that shards
             split into whole quantization blocks.
+        allocate_grads: allocate ``grads`` (False: an empty tensor, for an owner that accumulates elsewhere and
+            should not hold a second full-size buffer even briefly).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class FlatBuffer:
         bucket_numel: int | None = None,
         grad_dtype: torch.dtype | None = None,
         align: int = 1,
+        allocate_grads: bool = True,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatBuffer needs at least one parameter")
@@ -146,7 +149,8 @@ class FlatBuffer:
         self.numel = offset
 
         self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.grads = torch.zeros(self.numel, dtype=grad_dtype or self.dtype, device=self.device)
+        grad_numel = self.numel if allocate_grads else 0
+        self.grads = torch.zeros(grad_numel, dtype=grad_dtype or self.dtype, device=self.device)
         with torch.no_grad():
             for slot in self.slots:
                 view = self.params[slot.start : slot.end].view_as(slot.param)

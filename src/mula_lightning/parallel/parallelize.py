@@ -18,6 +18,7 @@ Materialisation (meta device -> real tensors) and the initial broadcast are in :
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,6 +122,37 @@ def materialize_and_broadcast(
             else:
                 dist.broadcast(tensor, src=0)
     return model
+
+
+def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Parameter], torch.Tensor] | None:
+    """The initial full value of any meta parameter of ``model``, drawn on demand from (seed, single-device name):
+    exactly what :func:`materialize_and_broadcast` gives it, so a strategy can materialise one shard at a time.
+
+    None when that cannot be done parameter by parameter: a meta parameter outside a Mula model (its module's
+    ``reset_parameters`` needs the whole module), a frozen one, or a meta buffer; the caller then materialises the
+    whole model as before.
+    """
+    table: dict[int, tuple[MulaConfig, str]] = {}
+    for _, mula in _mula_models(model):
+        for wrapped_name, param in mula.named_parameters():
+            table[id(param)] = (mula.config, logical_name(wrapped_name))
+    params = list(model.parameters())
+    if not any(p.is_meta for p in params) or any(b.is_meta for b in model.buffers()):
+        return None
+    if any(p.is_meta and (id(p) not in table or not p.requires_grad) for p in params):
+        return None
+
+    def initial_value(param: nn.Parameter) -> torch.Tensor:
+        config, name = table[id(param)]
+        return init_parameter(name, param.shape, config, seed)
+
+    return initial_value
+
+
+def move_real_tensors(model: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers of ``model`` that are not on the meta device to ``device`` (values kept);
+    meta ones stay for a strategy to materialise shard by shard."""
+    model._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 def _to_empty_meta_only(model: nn.Module, device: torch.device) -> None:

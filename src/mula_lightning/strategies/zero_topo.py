@@ -4,8 +4,11 @@ Both classes are thin: Lightning's DDP strategies launch the processes and own t
 done by :class:`~mula_lightning.parallel.zero.engine.HierarchicalZeroAdamW` (its docstring has the
 communication plan and the memory per rank):
 
-* setup: materialise the model (meta device -> real tensors, drawn once from ``seed`` and broadcast), no DDP
-  wrapper;
+* setup, no DDP wrapper: a model built on the meta device and trained (``fabric.setup(model, optimizer)``,
+  ``Trainer.fit``) is materialised by the engine one unit (layer) at a time, each rank drawing a unit's values from
+  (``seed``, name) and keeping only its chunks, so no rank ever holds the whole model; otherwise (``setup_module``
+  alone, evaluation, ``init_from`` weights, parameters outside a Mula model) the whole model is materialised first,
+  drawn or read once and broadcast;
 * the user's ``torch.optim.AdamW`` becomes the engine (same param groups and hyper-parameters), which shards the
   weights over ``weight_size`` ranks, the gradients over ``grad_size``, the optimizer states over
   ``optimizer_size`` and keeps a secondary partition over ``secondary_size``; sizes default to the paper's design
@@ -35,7 +38,7 @@ from typing_extensions import override
 
 from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
-from mula_lightning.parallel.parallelize import materialize_and_broadcast
+from mula_lightning.parallel.parallelize import materialize_and_broadcast, move_real_tensors, parameter_initializer
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
 from mula_lightning.parallel.topology import MoETopology
@@ -82,9 +85,16 @@ class ZeroTopoSettings:
 
 
 def build_engine(
-    module: nn.Module, optimizer: Any, settings: ZeroTopoSettings, world_size: int, names: dict[int, str]
+    module: nn.Module,
+    optimizer: Any,
+    settings: ZeroTopoSettings,
+    world_size: int,
+    names: dict[int, str],
+    initializer: Any = None,
+    device: torch.device | None = None,
 ) -> HierarchicalZeroAdamW:
-    """The engine taking over a user's ``torch.optim.AdamW`` (param groups mapped by logical name)."""
+    """The engine taking over a user's ``torch.optim.AdamW`` (param groups mapped by logical name); with an
+    ``initializer`` it materialises a meta ``module`` on ``device`` one unit at a time."""
     optimizer = unwrap_optimizer(optimizer)
     if isinstance(optimizer, HierarchicalZeroAdamW):
         return optimizer
@@ -100,7 +110,14 @@ def build_engine(
         }
         for g in optimizer.param_groups
     ]
-    return HierarchicalZeroAdamW(module, settings.layout(world_size), groups, **settings.engine_kwargs())
+    return HierarchicalZeroAdamW(
+        module,
+        settings.layout(world_size),
+        groups,
+        **settings.engine_kwargs(),
+        initializer=initializer,
+        device=device,
+    )
 
 
 def _materialize(
@@ -184,6 +201,14 @@ class ZeroTopoOptions(ShardingOptions):
         """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""
         return unwrap_optimizer(optimizer).global_grad_norm()
 
+    def _sharded_initializer(self, module: nn.Module):
+        """What draws a meta parameter when setup can be sharded (seed weights, every meta parameter in a Mula
+        model and trained), else None. ``init_from`` weights still go through the whole-model path (one reader,
+        then broadcast), which is left for the sharded-load step."""
+        if self.init_weights() is not None:
+            return None
+        return parameter_initializer(module, self.settings.seed)
+
 
 class _NoReduceControl(_BackwardSyncControl):
     """``no_backward_sync`` is free: gradients are always reduce-scattered into the accumulating shard."""
@@ -229,6 +254,24 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDDPStrat
         )
         self._module = module
         return module
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None):
+        """``fabric.setup(model, optimizer)``: a meta model is materialised by the engine one unit at a time (this
+        rank keeps its chunks only); otherwise (``fabric.setup_module`` alone, ``init_from``, modules outside a Mula
+        model) the whole model first, as :meth:`setup_module` does."""
+        initializer = self._sharded_initializer(module) if len(optimizers) == 1 else None
+        if initializer is None:
+            return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        move_real_tensors(module, self.root_device)
+        self._module = module
+        self.engine = build_engine(
+            module, optimizers[0], self.settings, self.world_size, self._names, initializer, self.root_device
+        )
+        if scheduler is not None:
+            repoint_scheduler(scheduler, self.engine)
+        return module, [self.engine], scheduler
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> HierarchicalZeroAdamW:
@@ -297,15 +340,22 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDDPStra
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        _materialize(
-            self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
-        )
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        initializer = self._sharded_initializer(self.model) if fitting else None
+        if initializer is None:  # evaluation, init_from, or a model that cannot be drawn parameter by parameter
+            _materialize(
+                self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
+            )
+        else:  # the engine materialises one unit at a time below
+            move_real_tensors(self.model, self.root_device)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(f"zero_topo trains with exactly one optimizer, got {len(self.optimizers)}")
-            engine = build_engine(self.model, self.optimizers[0], self.settings, self.world_size, names)
+            engine = build_engine(
+                self.model, self.optimizers[0], self.settings, self.world_size, names, initializer, self.root_device
+            )
             for config in self.lr_scheduler_configs:
                 repoint_scheduler(config.scheduler, engine)
             self.optimizers = [engine]

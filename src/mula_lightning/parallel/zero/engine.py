@@ -36,6 +36,8 @@ the same collectives in the same order.
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,6 +74,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if hasattr(value, "__dataclass_fields__"):
         return [t for k in value.__dataclass_fields__ for t in _tensors(getattr(value, k))]
     return []
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """``id(parameter) -> [(module, attribute)]`` for every module that registers it (tied weights: several)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, leaf))
+    return owners
 
 
 class _Unit:
@@ -132,6 +144,11 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         quantize_grads: INT4 (``grad_bits``) all-to-all gradient reduce-scatter.
         block_size: elements per quantization block.
         unit_pattern: regular expression of the module names that become units.
+        initializer: for a model on the meta device, the full initial value of a (meta) parameter; the engine then
+            materialises one unit at a time (its parameters, its flat buffer, this rank's chunks), so no rank ever
+            holds more than its chunks plus about two units (see :func:`~mula_lightning.parallel.parallelize.
+            parameter_initializer`).
+        device: where meta parameters are materialised (default: CPU).
     """
 
     def __init__(
@@ -149,6 +166,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         grad_bits: int = 4,
         block_size: int = 256,
         unit_pattern: str = UNIT_PATTERN,
+        initializer: Callable[[nn.Parameter], torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -176,16 +195,54 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         lay = self.layout
         align = block_size * (lay.optimizer_size * lay.secondary_size // _gcd(lay.optimizer_size, lay.secondary_size))
         align //= lay.optimizer_size
+        if initializer is None and (meta := [n for items in by_unit.values() for n, p, _ in items if p.is_meta]):
+            raise ValueError(
+                f"{len(meta)} parameters are on the meta device ({', '.join(meta[:3])}, ...): pass an initializer "
+                "(the zero_topo strategy does) or materialise the model first"
+            )
+        owners = _parameter_owners(model)
         self.units: list[_Unit] = []
         for i in sorted(by_unit):
-            buf = FlatBuffer(by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align)
+            if any(p.is_meta for _, p, _ in by_unit[i]):  # one unit at a time: its values exist only until chunked
+                by_unit[i] = self._materialise(by_unit[i], initializer, torch.device(device or "cpu"), owners)
+            buf = FlatBuffer(
+                by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align, allocate_grads=False
+            )
             module = _root_module(model, [p for _, p, _ in by_unit[i]]) if i == 0 else modules[i - 1]
             self.units.append(_Unit(len(self.units), module, buf, self))
+        if still_meta := [n for n, p in model.named_parameters() if p.is_meta]:
+            raise ValueError(
+                f"parameters left on the meta device after setup (not in the optimizer: frozen?): {still_meta[:5]}"
+            )
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+
+    @torch.no_grad()
+    def _materialise(
+        self,
+        items: list[tuple[str, nn.Parameter, int]],
+        initializer: Callable[[nn.Parameter], torch.Tensor],
+        device: torch.device,
+        owners: dict[int, list[tuple[nn.Module, str]]],
+    ) -> list[tuple[str, nn.Parameter, int]]:
+        """Real parameters for one unit's meta parameters, drawn by ``initializer`` and put in their place (every
+        module holding them, tied ones included, and the optimizer's param groups)."""
+        out, replaced = [], {}
+        for name, param, group in items:
+            if param.is_meta:
+                value = initializer(param).to(device=device, dtype=param.dtype)
+                new = nn.Parameter(value, requires_grad=param.requires_grad)
+                for module, leaf in owners.get(id(param), []):
+                    module._parameters[leaf] = new
+                replaced[id(param)] = new
+                param = new
+            out.append((name, param, group))
+        for g in self.param_groups:
+            g["params"] = [replaced.get(id(p), p) for p in g["params"]]
+        return out
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self) -> dict[str, tuple[Any, int, list[int]]]:
@@ -388,13 +445,20 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
 
 
 def _root_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module:
-    """The deepest module holding every root-unit parameter (``MulaForCausalLM`` inside a LightningModule): its
-    forward spans the whole use of the root weights, so its hooks gather and free them."""
+    """The deepest module holding every use of every root-unit parameter (``MulaForCausalLM`` inside a
+    LightningModule): its forward spans the whole use of the root weights, so its hooks gather and free them. A tied
+    weight counts in each module that registers it (tied embeddings: the embedding and the LM head), so the root is
+    not the inner model whose forward ends before the head runs."""
     wanted = {id(p) for p in params}
+
+    def uses(module: nn.Module) -> Counter[int]:
+        return Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False) if id(p) in wanted)
+
+    everywhere = uses(model)
     best, depth = model, -1
     for name, module in model.named_modules():
         level = name.count(".") + bool(name)
-        if level > depth and wanted <= {id(p) for p in module.parameters()}:
+        if level > depth and uses(module) == everywhere:
             best, depth = module, level
     return best
 

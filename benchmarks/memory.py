@@ -1,0 +1,158 @@
+"""Host memory per rank during setup, save and load of the sharded strategies, as a ratio to the full model's bytes.
+
+Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; about a minute). Options: ``--world 4 8``,
+``--models dense moe``, ``--layouts zero3 zero_topo epso``.
+
+Why: the presets go to 220B parameters; a rank that holds the whole model (or several copies of it) at any phase
+cannot start or checkpoint such a run. For each phase every rank samples its resident memory (``/proc/self/statm``,
+every 2 ms, in a thread: ``ru_maxrss`` would hide a later phase behind an earlier peak) and reports the rise of the
+phase (peak during it minus resident memory just before it); the table prints the largest rise over the ranks divided
+by the full model's fp32 bytes, and what setup left resident (``kept``: the parameter shards, gradient shards and
+optimizer state the strategy's layout keeps) on the same scale: a setup rise near ``kept`` is what a sharded setup
+costs; anything above it is transient memory (whole-model materialisation, copies).
+
+Phases, with Fabric (``fabric.init_module(empty_init=True)``: the model starts on the meta device):
+``setup`` = ``fabric.setup(model, AdamW(...))``; ``save`` = ``fabric.save(dir, {"model", "optimizer"})`` (DCP);
+``load`` = ``fabric.load(dir, state)`` into the same objects.
+
+Layouts: ``zero3`` = ``FabricZeroTopoStrategy`` with weights, gradients and optimizer states sharded over every
+rank; ``zero_topo`` = its 3-level layout with 2 ranks per GPU and per node (weights over 2, gradients over 2,
+optimizer over all); ``epso`` = ``FabricEPSOStrategy`` (EP = 2 for the MoE, 1 for the dense model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+
+from mula_lightning.testing import run_distributed_test
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MODELS = {  # >= 150 MB in fp32 each
+    "dense": dict(
+        vocab_size=8192, hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=12, intermediate_size=2048,
+        num_experts=0, top_k=0,
+    ),
+    "moe": dict(
+        vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, intermediate_size=768,
+        num_experts=8, top_k=2,
+    ),
+}  # fmt: skip
+LAYOUTS = ("zero3", "zero_topo", "epso")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * PAGE
+
+
+class PhaseSampler:
+    """Samples this process's resident memory in a thread while a phase runs; ``rise`` = peak - start."""
+
+    def __init__(self, every_s: float = 0.002) -> None:
+        self.every_s = every_s
+
+    def __enter__(self) -> PhaseSampler:
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(self.every_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = _rss()
+        self.peak = max(self.peak, self.end)
+
+    @property
+    def rise(self) -> int:
+        return self.peak - self.start
+
+    @property
+    def kept(self) -> int:
+        return self.end - self.start
+
+
+def _config(model: str):
+    from mula_lightning.models import MulaConfig
+
+    return MulaConfig(**MODELS[model])
+
+
+def _strategy(layout: str, model: str, world_size: int):
+    from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
+
+    if layout == "zero3":
+        return FabricZeroTopoStrategy(weight_size=world_size, grad_size=world_size, optimizer_size=world_size)
+    if layout == "zero_topo":
+        return FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2)
+    return FabricEPSOStrategy(ep_size=2 if model == "moe" else 1)
+
+
+def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dict:
+    from lightning.fabric import Fabric
+
+    from mula_lightning.models import MulaForCausalLM
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DCP on ShardedTensor (the sharded-state issue)
+    torch.set_num_threads(1)
+    config = _config(model)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        net = MulaForCausalLM(config)
+    full_bytes = sum(p.numel() * 4 for p in net.parameters())
+    out = {"full_bytes": full_bytes}
+    with PhaseSampler() as phase:
+        net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+    out["setup"] = phase.rise
+    out["kept"] = phase.kept
+    fabric.barrier()
+    state = {"model": net, "optimizer": optimizer}
+    with PhaseSampler() as phase:
+        fabric.save(path, state)
+    out["save"] = phase.rise
+    fabric.barrier()
+    with PhaseSampler() as phase:
+        fabric.load(path, state)
+    out["load"] = phase.rise
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[4])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["dense", "moe"])
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes")
+    print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} {'setup':>7} {'kept':>7} {'save':>7} {'load':>7}")
+    for world in args.world:
+        for model in args.models:
+            for layout in args.layouts:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = os.path.join(tmp, "ckpt")
+                    results = run_distributed_test(_rank, world, layout=layout, model=model, path=path, timeout=900)
+                full = results[0]["full_bytes"]
+                ratio = {k: max(r[k] for r in results) / full for k in ("setup", "kept", "save", "load")}
+                print(
+                    f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {ratio['setup']:>6.2f}x "
+                    f"{ratio['kept']:>6.2f}x {ratio['save']:>6.2f}x {ratio['load']:>6.2f}x",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

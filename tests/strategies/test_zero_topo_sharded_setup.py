@@ -1,0 +1,204 @@
+"""zero_topo's sharded setup: a model built on the meta device is materialised by the engine one unit at a time, with
+the values the whole-model path gives it, so that no rank holds the whole model at setup.
+
+The reference for values is :func:`~mula_lightning.models.init_weights` (seed, name) on a real model; for training,
+one process (the unsharded model on every rank's micro-batch, losses averaged, torch AdamW after global-norm
+clipping) in float64, compared with :func:`~mula_lightning.testing.assert_parity`.
+"""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.parallel.parallelize import parameter_initializer
+from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+from mula_lightning.parallel.zero.layout import ZeroTopoLayout
+from mula_lightning.testing import assert_parity, one_process_data_parallel, run_pooled_test
+
+HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+CLIP, STEPS, T = 0.05, 4, 12
+DTYPE = torch.float64
+
+
+def _config(**overrides):
+    shape = dict(vocab_size=128, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=2, intermediate_size=16)
+    return MulaConfig.from_name("mula-tiny-moe", **{**shape, "num_experts": 4, "top_k": 2, **overrides})
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 128, (2, T), generator=g)
+
+
+def _storage_bytes(model):
+    """Bytes of the distinct storages behind the model's parameters (a unit already chunked holds none)."""
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta
+    }
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["moe", "dense"])
+def test_engine_materialises_one_unit_at_a_time_with_the_whole_model_values(dense):
+    """One process, a meta model (MoE, or dense with tied embeddings): the initializer is called once per parameter;
+    whenever it is called, the parameters alive hold at most one unit's bytes (the units already chunked hold none:
+    the whole model never exists); afterwards the model is real, its weight chunks equal those of an engine built on
+    a real model initialised by ``init_weights``, and so do they and the moments after two AdamW steps. (With tied
+    embeddings the engine on the real model used to free the head's weight before the head ran.)"""
+    overrides = dict(num_experts=0, top_k=0, tie_word_embeddings=True) if dense else {}
+    with torch.device("meta"):
+        meta = MulaForCausalLM(_config(**overrides)).to(DTYPE)
+    real = init_weights(MulaForCausalLM(_config(**overrides)), seed=3).to(DTYPE)
+    units = [sum(p.numel() for p in layer.parameters()) for layer in real.model.layers]
+    root = sum(p.numel() for p in real.parameters()) - sum(units)
+    largest = max([*units, root]) * DTYPE.itemsize
+    draw = parameter_initializer(meta, seed=3)
+    calls, alive = [], []
+
+    def recording(param):
+        calls.append(param.shape)
+        alive.append(_storage_bytes(meta))
+        return draw(param)
+
+    params = len(list(meta.parameters()))
+    engine = HierarchicalZeroAdamW(meta, ZeroTopoLayout(1, 1, 1), **HP, block_size=16, initializer=recording)
+    assert len(calls) == params and max(alive) <= largest < _storage_bytes(real)
+    assert not any(p.is_meta for p in meta.parameters())
+    reference = HierarchicalZeroAdamW(real, ZeroTopoLayout(1, 1, 1), **HP, block_size=16)
+    assert len(engine.units) == len(reference.units) == len(units) + 1
+    for got, want in zip(engine.units, reference.units):
+        assert torch.equal(got.primary, want.primary), got.index  # the initial values, bit for bit
+    for step in range(2):
+        for model, opt in ((meta, engine), (real, reference)):
+            x = _batch(step, 0)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for got, want in zip(engine.units, reference.units):
+        for key in ("primary", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(got, key), getattr(want, key)), f"unit {got.index} {key}"
+
+
+def test_frozen_or_foreign_meta_parameters_keep_the_whole_model_path():
+    """``parameter_initializer`` declines (None) when a meta parameter cannot be drawn by name alone: a frozen one,
+    one outside a Mula model, or a meta buffer; a real model needs nothing drawn."""
+    with torch.device("meta"):
+        meta = MulaForCausalLM(_config())
+    assert parameter_initializer(meta) is not None
+    meta.model.norm.weight.requires_grad_(False)
+    assert parameter_initializer(meta) is None
+    with torch.device("meta"):
+        outside = torch.nn.ModuleDict({"lm": MulaForCausalLM(_config()), "extra": torch.nn.Linear(2, 2)})
+        buffered = MulaForCausalLM(_config())
+        buffered.register_buffer("scale", torch.ones(2))
+    assert parameter_initializer(outside) is None and parameter_initializer(buffered) is None
+    assert parameter_initializer(init_weights(MulaForCausalLM(_config()))) is None
+    with pytest.raises(ValueError, match="on the meta device"):
+        with torch.device("meta"):
+            model = MulaForCausalLM(_config())
+        HierarchicalZeroAdamW(model, ZeroTopoLayout(1, 1, 1), **HP, block_size=16)
+
+
+def _fabric_sharded(rank, world_size, sizes):
+    from mula_lightning.strategies import FabricZeroTopoStrategy
+
+    fabric = Fabric(
+        accelerator="cpu", devices=world_size, strategy=FabricZeroTopoStrategy(block_size=16, **sizes),
+        precision="64-true",
+    )  # fmt: skip
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MulaForCausalLM(_config())
+    assert all(p.is_meta for p in model.parameters())
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), **HP))
+    losses = []
+    for step in range(STEPS):
+        x = _batch(step, rank)
+        loss = model(x, labels=x).loss
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(world_size):
+    model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
+    return one_process_data_parallel(model, _batch, world_size, range(STEPS), CLIP, **HP)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(ranks_per_node=2, ranks_per_gpu=2), dict(ranks_per_node=4, weight_size=4, grad_size=4)],
+    ids=["3-level", "zero3"],
+)
+def test_fabric_setup_of_a_meta_model_is_sharded_and_trains_like_one_process(sizes):
+    """``fabric.setup(model, AdamW)`` of a meta model on 4 processes (the 3-level layout and ZeRO-3): 4 clipped
+    AdamW steps give every rank the losses one process computes on its micro-batches (float64)."""
+    results = run_pooled_test(_fabric_sharded, 4, sizes=sizes, timeout=300)
+    ref = _reference(4)
+    for rank, losses in enumerate(results):
+        expected = torch.tensor([s[rank] for s in ref], dtype=DTYPE)
+        assert_parity(torch.tensor(losses, dtype=DTYPE), expected, reduction_len=3, dtype=torch.float32)
+
+
+def _trainer_fit_both_paths(rank, world_size):
+    """Two fits of 2 accumulated steps: the sharded setup (the whole-model path made to raise) and the whole-model
+    setup (the sharded one turned off); the full trained weights of each."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader
+
+    from mula_lightning.strategies import ZeroTopoStrategy, zero_topo
+
+    class TinyLM(LightningModule):
+        def configure_model(self):
+            with torch.device("meta"):
+                self.model = MulaForCausalLM(_config())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), **HP)
+
+    def fit():
+        trainer = Trainer(
+            accelerator="cpu", devices=world_size, precision="64-true", max_steps=2, accumulate_grad_batches=2,
+            strategy=ZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, block_size=16), gradient_clip_val=CLIP,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False,
+        )  # fmt: skip
+        module = TinyLM()
+        trainer.fit(module, DataLoader(torch.cat([_batch(s, rank) for s in range(4)]), batch_size=2))
+        with trainer.strategy.engine.full_parameters():
+            return {k: v.clone() for k, v in module.model.state_dict().items()}
+
+    def whole_model_path(*args, **kwargs):
+        raise AssertionError("the sharded setup materialised the whole model")
+
+    whole, sharded_init = zero_topo._materialize, zero_topo.ZeroTopoOptions._sharded_initializer
+    zero_topo._materialize = whole_model_path
+    try:
+        sharded = fit()
+    finally:
+        zero_topo._materialize = whole
+    zero_topo.ZeroTopoOptions._sharded_initializer = lambda self, module: None
+    try:
+        reference = fit()
+    finally:
+        zero_topo.ZeroTopoOptions._sharded_initializer = sharded_init
+    return sharded, reference
+
+
+@pytest.mark.distributed
+def test_trainer_fit_sets_up_sharded_and_trains_bit_identical_to_the_whole_model_setup():
+    """``Trainer.fit`` with ``zero_topo`` on 2 processes and a LightningModule that builds its model on the meta device
+    in ``configure_model``: setup never takes the whole-model path, and after 2 accumulated, clipped steps the full
+    weights equal, bit for bit, those of a fit whose setup materialised the whole model first."""
+    for sharded, reference in run_pooled_test(_trainer_fit_both_paths, 2, timeout=300):
+        assert sharded.keys() == reference.keys()
+        for key, value in reference.items():
+            assert torch.equal(sharded[key], value), key
