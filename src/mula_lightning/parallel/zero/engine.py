@@ -107,9 +107,12 @@ class _Unit:
         self.master_is_primary = buf.dtype == state_dtype
         self.master = own if self.master_is_primary else own.to(state_dtype)
         self.slot_of = {id(s.param): s for s in buf.slots}
-        self.exp_avg = torch.zeros(self.no, dtype=state_dtype, device=buf.device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.grad_shard = torch.zeros(self.ng, dtype=state_dtype, device=buf.device)
+        self.state_dtype = state_dtype
+        # the moments and the gradient shard are allocated on first use (the first backward, step, save or load),
+        # as torch's AdamW allocates its state at the first step: setup keeps the weight chunks only
+        self._exp_avg: torch.Tensor | None = None
+        self._exp_avg_sq: torch.Tensor | None = None
+        self._grad_shard: torch.Tensor | None = None
         self.secondary: Any = None
         self.full_grad: torch.Tensor | None = None
         self.ready = 0
@@ -121,6 +124,27 @@ class _Unit:
     @property
     def params(self) -> list[nn.Parameter]:
         return [s.param for s in self.buf.slots]
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.state_dtype, device=self.buf.device)
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        if self._exp_avg is None:
+            self._exp_avg = self._zeros(self.no)
+        return self._exp_avg
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        if self._exp_avg_sq is None:
+            self._exp_avg_sq = self._zeros(self.no)
+        return self._exp_avg_sq
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        if self._grad_shard is None:
+            self._grad_shard = self._zeros(self.ng)
+        return self._grad_shard
 
     def free(self) -> None:
         self.buf.params.untyped_storage().resize_(0)
@@ -331,7 +355,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
     def _on_grad(self, param: nn.Parameter) -> None:
         u = self._unit_of[id(param)]
         if u.full_grad is None:
-            u.full_grad = torch.zeros(u.buf.numel, dtype=u.grad_shard.dtype, device=u.buf.device)
+            u.full_grad = torch.zeros(u.buf.numel, dtype=u.state_dtype, device=u.buf.device)
         slot = u.slot_of[id(param)]
         u.full_grad[slot.start : slot.end].add_(param.grad.reshape(-1))
         param.grad = None
@@ -342,7 +366,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
     def _reduce(self, u: _Unit) -> None:
         group, size, positions = self._group("grad")
         quant = self.grad_quant if size > 1 else None
-        u.grad_shard += reduce_scatter_chunks(u.full_grad, group, size, positions, quant, "grads.reduce_scatter")
+        u.grad_shard.add_(reduce_scatter_chunks(u.full_grad, group, size, positions, quant, "grads.reduce_scatter"))
         u.full_grad, u.ready = None, 0
         if u.pending is None:
             u.free()
@@ -425,7 +449,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
                 u.free()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Persistent bytes per state kind on this rank, from ``untyped_storage().nbytes()``."""
+        """Persistent bytes per state kind on this rank, from ``untyped_storage().nbytes()`` (the moments and gradient
+        shards allocated on first use are allocated here if they were not yet)."""
 
         def nbytes(t: Any) -> int:
             if t is None:
