@@ -11,7 +11,9 @@ by the full model's fp32 bytes, and what setup left resident (``kept``: the para
 optimizer state the strategy's layout keeps) on the same scale: a setup rise near ``kept`` is what a sharded setup
 costs; anything above it is transient memory (whole-model materialisation, copies).
 
-Phases, with Fabric (``fabric.init_module(empty_init=True)``: the model starts on the meta device):
+Phases, with Fabric (``fabric.init_module(empty_init=True)``: the model starts on the meta device), measured after
+the same phases ran once on a tiny model of the same family (the code they import and the strategy's process groups
+are then in place: what remains is what the model's size causes):
 ``setup`` = ``fabric.setup(model, AdamW(...))``; ``save`` = ``fabric.save(dir, {"model", "optimizer"})`` (DCP);
 ``load`` = ``fabric.load(dir, state)`` into the same objects.
 
@@ -101,24 +103,17 @@ def _strategy(layout: str, model: str, world_size: int):
     return FabricEPSOStrategy(ep_size=2 if model == "moe" else 1)
 
 
-def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dict:
-    from lightning.fabric import Fabric
-
+def _phases(fabric, config, path: str) -> dict:
+    """Build on meta, setup, save and load: each phase's rise and what setup kept (bytes)."""
     from mula_lightning.models import MulaForCausalLM
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # DCP on ShardedTensor (the sharded-state issue)
-    torch.set_num_threads(1)
-    config = _config(model)
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
-    fabric.launch()
+    out: dict[str, int] = {}
     with fabric.init_module(empty_init=True):
         net = MulaForCausalLM(config)
-    full_bytes = sum(p.numel() * 4 for p in net.parameters())
-    out = {"full_bytes": full_bytes}
+    out["full_bytes"] = sum(p.numel() * 4 for p in net.parameters())
     with PhaseSampler() as phase:
         net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
-    out["setup"] = phase.rise
-    out["kept"] = phase.kept
+    out["setup"], out["kept"] = phase.rise, phase.kept
     fabric.barrier()
     state = {"model": net, "optimizer": optimizer}
     with PhaseSampler() as phase:
@@ -128,7 +123,26 @@ def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dic
     with PhaseSampler() as phase:
         fabric.load(path, state)
     out["load"] = phase.rise
+    fabric.barrier()
     return out
+
+
+def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dict:
+    from lightning.fabric import Fabric
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DCP on ShardedTensor (the sharded-state issue)
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
+    fabric.launch()
+    # warm-up on a tiny model of the same family: the code each phase imports and the process groups the strategy
+    # creates (a fixed cost of the order of 100 MB) are in place before the measured run, whose rises are then what
+    # the model's size causes
+    tiny = dict(MODELS[model], vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
+    tiny["intermediate_size"] = 64
+    from mula_lightning.models import MulaConfig
+
+    _phases(fabric, MulaConfig(**tiny), path + "-warmup")
+    return _phases(fabric, _config(model), path)
 
 
 def main() -> None:

@@ -42,17 +42,15 @@ def _storage_bytes(model):
 @pytest.mark.parametrize("dense", [False, True], ids=["moe", "dense"])
 def test_engine_materialises_one_unit_at_a_time_with_the_whole_model_values(dense):
     """One process, a meta model (MoE, or dense with tied embeddings): the initializer is called once per parameter;
-    whenever it is called, the parameters alive hold at most one unit's bytes (the units already chunked hold none:
-    the whole model never exists); afterwards the model is real, its weight chunks equal those of an engine built on
-    a real model initialised by ``init_weights``, and so do they and the moments after two AdamW steps. (With tied
-    embeddings the engine on the real model used to free the head's weight before the head ran.)"""
+    whenever it is called, the parameters alive hold at most one unit's flat buffer (the value is drawn straight
+    into it; the units already chunked hold none: the whole model never exists); afterwards the model is real, its
+    weight chunks equal those of an engine built on a real model initialised by ``init_weights``, and so do they and
+    the moments after two AdamW steps. (With tied embeddings the engine on the real model used to free the head's
+    weight before the head ran.)"""
     overrides = dict(num_experts=0, top_k=0, tie_word_embeddings=True) if dense else {}
     with torch.device("meta"):
         meta = MulaForCausalLM(_config(**overrides)).to(DTYPE)
     real = init_weights(MulaForCausalLM(_config(**overrides)), seed=3).to(DTYPE)
-    units = [sum(p.numel() for p in layer.parameters()) for layer in real.model.layers]
-    root = sum(p.numel() for p in real.parameters()) - sum(units)
-    largest = max([*units, root]) * DTYPE.itemsize
     draw = parameter_initializer(meta, seed=3)
     calls, alive = [], []
 
@@ -63,10 +61,12 @@ def test_engine_materialises_one_unit_at_a_time_with_the_whole_model_values(dens
 
     params = len(list(meta.parameters()))
     engine = HierarchicalZeroAdamW(meta, ZeroTopoLayout(1, 1, 1), **HP, block_size=16, initializer=recording)
+    largest = max(u.buf.numel for u in engine.units) * DTYPE.itemsize  # one unit's flat buffer, padding included
+    assert len(engine.units) == len(real.model.layers) + 1
     assert len(calls) == params and max(alive) <= largest < _storage_bytes(real)
     assert not any(p.is_meta for p in meta.parameters())
     reference = HierarchicalZeroAdamW(real, ZeroTopoLayout(1, 1, 1), **HP, block_size=16)
-    assert len(engine.units) == len(reference.units) == len(units) + 1
+    assert len(engine.units) == len(reference.units)
     for got, want in zip(engine.units, reference.units):
         assert torch.equal(got.primary, want.primary), got.index  # the initial values, bit for bit
     for step in range(2):

@@ -18,6 +18,7 @@ Padding elements stay zero in both buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +96,11 @@ class FlatBuffer:
             split into whole quantization blocks.
         allocate_grads: allocate ``grads`` (False: an empty tensor, for an owner that accumulates elsewhere and
             should not hold a second full-size buffer even briefly).
+        device: where the buffers live when the parameters are on the meta device.
+        initial_value: for a meta parameter, its full initial value; it is written straight into the buffer (one
+            parameter's value exists at a time besides the buffer) and a new ``nn.Parameter`` viewing the buffer
+            takes its place in the slot; :attr:`replaced` maps ``id(old)`` to it, for the owner to swap into modules
+            and optimizer param groups.
     """
 
     def __init__(
@@ -106,15 +112,20 @@ class FlatBuffer:
         grad_dtype: torch.dtype | None = None,
         align: int = 1,
         allocate_grads: bool = True,
+        device: torch.device | str | None = None,
+        initial_value: Callable[[nn.Parameter], torch.Tensor] | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p, _ in named_params}
-        devices = {p.device for _, p, _ in named_params}
+        devices = {p.device for _, p, _ in named_params if not (p.is_meta and initial_value is not None)}
+        if device is not None:
+            devices.add(torch.device(device))
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"a FlatBuffer needs one dtype and device, got dtypes {dtypes} and devices {devices}")
         self.dtype = dtypes.pop()
         self.device = devices.pop()
+        self.replaced: dict[int, nn.Parameter] = {}
         self.shard_count = shard_count
         self.shard_index = shard_index
         ordered = sorted(named_params, key=lambda item: item[2])  # stable: keeps the caller's order per group
@@ -154,8 +165,17 @@ class FlatBuffer:
         with torch.no_grad():
             for slot in self.slots:
                 view = self.params[slot.start : slot.end].view_as(slot.param)
-                view.copy_(slot.param.data)
-                slot.param.data = view
+                if slot.param.is_meta and initial_value is not None:
+                    view.copy_(initial_value(slot.param))
+                    # .data, as for a real parameter below: a Parameter built on the view would share the buffer's
+                    # version counter, and the owner's in-place gathers would invalidate tensors autograd saved
+                    new = nn.Parameter(view.new_empty(0), requires_grad=slot.param.requires_grad)
+                    new.data = view
+                    self.replaced[id(slot.param)] = new
+                    slot.param = new
+                else:
+                    view.copy_(slot.param.data)
+                    slot.param.data = view
         self.segments = self.segments_for(shard_index)
         self.owned_numel = sum(b.shard_numel for b in self.buckets)
         self.runs = self._group_runs()

@@ -169,9 +169,9 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         block_size: elements per quantization block.
         unit_pattern: regular expression of the module names that become units.
         initializer: for a model on the meta device, the full initial value of a (meta) parameter; the engine then
-            materialises one unit at a time (its parameters, its flat buffer, this rank's chunks), so no rank ever
-            holds more than its chunks plus about two units (see :func:`~mula_lightning.parallel.parallelize.
-            parameter_initializer`).
+            materialises one unit at a time (each value drawn straight into the unit's flat buffer, which lives
+            until this rank's chunks are cut from it), so no rank ever holds more than its chunks plus one unit
+            (see :func:`~mula_lightning.parallel.parallelize.parameter_initializer`).
         device: where meta parameters are materialised (default: CPU).
     """
 
@@ -227,12 +227,13 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         owners = _parameter_owners(model)
         self.units: list[_Unit] = []
         for i in sorted(by_unit):
-            if any(p.is_meta for _, p, _ in by_unit[i]):  # one unit at a time: its values exist only until chunked
-                by_unit[i] = self._materialise(by_unit[i], initializer, torch.device(device or "cpu"), owners)
+            meta_unit = any(p.is_meta for _, p, _ in by_unit[i])  # drawn into its buffer, which lives until chunked
             buf = FlatBuffer(
-                by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align, allocate_grads=False
-            )
-            module = _root_module(model, [p for _, p, _ in by_unit[i]]) if i == 0 else modules[i - 1]
+                by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align, allocate_grads=False,
+                device=torch.device(device or "cpu") if meta_unit else None, initial_value=initializer,
+            )  # fmt: skip
+            self._swap_parameters(buf.replaced, owners)
+            module = _root_module(model, [s.param for s in buf.slots]) if i == 0 else modules[i - 1]
             self.units.append(_Unit(len(self.units), module, buf, self))
         if still_meta := [n for n, p in model.named_parameters() if p.is_meta]:
             raise ValueError(
@@ -244,29 +245,18 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
 
-    @torch.no_grad()
-    def _materialise(
-        self,
-        items: list[tuple[str, nn.Parameter, int]],
-        initializer: Callable[[nn.Parameter], torch.Tensor],
-        device: torch.device,
-        owners: dict[int, list[tuple[nn.Module, str]]],
-    ) -> list[tuple[str, nn.Parameter, int]]:
-        """Real parameters for one unit's meta parameters, drawn by ``initializer`` and put in their place (every
-        module holding them, tied ones included, and the optimizer's param groups)."""
-        out, replaced = [], {}
-        for name, param, group in items:
-            if param.is_meta:
-                value = initializer(param).to(device=device, dtype=param.dtype)
-                new = nn.Parameter(value, requires_grad=param.requires_grad)
-                for module, leaf in owners.get(id(param), []):
-                    module._parameters[leaf] = new
-                replaced[id(param)] = new
-                param = new
-            out.append((name, param, group))
+    def _swap_parameters(
+        self, replaced: dict[int, nn.Parameter], owners: dict[int, list[tuple[nn.Module, str]]]
+    ) -> None:
+        """Put the materialised parameters in place of their meta originals: in every module that registers one
+        (tied weights included) and in the optimizer's param groups."""
+        if not replaced:
+            return
+        for old, new in replaced.items():
+            for module, leaf in owners.get(old, []):
+                module._parameters[leaf] = new
         for g in self.param_groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]
-        return out
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self) -> dict[str, tuple[Any, int, list[int]]]:
