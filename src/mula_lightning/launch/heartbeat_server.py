@@ -22,7 +22,7 @@ import socket
 import threading
 from typing import Any
 
-from mula_lightning.utils.launch_env import HEARTBEAT_ACK, HEARTBEAT_MAX_LINE, parse_heartbeat_line
+from mula_lightning.utils.launch_env import HEARTBEAT_ACK, HEARTBEAT_MAX_LINE, heartbeat_key, parse_heartbeat_line
 
 __all__ = ["HeartbeatServer"]
 
@@ -61,7 +61,7 @@ class HeartbeatServer:
     def read(self, attempt: int, world_size: int) -> dict[int, dict[str, Any]]:
         """The newest record of every rank of ``attempt`` that has sent one (a copy; never waits for a rank)."""
         with self._lock:
-            found = {rank: self._records.get(f"hb/{attempt}/{rank}") for rank in range(world_size)}
+            found = {rank: self._records.get(heartbeat_key(attempt, rank)) for rank in range(world_size)}
         return {rank: dict(record) for rank, record in found.items() if record is not None}
 
     def close(self) -> None:

@@ -103,7 +103,7 @@ def parse_heartbeat_line(line: bytes) -> tuple[str, dict[str, Any]] | None:
         return None
     if prefix != "hb" or not attempt.isdigit() or not rank.isdigit() or not isinstance(record, dict):
         return None
-    return f"hb/{int(attempt)}/{int(rank)}", record
+    return heartbeat_key(int(attempt), int(rank)), record
 
 
 class HeartbeatClient:
