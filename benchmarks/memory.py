@@ -29,7 +29,6 @@ import os
 import tempfile
 import threading
 import time
-import warnings
 
 import torch
 
@@ -130,7 +129,6 @@ def _phases(fabric, config, path: str) -> dict:
 def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dict:
     from lightning.fabric import Fabric
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # DCP on ShardedTensor (the sharded-state issue)
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
     fabric.launch()

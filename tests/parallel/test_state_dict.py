@@ -4,7 +4,7 @@ Phase 1 trains 3 steps at DP=2 x EP=2 (EPSO) with per-rank-distinct gradients an
 zeroed parameters at another layout (or mode, or one process), loads, and trains 2 more steps with gradients
 that are the same on every rank. The result must equal torch.optim.AdamW run straight through on the reduced
 gradients: so the weights, both Adam moments and the step count all survived the reshard. Everything runs in float64
-(the optimizer-state ShardedTensors carry float64) and is compared with :func:`mula_lightning.testing.assert_parity`.
+(the optimizer-state pieces carry float64) and is compared with :func:`mula_lightning.testing.assert_parity`.
 """
 
 import zlib

@@ -52,9 +52,9 @@ def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.
     target = _mula_model(module) or module
     engine = getattr(strategy, "engine", None)
     if engine is not None:
-        from mula_lightning.parallel.zero.state_dict import model_state_dict
+        from mula_lightning.parallel.zero.state_dict import full_model_state_dict
 
-        return model_state_dict(engine, target)
+        return full_model_state_dict(engine, target)
     topology = getattr(strategy, "topology", None)
     if topology is not None and topology.ep_size > 1:
         from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict

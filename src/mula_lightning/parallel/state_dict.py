@@ -7,9 +7,10 @@ Why logical keys: a checkpoint must load at another DP x EP layout, another shar
   an expert tensor is a ``DTensor`` on the (dp, ep) mesh, ``[Replicate(), Shard(0)]``: EP rank r holds experts
   ``[r*E/EP, (r+1)*E/EP)`` along dim 0.
 * Optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` as 1-D tensors of the parameter's full
-  ``numel`` (a flat-buffer range of a 2-D tensor is not a rectangular chunk, a 1-D range is). Each rank writes
-  the ranges it owns, as a ``ShardedTensor`` with one shard per owned range; where a shard is replicated (the
-  ``dp`` mode's non-expert states, the ``none`` mode), only the replica with ``cross_rank == 0`` writes it, and
+  ``numel`` (the layout of the optimizer, not of the model, decides where a state's ranges start). Each rank writes
+  the ranges it owns, as a :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` (one piece per owned range,
+  DCP's chunk format: checkpoints written with ``ShardedTensor`` before load unchanged); where a shard is replicated
+  (the ``dp`` mode's non-expert states, the ``none`` mode), only the replica with ``cross_rank == 0`` writes it, and
   on load only that replica reads and then broadcasts to the others. ``step`` and the param groups'
   hyper-parameters are plain values.
 
@@ -27,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mula_lightning.parallel.params import is_expert_param
-from mula_lightning.parallel.sharded_optimizer import ShardedAdamW, family_plans
+from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
+from mula_lightning.parallel.tensor_pieces import TensorPieces
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.dist import is_distributed
 
@@ -54,19 +56,10 @@ def _global_offset(name: str, local_numel: int, ep_rank: int, ep_size: int) -> i
     return ep_rank * local_numel if is_expert_param(name) and ep_size > 1 else 0
 
 
-def sharded_vector(
-    local: list[torch.Tensor], shards: list[tuple[int, int, int]], numel: int, device, dtype: torch.dtype
-) -> Any:
-    """A 1-D ShardedTensor of length ``numel`` from (rank, offset, length) shards; ``local`` are this rank's."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    me = dist.get_rank()
-    metas = [ShardMetadata([off], [length], f"rank:{r}/{device}") for r, off, length in shards]
-    mine = [m for (r, _, _), m in zip(shards, metas) if r == me]
-    props = TensorProperties(dtype=dtype)
-    md = ShardedTensorMetadata(metas, torch.Size([numel]), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(t, m) for t, m in zip(local, mine)], md)
+def vector_pieces(local: list[tuple[int, torch.Tensor]], numel: int, like: torch.Tensor) -> Any:
+    """A 1-D logical vector of length ``numel`` of which this rank holds ``local`` ``(offset, values)`` ranges: a
+    :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` for DCP (an empty one on a rank that writes none)."""
+    return TensorPieces((numel,), [((off,), t) for off, t in local], dtype=like.dtype, device=like.device)
 
 
 def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
@@ -77,33 +70,22 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
         # one JSON string: DCP stores it as one object (nested lists of dicts are not restored as such)
         "param_groups": json.dumps([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
     }
-    all_plans = [
-        family_plans(optimizer.mode, MoETopology(topo.dp_size, topo.ep_size, r)) for r in range(topo.world_size)
-    ]
     for fam, buf in optimizer.buffers.items():
         plan = optimizer.plans[fam]
         state = optimizer.shards[fam]
         for slot in buf.slots:
             full_numel = slot.numel * (topo.ep_size if is_expert_param(slot.name) and topo.ep_size > 1 else 1)
-            shards = []  # (rank, global offset, length) over every rank that writes part of this parameter
-            for r, plans in enumerate(all_plans):
-                p = plans[fam]
-                if p.cross_rank != 0:
-                    continue
-                base = _global_offset(slot.name, slot.numel, r % topo.ep_size, topo.ep_size)
-                for seg in buf.segments_for(p.shard_rank):
-                    if seg.slot.name == slot.name:
-                        shards.append((r, base + seg.param_start, seg.numel))
+            base = _global_offset(slot.name, slot.numel, topo.ep_rank, topo.ep_size)
             mine = [seg for seg in buf.segments if seg.slot.name == slot.name] if plan.cross_rank == 0 else []
             for key in _STATE_KEYS:
                 if key not in state:
                     continue
                 vec = state[key]
-                local = [vec[seg.local_start : seg.local_start + seg.numel] for seg in mine]
+                local = [(base + seg.param_start, vec[seg.local_start : seg.local_start + seg.numel]) for seg in mine]
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = sharded_vector(local, shards, full_numel, vec.device, vec.dtype)
+                    out[f"state.{slot.name}.{key}"] = vector_pieces(local, full_numel, vec)
                 else:
-                    out[f"state.{slot.name}.{key}"] = torch.cat(local) if local else vec.new_zeros(0)
+                    out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]) if local else vec.new_zeros(0)
     return out
 
 

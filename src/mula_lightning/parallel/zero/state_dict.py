@@ -4,8 +4,9 @@ The same keys as :mod:`mula_lightning.parallel.state_dict` (EPSO), written in th
 :mod:`mula_lightning.checkpoint.dcp_format`, so a run can be resumed at another layout, another world size or in one
 process:
 
-* model: the single-device ``state_dict`` (full tensors, unquantized, gathered from the primary chunks);
-  replicated on every rank, DCP's planner writes each tensor once;
+* model: the single-device ``state_dict`` keys and shapes, each parameter as the pieces of it in this rank's primary
+  chunk (unquantized; :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces`, no gather): every weight group
+  holds the whole model, DCP's planner writes each piece once; a load reads straight into the primary chunks;
 * optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` as 1-D tensors of the parameter's numel; each
   rank of the first optimizer group (``rank < o``) writes the ranges its optimizer chunk holds (DP-scattered: every
   writer writes ``1 / o`` of the states), and on load every rank reads its own ranges (no broadcast);
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from mula_lightning.parallel.state_dict import sharded_vector
+from mula_lightning.parallel.state_dict import vector_pieces
+from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.parallel.zero.collectives import all_gather_chunks
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
 from mula_lightning.utils.dist import is_distributed
@@ -40,9 +42,7 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
     Saving, the ranks of the first optimizer group write; with ``for_load`` every rank reads its own ranges, its
     optimizer group's ranges forming the global layout (they tile every parameter exactly once).
     """
-    lay = engine.layout
-    writes = for_load or engine.rank < lay.optimizer_size
-    first = engine.rank - engine.rank % lay.optimizer_size if for_load else 0  # the optimizer group that tiles it
+    writes = for_load or engine.rank < engine.layout.optimizer_size
     out: dict[str, Any] = {
         "step": engine._step,
         "param_groups": json.dumps([{k: v for k, v in g.items() if k != "params"} for g in engine.param_groups]),
@@ -51,39 +51,51 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
         vectors = _vectors(engine, u)
         for slot in u.buf.slots:
             mine = [s for s in u.buf.segments if s.slot.name == slot.name] if writes else []
-            shards = [
-                (r, s.param_start, s.numel)
-                for r in range(first, first + lay.optimizer_size)
-                for s in u.buf.segments_for(lay.positions(r).optimizer)
-                if s.slot.name == slot.name
-            ]
             for key, vec in vectors.items():
-                local = [vec[s.local_start : s.local_start + s.numel] for s in mine]
+                local = [(s.param_start, vec[s.local_start : s.local_start + s.numel]) for s in mine]
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = sharded_vector(local, shards, slot.numel, vec.device, vec.dtype)
+                    out[f"state.{slot.name}.{key}"] = vector_pieces(local, slot.numel, vec)
                 else:
-                    out[f"state.{slot.name}.{key}"] = torch.cat(local) if local else vec.new_zeros(0)
+                    out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]) if local else vec.new_zeros(0)
     return out
 
 
-def model_state_dict(engine: HierarchicalZeroAdamW, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full, unquantized single-device state dict (cloned while the units are gathered)."""
+def model_state_dict(engine: HierarchicalZeroAdamW, model: torch.nn.Module) -> dict[str, Any]:
+    """The model's single-device keys and shapes for DCP, each parameter as the pieces of this rank's primary chunk.
+
+    Nothing is gathered or copied: a :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` views the primary
+    chunk (the unquantized weights, which the engine keeps between steps), so a save writes every rank's chunk (DCP
+    writes one replica of each) and a load reads straight into it (then call :func:`load_model_state_dict`).
+    Tensors the engine does not own (buffers, frozen parameters) are plain, replicated tensors.
+    """
+    pieces: dict[int, TensorPieces] = {}
+    for u in engine.units:
+        lo = engine.positions.weight * u.nw
+        for slot in u.buf.slots:
+            s, e = max(lo, slot.start), min(lo + u.nw, slot.end)
+            held = []
+            if s < e:
+                held = flat_range_pieces(u.primary[s - lo : e - lo], slot.param.shape, s - slot.start, e - slot.start)
+            pieces[id(slot.param)] = TensorPieces(
+                slot.param.shape, held, dtype=u.primary.dtype, device=u.primary.device
+            )
+    return {k: pieces.get(id(v), v.detach()) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def full_model_state_dict(engine: HierarchicalZeroAdamW, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unquantized single-device state dict (cloned while the units are gathered, on every rank)."""
     with engine.full_parameters():
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @torch.no_grad()
-def load_model_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, torch.Tensor]) -> None:
-    """Write full tensors into every unit's primary chunk (and the fp32 master when parameters are not fp32)."""
-    pos = engine.positions
+def load_model_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, Any]) -> None:
+    """After ``dcp.load`` filled :func:`model_state_dict` (``state``) in place: the primary chunks and the tensors the
+    engine does not own hold the loaded values; refresh the fp32 masters of non-fp32 parameters from them."""
+    del state  # filled in place: its pieces are views of the primary chunks
     for u in engine.units:
-        u.allocate()
-        for slot in u.buf.slots:
-            u.buf.params[slot.start : slot.end].copy_(state[slot.name].reshape(-1))
-        u.primary.copy_(u.buf.params[pos.weight * u.nw : (pos.weight + 1) * u.nw])
         if not u.master_is_primary:
             u.master.copy_(u.primary[u.opt_offset : u.opt_offset + u.no])
-        u.free()
 
 
 def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, Any]) -> None:
