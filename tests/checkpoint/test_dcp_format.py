@@ -34,3 +34,39 @@ def test_missing_keys_are_named_or_skipped(tmp_path):
         load_dcp(tmp_path, {})
     with pytest.raises(ValueError, match="'metadata' is reserved"):
         save_dcp(tmp_path / "other", {METADATA_KEY: {"w": torch.ones(1)}}, {})
+
+
+def test_views_are_handed_to_the_writer_without_copies(tmp_path):
+    """Views of a flat buffer (fp32, fp64, bf16) reach DCP's writer as aliases whose storage is exactly their bytes
+    (the writer would otherwise copy each one and keep the copies until the file closes); a non-contiguous view is
+    passed as it is; everything reads back exactly."""
+    from mula_lightning.checkpoint.dcp_format import NoCopySavePlanner, standalone_alias
+
+    flat = {dt: torch.randn(64, dtype=torch.float64).to(dt) for dt in (torch.float32, torch.float64, torch.bfloat16)}
+    views = {f"{dt}".split(".")[1]: buf[5:29].view(4, 6) for dt, buf in flat.items()}
+    views["transposed"] = flat[torch.float32][:24].view(4, 6).t()
+    for name, view in views.items():
+        alias = standalone_alias(view)
+        if name == "transposed":
+            assert alias is view
+            continue
+        assert alias.data_ptr() == view.data_ptr() and alias.dtype == view.dtype and torch.equal(alias, view)
+        assert alias.untyped_storage().nbytes() == view.nbytes, name
+
+    handed = {}
+
+    class Recording(NoCopySavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            if isinstance(data, torch.Tensor):
+                handed[write_item.index.fqn] = data
+            return data
+
+    path = tmp_path / "ckpt"
+    save_dcp(path, {"model": views}, {}, planner=Recording())
+    for name, view in views.items():
+        if name != "transposed":
+            assert handed[f"model.{name}"].data_ptr() == view.data_ptr(), name
+    targets = {"model": {k: torch.zeros_like(v) for k, v in views.items()}}
+    load_dcp(path, targets)
+    assert all(torch.equal(targets["model"][k], v) for k, v in views.items())

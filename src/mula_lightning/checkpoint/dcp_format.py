@@ -19,14 +19,44 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
-__all__ = ["METADATA_KEY", "load_dcp", "save_dcp", "saved_keys"]
+__all__ = ["METADATA_KEY", "NoCopySavePlanner", "load_dcp", "save_dcp", "saved_keys"]
 
 #: the DCP item that holds the non-tensor state
 METADATA_KEY = "metadata"
+
+
+def standalone_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory as the contiguous CPU ``tensor`` whose storage is exactly its bytes.
+
+    DCP's file writer copies every tensor whose storage is larger than the tensor (a view of a flat buffer: each
+    sharded parameter, optimizer range or ZeRO chunk) and, in torch 2.14, keeps each copy until the rank's file is
+    closed: a save then holds a second copy of everything the rank writes. NumPy can describe just the view's bytes,
+    and ``torch.from_numpy`` builds a tensor whose storage is that buffer (keeping the original alive): nothing copied.
+    Other tensors (non-contiguous, not on the CPU, dtypes NumPy lacks and that cannot be viewed as an integer of the
+    same width) are returned as they are.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return torch.from_numpy(tensor.view(torch.int16).numpy()).view(tensor.dtype)
+    try:
+        return torch.from_numpy(tensor.numpy())
+    except (TypeError, RuntimeError):
+        return tensor
+
+
+class NoCopySavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, handing the writer :func:`standalone_alias` es of views (no copy held per rank)."""
+
+    def resolve_data(self, write_item):  # noqa: ANN001, ANN201 - DCP's signature
+        data = super().resolve_data(write_item)
+        return standalone_alias(data.detach()) if isinstance(data, torch.Tensor) else data
 
 
 def save_dcp(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], planner: Any = None) -> None:
@@ -36,12 +66,13 @@ def save_dcp(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], plan
         path: the directory (created if needed).
         tensors: top-level key -> state dict (or tensor); must not use the key ``"metadata"``.
         metadata: the non-tensor state.
-        planner: a DCP save planner (the DP-scattered one spreads replicated writes over nodes); DCP's default
-            when None.
+        planner: a DCP save planner (the DP-scattered one spreads replicated writes over nodes); a
+            :class:`NoCopySavePlanner` when None.
     """
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
     path.mkdir(parents=True, exist_ok=True)
+    planner = NoCopySavePlanner() if planner is None else planner
     dcp.save({**tensors, METADATA_KEY: dumps_data(metadata, path)}, checkpoint_id=str(path), planner=planner)
 
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
+from mula_lightning.checkpoint.dcp_format import NoCopySavePlanner
 from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.dist import is_distributed
@@ -44,7 +44,7 @@ def _shard_index(fqn: str, offsets: Any, sizes: Any, ep_size: int) -> int:
     return zlib.crc32(fqn.encode()) % ep_size
 
 
-class DPScatteredSavePlanner(DefaultSavePlanner):
+class DPScatteredSavePlanner(NoCopySavePlanner):
     """A DCP save planner that writes model-parallel shard ``m`` from DP index ``m % DP`` (see module docstring).
 
     Args:
