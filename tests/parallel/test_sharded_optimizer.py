@@ -176,3 +176,26 @@ def test_state_bytes_follow_the_formula():
         for mode, (_, nbytes) in per_mode.items():
             assert nbytes == expected[mode], (mode, nbytes, expected[mode])
     assert expected["ep_aware"] < expected["dp"] < expected["none"]
+
+
+def test_moments_are_allocated_at_first_use():
+    """In one process: building the optimizer allocates no moments (as torch's AdamW), yet their keys are listed and
+    counted in state_bytes; the first step allocates them and the update equals torch's AdamW."""
+    params = _full_params()
+    model = _Model(params)
+    opt = ShardedAdamW(model, build_topology(1), "ep_aware", bucket_numel=None, **HP, weight_decay=0.0)
+    for state in opt.shards.values():
+        assert state.allocated() == [] and sorted(state) == ["exp_avg", "exp_avg_sq"]
+    numel = sum(buf.owned_numel for buf in opt.buffers.values())
+    assert opt.state_bytes() == 16 * numel  # float64: 2 moments x 8 bytes per owned element
+    ref = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+    torch_opt = torch.optim.AdamW(ref.values(), **HP, weight_decay=0.0)
+    grads = {n: _grad(n, p.shape, 0, 0) for n, p in model.named_parameters()}
+    sum((p * grads[n]).sum() for n, p in model.named_parameters()).backward()
+    for n, g in grads.items():
+        ref[n].grad = g
+    opt.step()
+    torch_opt.step()
+    assert all(sorted(s.allocated()) == ["exp_avg", "exp_avg_sq"] for s in opt.shards.values())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-12, atol=1e-12, msg=n)

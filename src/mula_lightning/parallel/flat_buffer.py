@@ -160,8 +160,6 @@ class FlatBuffer:
         self.numel = offset
 
         self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        grad_numel = self.numel if allocate_grads else 0
-        self.grads = torch.zeros(grad_numel, dtype=grad_dtype or self.dtype, device=self.device)
         with torch.no_grad():
             for slot in self.slots:
                 view = self.params[slot.start : slot.end].view_as(slot.param)
@@ -176,6 +174,10 @@ class FlatBuffer:
                 else:
                     view.copy_(slot.param.data)
                     slot.param.data = view
+        # after the parameters moved in (their old storage is freed one by one): the peak is two model-sized buffers,
+        # not three
+        grad_numel = self.numel if allocate_grads else 0
+        self.grads = torch.zeros(grad_numel, dtype=grad_dtype or self.dtype, device=self.device)
         self.segments = self.segments_for(shard_index)
         self.owned_numel = sum(b.shard_numel for b in self.buckets)
         self.runs = self._group_runs()

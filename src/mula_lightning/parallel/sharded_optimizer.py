@@ -36,7 +36,7 @@ P_e/(DP*EP).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,53 @@ class FamilyPlan:
     cross_group: Any
     cross_size: int
     cross_rank: int = 0  # index among the ranks holding the same shard (0 writes it to checkpoints)
+
+
+class ZerosOnFirstUse(MutableMapping):
+    """An optimizer shard's state vectors, the lazy ones allocated as zeros when first read.
+
+    torch's AdamW allocates its moments at the first step; allocating them when the optimizer is built would make
+    setup hold 2 / (sharding degree) of the model more than it needs (measured by ``benchmarks/memory.py``). Every key
+    is listed (``in``, iteration) before it exists, so checkpoints and loads see the same layout at any time.
+    """
+
+    def __init__(
+        self, lazy: Iterable[str], numel: int, dtype: torch.dtype, device: torch.device, eager: dict[str, torch.Tensor]
+    ) -> None:
+        self._lazy = [k for k in lazy if k not in eager]
+        self._spec = (numel, dtype, device)
+        self._data: dict[str, torch.Tensor] = dict(eager)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._data:
+            if key not in self._lazy:
+                raise KeyError(key)
+            numel, dtype, device = self._spec
+            self._data[key] = torch.zeros(numel, dtype=dtype, device=device)
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        self._data.pop(key, None)
+        self._lazy = [k for k in self._lazy if k != key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys([*self._lazy, *self._data]))
+
+    def __len__(self) -> int:
+        return len(dict.fromkeys([*self._lazy, *self._data]))
+
+    def nbytes(self) -> int:
+        """Bytes of every vector, allocated or not."""
+        numel, dtype, _ = self._spec
+        lazy = sum(numel * dtype.itemsize for k in self._lazy if k not in self._data)
+        return lazy + sum(t.numel() * t.element_size() for t in self._data.values())
+
+    def allocated(self) -> list[str]:
+        """The keys whose vectors exist now."""
+        return list(self._data)
 
 
 def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
@@ -208,15 +255,13 @@ class ShardedAdamW(torch.optim.Optimizer):
             owned = buf.gather_owned(buf.params)
             state_dtype = at_least_float32(buf.dtype)
             master = owned.to(state_dtype) if buf.dtype != state_dtype else None
-            self.shards[fam] = {
-                "exp_avg": torch.zeros(buf.owned_numel, dtype=state_dtype, device=buf.device),
-                "exp_avg_sq": torch.zeros(buf.owned_numel, dtype=state_dtype, device=buf.device),
-                **({"master": master} if master is not None else {}),
-            }
+            moments = ("exp_avg", "exp_avg_sq")
+            eager = {"master": master} if master is not None else {}
+            self.shards[fam] = ZerosOnFirstUse(moments, buf.owned_numel, state_dtype, buf.device, eager)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state held by this rank (moments and fp32 master, padding included)."""
-        return sum(t.numel() * t.element_size() for s in self.shards.values() for t in s.values())
+        """Bytes of optimizer state this rank holds once stepped (moments and fp32 master, padding included)."""
+        return sum(s.nbytes() for s in self.shards.values())
 
     # ------------------------------------------------------------- gradients
     def _on_grad(self, param: nn.Parameter) -> None:
