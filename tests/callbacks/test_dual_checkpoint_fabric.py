@@ -1,5 +1,9 @@
 """DualCheckpoint with Fabric (one process, Lightning's default strategy): save_fabric / load_fabric round trip."""
 
+import functools
+import time
+
+import pytest
 import torch
 from lightning.fabric import Fabric
 
@@ -17,6 +21,11 @@ def _setup():
     return fabric, model, opt, sched
 
 
+def _slow(save, *args, **kwargs):
+    time.sleep(0.5)
+    return save(*args, **kwargs)
+
+
 def _steps(model, opt, sched, n):
     losses = []
     for _ in range(n):
@@ -30,18 +39,24 @@ def _steps(model, opt, sched, n):
     return losses
 
 
-def test_fabric_save_and_load_reproduce_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_fabric_save_and_load_reproduce_the_uninterrupted_run(tmp_path, async_save):
     """Fabric: 3 steps, save_fabric (model, optimizer, scheduler, step), 3 more steps; a fresh process state
     restored with load_fabric trains the same 3 losses bit for bit, and resolve_last_checkpoint points at the
-    slot's state.ckpt; before any save, load_fabric returns None."""
-    ckpt = DualCheckpoint(tmp_path, every_n_train_steps=3)
+    slot's state.ckpt; before any save, load_fabric returns None. With async_save the 3 steps after the save run
+    while it is written (they must not leak into it: the state was staged at step 3)."""
+    ckpt = DualCheckpoint(tmp_path, every_n_train_steps=3, async_save=async_save)
     fabric, model, opt, sched = _setup()
     assert ckpt.load_fabric(fabric, {"model": model}) is None
     torch.manual_seed(11)
     _steps(model, opt, sched, 3)
     assert ckpt.should_save(3) and not ckpt.should_save(2)
+    if async_save:  # slow storage: the next steps certainly run before the background write reads the state
+        io = fabric.strategy.checkpoint_io
+        io.save_checkpoint = functools.partial(_slow, io.save_checkpoint)
     slot = ckpt.save_fabric(fabric, {"model": model, "optimizer": opt, "scheduler": sched, "step": 3}, step=3)
     expected = _steps(model, opt, sched, 3)
+    assert (ckpt.wait() > 0) == async_save
 
     fabric, model, opt, sched = _setup()
     torch.manual_seed(999)  # a different RNG state: load_fabric must bring the saved one back

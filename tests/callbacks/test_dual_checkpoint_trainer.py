@@ -73,15 +73,19 @@ class _TinyMoE(LightningModule):
         return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)), "interval": "step"}]
 
 
-def _fit(rank, world_size, ckpt_dir, max_steps, kill=None, resume=False):
+def _fit(rank, world_size, ckpt_dir, max_steps, kill=None, resume=False, async_save=False):
     torch.manual_seed(50 + rank)
     module = _TinyMoE()
+    saving = {}
 
     def hook(phase):  # every rank kills itself at the same point of the save: the whole job dies there
-        if kill is not None and (module.trainer.global_step, phase) == tuple(kill):
+        if phase == "begin":  # the step of the save (an asynchronous one completes while training goes on)
+            saving["step"] = module.trainer.global_step
+        if kill is not None and (saving["step"], phase) == tuple(kill):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    callbacks = [DualCheckpoint(ckpt_dir, every_n_train_steps=2, phase_hook=hook)] if ckpt_dir else []
+    checkpoint = DualCheckpoint(ckpt_dir, every_n_train_steps=2, phase_hook=hook, async_save=async_save)
+    callbacks = [checkpoint] if ckpt_dir else []
     trainer = Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -103,24 +107,31 @@ def _fit(rank, world_size, ckpt_dir, max_steps, kill=None, resume=False):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trainer_epso_killed_inside_saves_resumes_from_last_and_matches_straight_run(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_trainer_epso_killed_inside_saves_resumes_from_last_and_matches_straight_run(tmp_path, async_save):
     """Two Trainer-level kill trials (2 processes, DP=1 x EP=2, accumulation 2): SIGKILL inside the save of step 4
     at a random protocol phase, resume with ckpt_path="last" (the step-2 slot, the step-4 one has no marker),
     killed again inside a save, then resumed to the end: every loss after each resume and the final weights
-    equal a straight 6-step run's."""
+    equal a straight 6-step run's. With async_save the kills in the written / agreed phases strike the background
+    thread while training has gone on past step 4."""
     phases = ["cleared", "written", "agreed"]
     rng = random.Random(3)
     straight = run_pooled_test(_fit, 2, ckpt_dir=None, max_steps=6, timeout=240)
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(DistributedTestError, match="SIGKILL"):
-        run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), timeout=240)
+        run_pooled_test(
+            _fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), async_save=async_save, timeout=240
+        )
     steps = sorted(
         read_marker(tmp_path / "ckpt" / n)["step"] for n in SLOT_NAMES if (tmp_path / "ckpt" / n / MARKER_NAME).exists()
     )
     assert steps == [2]
     with pytest.raises(DistributedTestError, match="SIGKILL"):
-        run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), resume=True, timeout=240)
-    final = run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, resume=True, timeout=240)
+        run_pooled_test(
+            _fit, 2, ckpt_dir=ckpt, max_steps=6, kill=(4, rng.choice(phases)), resume=True, async_save=async_save,
+            timeout=240,
+        )  # fmt: skip
+    final = run_pooled_test(_fit, 2, ckpt_dir=ckpt, max_steps=6, resume=True, async_save=async_save, timeout=240)
     for rank in range(2):
         losses, state, resumed = final[rank]
         expected_losses, expected_state, _ = straight[rank]
@@ -150,10 +161,10 @@ class _TinyLinear(LightningModule):
         return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), "interval": "step"}]
 
 
-def _single(tmp_path, max_steps, ckpt=True, resume=False):
+def _single(tmp_path, max_steps, ckpt=True, resume=False, async_save=False):
     torch.manual_seed(5)
     module = _TinyLinear()
-    callbacks = [DualCheckpoint(tmp_path / "single", every_n_train_steps=2)] if ckpt else []
+    callbacks = [DualCheckpoint(tmp_path / "single", every_n_train_steps=2, async_save=async_save)] if ckpt else []
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=ckpt,
         logger=False, enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACCUM,
@@ -162,13 +173,14 @@ def _single(tmp_path, max_steps, ckpt=True, resume=False):
     return module, callbacks
 
 
-def test_single_device_resume_equivalence_and_fallback_to_the_other_slot(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_single_device_resume_equivalence_and_fallback_to_the_other_slot(tmp_path, async_save):
     """Lightning's own single-device strategy: 4 steps, stop, resume with ckpt_path="last" to 6 equals 6 straight
     (losses and weights); with the newest slot's payload corrupted, "last" falls back to the older slot and the
-    result is still identical."""
+    result is still identical. With async_save every save is written in the background (fit waits for the last)."""
     straight, _ = _single(tmp_path, 6, ckpt=False)
-    _single(tmp_path, 4)
-    resumed, callbacks = _single(tmp_path, 6, resume=True)
+    _single(tmp_path, 4, async_save=async_save)
+    resumed, callbacks = _single(tmp_path, 6, resume=True, async_save=async_save)
     assert callbacks[0].resumed_from.name == "slot_b"  # step 4 went to the second slot
     for key, loss in resumed.losses.items():
         assert loss == straight.losses[key], key
@@ -181,7 +193,7 @@ def test_single_device_resume_equivalence_and_fallback_to_the_other_slot(tmp_pat
     data = bytearray(payload.read_bytes())
     data[len(data) // 2] ^= 0xFF
     payload.write_bytes(bytes(data))
-    again, callbacks = _single(tmp_path, 6, resume=True)
+    again, callbacks = _single(tmp_path, 6, resume=True, async_save=async_save)
     assert callbacks[0].resumed_from.name != newest
     for k, v in straight.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k

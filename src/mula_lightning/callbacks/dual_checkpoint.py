@@ -25,6 +25,13 @@ one. A fresh run that finds slots of another run in ``dirpath`` refuses to start
 slots, and a later ``ckpt_path="last"`` could pick the other run's step): resume it (``ckpt_path="last"``), give a
 new ``dirpath``, or pass ``overwrite=True`` (the other run's markers are removed before the first save).
 
+Asynchronous saves (``async_save=True``): at the step, the slot is cleared and this rank's state is copied to host
+memory (the sharded strategies' ``stage_checkpoint``; Lightning's own strategies: the checkpoint dict); a background
+thread writes it and completes the slot with the same protocol (:mod:`mula_lightning.checkpoint.async_slots`), while
+training goes on. At most one save is in flight: the next save, the end of training and :meth:`DualCheckpoint.wait`
+wait for it, and a wait is logged with its length. A kill during the background write leaves the previous slot as
+the newest complete one, as for a synchronous save.
+
 Metadata: the Trainer's checkpoint is made plain data before it is written (configs as dicts, paths as str, NumPy
 scalars as numbers, enums by value: :mod:`mula_lightning.utils.plain_data`), and a value the safe reader would
 refuse fails the save that writes it, naming the entry, instead of the resume after the next failure.
@@ -40,6 +47,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from mula_lightning.checkpoint.async_slots import AsyncSlotSaver, stage_to_host
 from mula_lightning.checkpoint.slots import (
     MARKER_NAME,
     SLOT_NAMES,
@@ -106,6 +114,8 @@ class DualCheckpoint(ModelCheckpoint):
             requested), whatever the interval: a short run, or the steps after the last multiple, are not lost.
         overwrite: a fresh run (not resumed from ``dirpath``) whose ``dirpath`` holds another run's slots removes
             their markers before its first save; without it such a run refuses to start (see the module docstring).
+        async_save: stage each save to host memory at its step and write it in a background thread (see the module
+            docstring); the state is copied once per save, so a rank needs host memory for its part of the state.
 
     Resume with ``trainer.fit(model, ckpt_path="last")`` (Trainer) or :meth:`load_fabric` (Fabric).
     """
@@ -118,6 +128,7 @@ class DualCheckpoint(ModelCheckpoint):
         phase_hook: Any = None,
         save_on_train_end: bool = True,
         overwrite: bool = False,
+        async_save: bool = False,
     ) -> None:
         if int(every_n_train_steps) < 1:
             raise ValueError(f"every_n_train_steps ({every_n_train_steps}) must be >= 1")
@@ -133,6 +144,19 @@ class DualCheckpoint(ModelCheckpoint):
         self.saves_this_process = 0  # slots completed by this process (``mula launch`` resumes from them)
         self.resumed_from: Path | None = None
         self._restore_rng_pending = False
+        self._saver = AsyncSlotSaver() if async_save else None
+
+    @property
+    def async_save(self) -> bool:
+        return self._saver is not None
+
+    def wait(self) -> float:
+        """Wait for the asynchronous save in flight, if any (collective: every rank calls it); returns the seconds
+        waited. Raises ``CheckpointWriteError`` when that save failed (no marker was written)."""
+        return 0.0 if self._saver is None else self._saver.wait()
+
+    def _completed(self, slot: Path) -> None:
+        self.saves_this_process += 1
 
     # ------------------------------------------------------------------ Trainer hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -184,6 +208,7 @@ class DualCheckpoint(ModelCheckpoint):
         """The final step, unless the interval just saved it (every rank calls this: the save is collective)."""
         if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
             self.save(trainer)
+        self.wait()  # the last save is complete before fit returns (and before a launcher reads the slots)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         pass
@@ -215,6 +240,17 @@ class DualCheckpoint(ModelCheckpoint):
             if path.is_file() and rank_world()[0] == 0:  # Lightning's own single-file format: prove it loads
                 load_torch_file(path, mmap=True)
 
+        if self._saver is not None:
+            return self._saver.save(
+                self.dirpath,
+                step,
+                lambda: _staged_trainer_checkpoint(trainer),
+                layout=_layout(trainer.strategy),
+                signature=signature,
+                phase_hook=self.phase_hook,
+                run_id=self.run_id,
+                on_complete=self._completed,
+            )
         slot = save_slot(
             self.dirpath,
             step,
@@ -224,7 +260,7 @@ class DualCheckpoint(ModelCheckpoint):
             phase_hook=self.phase_hook,
             run_id=self.run_id,
         )
-        self.saves_this_process += 1
+        self._completed(slot)
         return slot
 
     def _claim_lineage(self) -> None:
@@ -286,6 +322,17 @@ class DualCheckpoint(ModelCheckpoint):
         modules = [v for v in state.values() if isinstance(v, nn.Module)]
         signature = _module_signature(fabric.strategy, modules[0]) if modules else None
         self._claim_lineage()
+        if self._saver is not None:
+            return self._saver.save(
+                self.dirpath,
+                step,
+                lambda: _staged_fabric_state(fabric, state),
+                layout=_layout(fabric.strategy),
+                signature=signature,
+                phase_hook=self.phase_hook,
+                run_id=self.run_id,
+                on_complete=self._completed,
+            )
         slot = save_slot(
             self.dirpath,
             step,
@@ -295,7 +342,7 @@ class DualCheckpoint(ModelCheckpoint):
             phase_hook=self.phase_hook,
             run_id=self.run_id,
         )
-        self.saves_this_process += 1
+        self._completed(slot)
         return slot
 
     def load_fabric(self, fabric: Any, state: dict[str, Any]) -> dict[str, Any] | None:
@@ -314,6 +361,39 @@ class DualCheckpoint(ModelCheckpoint):
         remainder = fabric.load(slot / STATE_NAME, state)
         self._restore_rng(fabric.world_size)
         return remainder
+
+
+def _staged_trainer_checkpoint(trainer: Any) -> Any:
+    """The Trainer's checkpoint of this step in host memory, and ``write(path, group)`` for the background thread."""
+    strategy = trainer.strategy
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    if hasattr(strategy, "stage_checkpoint"):  # the sharded strategies: this rank's pieces, DCP over ``group``
+        return strategy.stage_checkpoint(checkpoint)
+    staged = stage_to_host(checkpoint)  # Lightning's own strategies: one file, written by rank 0
+
+    def write(path: Path, group: Any) -> None:
+        if rank_world()[0] == 0:
+            strategy.checkpoint_io.save_checkpoint(staged, path)
+            load_torch_file(path, mmap=True)  # prove it loads, as a synchronous save does
+
+    return write
+
+
+def _staged_fabric_state(fabric: Any, state: dict[str, Any]) -> Any:
+    """Fabric ``state`` of this step in host memory, and ``write(path, group)`` for the background thread."""
+    from lightning.fabric.fabric import _unwrap_objects
+
+    strategy = fabric.strategy
+    state = _unwrap_objects(state)
+    if hasattr(strategy, "stage_checkpoint"):  # the sharded strategies: this rank's pieces, DCP over ``group``
+        return strategy.stage_checkpoint(state)
+    staged = stage_to_host(strategy._convert_stateful_objects_in_state(state, filter={}))  # as fabric.save does
+
+    def write(path: Path, group: Any) -> None:
+        if rank_world()[0] == 0:
+            strategy.checkpoint_io.save_checkpoint(checkpoint=staged, path=path)
+
+    return write
 
 
 def resolve_last_checkpoint(dirpath: str | Path, module: nn.Module | None = None, strategy: Any = None) -> Path | None:

@@ -4,6 +4,8 @@
   ``torch.distributed.checkpoint`` directory of logical-key tensors plus one metadata item (data only).
 * ``slots``: the dual-slot protocol (two slots, a durable marker written last, agreed completion and resume,
   ``ckpt_path="last"``) that :class:`~mula_lightning.callbacks.DualCheckpoint` drives; no Lightning dependency.
+* ``async_slots``: the same protocol with the writes in a background thread (state staged to host memory at the
+  step, at most one save in flight, a checkpoint-only gloo group for the background collectives).
 * ``scattered``: the DP-scattered DCP save planner (replicated tensors written from DP index ``m % DP``, so the
   writes spread over nodes) and load-once-and-broadcast of the weights.
 * ``export``: ``mula export CKPT --to hf DIR`` from any checkpoint the project writes.
@@ -29,6 +31,7 @@ _EXPORTS = {
     "DPScatteredSavePlanner": "mula_lightning.checkpoint.scattered",
     "broadcast_model": "mula_lightning.checkpoint.scattered",
     "load_model_once": "mula_lightning.checkpoint.scattered",
+    "AsyncSlotSaver": "mula_lightning.checkpoint.async_slots",
     "CheckpointIntegrityError": "mula_lightning.checkpoint.slots",
     "CheckpointWriteError": "mula_lightning.checkpoint.slots",
     "choose_slot": "mula_lightning.checkpoint.slots",

@@ -59,7 +59,9 @@ class NoCopySavePlanner(DefaultSavePlanner):
         return standalone_alias(data.detach()) if isinstance(data, torch.Tensor) else data
 
 
-def save_dcp(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], planner: Any = None) -> None:
+def save_dcp(
+    path: Path, tensors: dict[str, Any], metadata: dict[str, Any], planner: Any = None, process_group: Any = None
+) -> None:
     """Write ``tensors`` (logical-key state dicts) and ``metadata`` (tensors and plain data) as a DCP directory.
 
     Args:
@@ -68,12 +70,15 @@ def save_dcp(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], plan
         metadata: the non-tensor state.
         planner: a DCP save planner (the DP-scattered one spreads replicated writes over nodes); a
             :class:`NoCopySavePlanner` when None.
+        process_group: the group DCP's planning collectives run on (default: the default group; an asynchronous
+            save passes its checkpoint-only group).
     """
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
     path.mkdir(parents=True, exist_ok=True)
     planner = NoCopySavePlanner() if planner is None else planner
-    dcp.save({**tensors, METADATA_KEY: dumps_data(metadata, path)}, checkpoint_id=str(path), planner=planner)
+    state = {**tensors, METADATA_KEY: dumps_data(metadata, path)}
+    dcp.save(state, checkpoint_id=str(path), planner=planner, process_group=process_group)
 
 
 def saved_keys(path: Path) -> set[str]:

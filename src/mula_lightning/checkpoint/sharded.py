@@ -25,7 +25,7 @@ from mula_lightning.parallel.sharded_optimizer import ShardedAdamW, unwrap_optim
 from mula_lightning.parallel.state_dict import apply_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.topology import MoETopology
 
-__all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint"]
+__all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint", "sharded_checkpoint_parts"]
 
 
 def _to_saveable(value: Any, topology: MoETopology) -> Any:
@@ -34,6 +34,27 @@ def _to_saveable(value: Any, topology: MoETopology) -> Any:
     if isinstance(unwrap_optimizer(value), ShardedAdamW):
         return optimizer_state_dict(unwrap_optimizer(value))
     return None
+
+
+def sharded_checkpoint_parts(
+    state: dict[str, Any], topology: MoETopology, metadata: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], DPScatteredSavePlanner]:
+    """What :func:`save_sharded_checkpoint` writes: (logical-key tensors, metadata entries, the DP-scattered planner).
+
+    The tensors view this rank's live state (nothing copied): an asynchronous save stages them to host memory first.
+    """
+    tensors: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(metadata or {})
+    for key, value in state.items():
+        saveable = _to_saveable(value, topology)
+        if saveable is not None:
+            tensors[key] = saveable
+        elif isinstance(value, dict) and (key == "state_dict" or key.startswith("optimizer_")):
+            tensors[key] = value
+        else:
+            extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
+    # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
+    return tensors, extra, DPScatteredSavePlanner(topology.dp_size, topology.ep_size)
 
 
 def save_sharded_checkpoint(
@@ -48,18 +69,8 @@ def save_sharded_checkpoint(
             (those go to the metadata, as their ``state_dict()`` when they have one).
         metadata: more entries (the Trainer's loops, callbacks, schedulers, ...): tensors and plain data.
     """
-    tensors: dict[str, Any] = {}
-    extra: dict[str, Any] = dict(metadata or {})
-    for key, value in state.items():
-        saveable = _to_saveable(value, topology)
-        if saveable is not None:
-            tensors[key] = saveable
-        elif isinstance(value, dict) and (key == "state_dict" or key.startswith("optimizer_")):
-            tensors[key] = value
-        else:
-            extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
-    # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
-    save_dcp(path, tensors, extra, planner=DPScatteredSavePlanner(topology.dp_size, topology.ep_size))
+    tensors, extra, planner = sharded_checkpoint_parts(state, topology, metadata)
+    save_dcp(path, tensors, extra, planner=planner)
 
 
 def load_sharded_checkpoint(path: Path, state: dict[str, Any], topology: MoETopology, strict: bool = True):

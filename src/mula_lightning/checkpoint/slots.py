@@ -273,7 +273,14 @@ def save_slot(
         CheckpointWriteError: on every rank, when any rank failed to write its part.
     """
     hook = phase_hook or (lambda phase: None)
-    rank, world = rank_world()
+    slot = clear_slot(dirpath, hook)
+    return write_and_mark(slot, step, write, rng_state(), layout, signature, hook, run_id)
+
+
+def clear_slot(dirpath: str | Path, hook: Callable[[str], None]) -> Path:
+    """Steps 1-2 of the protocol (collective, on the default group): agree on the slot to overwrite, make it read
+    as incomplete durably, empty it; returns it."""
+    rank = rank_world()[0]
     dirpath = Path(dirpath)
     if rank == 0:
         dirpath.mkdir(parents=True, exist_ok=True)
@@ -289,11 +296,30 @@ def save_slot(
     if is_distributed():
         dist.barrier()
     hook("cleared")
+    return slot
+
+
+def write_and_mark(
+    slot: Path,
+    step: int,
+    write: Callable[[Path], None],
+    rng: dict[str, Any],
+    layout: dict[str, Any] | None,
+    signature: dict[str, list[int]] | None,
+    hook: Callable[[str], None],
+    run_id: str | None,
+    group: Any = None,
+) -> Path:
+    """Steps 3-5 of the protocol into a cleared ``slot`` (collective over ``group``; the default group when None):
+    every rank writes its part and ``rng`` (its RNG states at the step), fsyncs and checksums its files; the ranks
+    agree; rank 0 writes the marker. An asynchronous save runs this in a background thread on a checkpoint-only
+    group (:mod:`mula_lightning.checkpoint.async_slots`)."""
+    rank, world = rank_world()
     sums: dict[str, dict[str, int]] = {}
     error = ""
     try:
         write(slot / STATE_NAME)
-        torch.save(rng_state(), slot / RNG_NAME.format(rank=rank))
+        torch.save(rng, slot / RNG_NAME.format(rank=rank))
         for rel in _payload_files(slot):
             if owner_rank(rel) != rank:
                 continue
@@ -303,8 +329,8 @@ def save_slot(
     except Exception as err:  # reported to every rank below; the previous slot stays valid
         error = f"{type(err).__name__}: {err}"
     hook("written")
-    ok = all_true(not error)
-    reports = all_gather_object((rank, error, sums))
+    ok = all_true(not error, group)
+    reports = all_gather_object((rank, error, sums), group)
     if not ok:
         failed = "; ".join(f"rank {r}: {e}" for r, e, _ in reports if e)
         raise CheckpointWriteError(f"{slot}: checkpoint of step {step} not completed ({failed}); no marker written")
@@ -325,7 +351,7 @@ def save_slot(
         }
         atomic_write_text(slot / MARKER_NAME, json.dumps(marker, indent=1, sort_keys=True))
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=group)
     _remember_valid(slot, step)
     hook("done")
     return slot

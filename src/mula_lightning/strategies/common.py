@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from typing_extensions import override
 
+from mula_lightning.checkpoint.async_slots import stage_to_host
+from mula_lightning.checkpoint.dcp_format import save_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
 
@@ -121,6 +125,54 @@ class ShardedFabricHooks:
             f"gradient clipping by value is not supported by the {self.strategy_name} strategy (gradients are "
             "sharded); clip by norm instead (fabric.clip_gradients(model, optimizer, max_norm=...))"
         )
+
+
+class DCPSaves:
+    """Saves of both sharded strategies: a DCP directory written now (``save_checkpoint``) or staged to host memory
+    now and written later (:meth:`stage_checkpoint`, for asynchronous saves). A strategy supplies
+    :meth:`checkpoint_parts`; :class:`FabricDCPSaves` and :class:`TrainerDCPSaves` give Lightning's two signatures.
+    Mix in before the Lightning base class."""
+
+    def checkpoint_parts(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """(logical-key tensors viewing the live state, metadata entries, DCP save planner or None) of ``state``:
+        Fabric's state dict, or the Trainer's checkpoint dict."""
+        raise NotImplementedError
+
+    def _write_now(self, path: Any, state: dict[str, Any], storage_options: Any, filter: Any = None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                f"the {self.strategy_name} strategy saves torch.distributed.checkpoint directories: no "
+                "storage_options or filter"
+            )
+        tensors, metadata, planner = self.checkpoint_parts(state)
+        save_dcp(Path(path), tensors, metadata, planner)
+
+    def stage_checkpoint(self, state: dict[str, Any]) -> Callable[[Path, Any], None]:
+        """Copy what ``state`` saves into host memory now; return ``write(path, group)``, which writes that copy as
+        ``save_checkpoint`` would (DCP's collectives over ``group``), from any thread, while training goes on."""
+        tensors, metadata, planner = self.checkpoint_parts(state)
+        tensors, metadata = stage_to_host(tensors), stage_to_host(metadata)
+
+        def write(path: Path, group: Any = None) -> None:
+            save_dcp(Path(path), tensors, metadata, planner, process_group=group)
+
+        return write
+
+
+class FabricDCPSaves(DCPSaves):
+    """``fabric.save``: ``save_checkpoint(path, state, storage_options=None, filter=None)``."""
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None):
+        self._write_now(path, state, storage_options, filter)
+
+
+class TrainerDCPSaves(DCPSaves):
+    """``trainer.save_checkpoint``: ``save_checkpoint(checkpoint, filepath, storage_options=None)``."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._write_now(filepath, checkpoint, storage_options)
 
 
 class InPlaceCheckpointRestore:

@@ -34,16 +34,18 @@ from torch import nn
 from typing_extensions import override
 
 from mula_lightning.checkpoint.init_source import InitWeights
-from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, sharded_checkpoint_parts
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
 from mula_lightning.parallel.state_dict import model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.token_dispatchers import DISPATCHERS
 from mula_lightning.parallel.topology import MoETopology, build_topology
 from mula_lightning.strategies.common import (
+    FabricDCPSaves,
     InPlaceCheckpointRestore,
     ShardedFabricHooks,
     ShardingOptions,
+    TrainerDCPSaves,
     check_precision,
     ddp_arguments,
     repoint_scheduler,
@@ -236,7 +238,7 @@ def _sync_disabled(optimizer: ShardedAdamW) -> Generator[None, None, None]:
         optimizer.require_grad_sync = previous
 
 
-class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDDPStrategy):
+class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDCPSaves, FabricDDPStrategy):
     """DP x EP with EPSO for ``lightning.fabric.Fabric`` (``Fabric(strategy="epso")`` or an instance).
 
     Arguments: see :class:`EPSOOptions`.
@@ -285,13 +287,8 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDDPStrategy):
         )
         return self.sharded_optimizer
 
-    @override
-    def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
-        if storage_options is not None or filter is not None:
-            raise TypeError(
-                "the epso strategy saves torch.distributed.checkpoint directories: no storage_options/filter"
-            )
-        save_sharded_checkpoint(Path(path), state, self.topology)
+    def checkpoint_parts(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        return sharded_checkpoint_parts(state, self.topology)
 
     @override
     def load_checkpoint(
@@ -305,7 +302,7 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDDPStrategy):
         strategy_registry.register("epso", cls, description="DP x EP with the EP-aware sharded optimizer (EPSO)")
 
 
-class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDDPStrategy):
+class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, TrainerDDPStrategy):
     """DP x EP with EPSO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="epso")`` or an instance).
 
     The LightningModule builds its model in ``configure_model`` (ideally on the meta device:
@@ -377,15 +374,12 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDDPStrategy):
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return optimizer_state_dict(unwrap_optimizer(optimizer))
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
-        if storage_options is not None:
-            raise TypeError("the epso strategy saves torch.distributed.checkpoint directories: no storage_options")
+    def checkpoint_parts(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
         rest = dict(checkpoint)
         state = {"state_dict": rest.pop("state_dict")}
         for i, opt_state in enumerate(rest.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        save_sharded_checkpoint(Path(filepath), state, self.topology, metadata=rest)
+        return sharded_checkpoint_parts(state, self.topology, metadata=rest)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from torch import nn
 from typing_extensions import override
 
-from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
+from mula_lightning.checkpoint.dcp_format import load_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, move_real_tensors, parameter_initializer
 from mula_lightning.parallel.params import logical_name
@@ -46,9 +46,11 @@ from mula_lightning.parallel.zero import state_dict as zc
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
 from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 from mula_lightning.strategies.common import (
+    FabricDCPSaves,
     InPlaceCheckpointRestore,
     ShardedFabricHooks,
     ShardingOptions,
+    TrainerDCPSaves,
     check_precision,
     ddp_arguments,
     repoint_scheduler,
@@ -217,7 +219,7 @@ class _NoReduceControl(_BackwardSyncControl):
         return nullcontext()
 
 
-class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDDPStrategy):
+class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves, FabricDDPStrategy):
     """Hierarchical ZeRO for ``lightning.fabric.Fabric`` (``Fabric(strategy="zero_topo")`` or an instance).
 
     Arguments: see :class:`ZeroTopoOptions`.
@@ -280,12 +282,9 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDDPStrat
         self.engine = build_engine(self._module, optimizer, self.settings, self.world_size, self._names)
         return self.engine
 
-    @override
-    def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
-        if storage_options is not None or filter is not None:
-            raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
+    def checkpoint_parts(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
         tensors, extra = _split_state(state, self.engine, for_load=False)
-        save_dcp(Path(path), tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()})
+        return tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()}, None
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
@@ -310,7 +309,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDDPStrat
         strategy_registry.register("zero_topo", cls, description="hierarchical 3-level ZeRO with quantized collectives")
 
 
-class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDDPStrategy):
+class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSaves, TrainerDDPStrategy):
     """Hierarchical ZeRO for ``lightning.pytorch.Trainer`` (``Trainer(strategy="zero_topo")`` or an instance).
 
     The LightningModule builds its model in ``configure_model`` (ideally on the meta device) and returns
@@ -383,15 +382,12 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDDPStra
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return zc.optimizer_state_dict(unwrap_optimizer(optimizer))
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
-        if storage_options is not None:
-            raise TypeError("the zero_topo strategy saves torch.distributed.checkpoint directories")
+    def checkpoint_parts(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
         rest = dict(checkpoint)
         tensors = {"state_dict": rest.pop("state_dict")}
         for i, opt_state in enumerate(rest.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = opt_state
-        save_dcp(Path(filepath), tensors, rest)
+        return tensors, rest, None
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -24,9 +24,9 @@ def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
 
 
-def flag_device() -> torch.device:
-    """Where a collective's tensor must live for the default group's backend (CPU for gloo)."""
-    backend = dist.get_backend()
+def flag_device(group: Any = None) -> torch.device:
+    """Where a collective's tensor must live for the backend of ``group`` (default: the default group; CPU for gloo)."""
+    backend = dist.get_backend(group)
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "xccl":
@@ -34,12 +34,12 @@ def flag_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_true(ok: bool) -> bool:
-    """True on every rank iff ``ok`` is true on every rank (one all-reduce of one element)."""
+def all_true(ok: bool, group: Any = None) -> bool:
+    """True on every rank iff ``ok`` is true on every rank of ``group`` (one all-reduce of one element)."""
     if not is_distributed():
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=flag_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=flag_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -52,10 +52,10 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (picklable objects; ranks of one job only, never a file)."""
+def all_gather_object(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` in ``group``, in rank order (picklable objects; ranks of one job only, never a file)."""
     if not is_distributed():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out

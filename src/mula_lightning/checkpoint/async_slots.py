@@ -1,0 +1,184 @@
+"""Asynchronous dual-slot saves: stage the state to CPU at the step, write and complete the slot in the background.
+
+Why: a synchronous save stops training for as long as storage takes (minutes for a large model on a shared file
+system). Here the training thread only does what must happen at the step: agree on the slot and clear it (steps 1-2
+of :mod:`mula_lightning.checkpoint.slots`), capture the RNG states, and copy this rank's part of the state into host
+memory (pinned when an accelerator is present, so the copy does not wait on pageable memory). A background thread
+then runs the rest of the protocol unchanged (steps 3-5: write, fsync, checksum, agree, marker), so the marker is
+written only after every rank's files are complete and fsynced, and a SIGKILL at any instant leaves the previous
+slot as the newest complete one, exactly as for a synchronous save.
+
+Rules:
+
+* at most one save in flight: the next save (and the end of training) waits for it; the wait is logged with its
+  length, on rank 0, since it is training time lost to storage;
+* the background collectives (DCP's planning, the agreement, the final barrier) run on a checkpoint-only gloo
+  process group created once, so they never interleave with the training's collectives on the default group
+  (NCCL or XCCL on accelerators, where a second thread's collectives on the same communicator could deadlock);
+* a background failure (a full disk, a rank that could not write) raises :class:`CheckpointWriteError` from the
+  next wait, on every rank, with no marker written.
+
+Why not ``torch.distributed.checkpoint.async_save`` directly: its stager copies plain tensors and DTensors, not
+the pieces of a tensor a sharded rank holds (:class:`~mula_lightning.parallel.tensor_pieces.TensorPieces`), and its
+future ends with the DCP write, whereas the slot's fsyncs, checksums, agreement and marker must follow it in the
+same background job on the same group. Its executor does what :class:`AsyncSlotSaver` does: ``dcp.save`` in a
+thread, on a process group passed to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mula_lightning.checkpoint.slots import clear_slot, rng_state, write_and_mark
+from mula_lightning.parallel.tensor_pieces import TensorPieces
+from mula_lightning.utils.dist import is_distributed, rank_world
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncSlotSaver", "stage_to_host"]
+
+
+def _pinned() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    out.copy_(tensor.detach(), non_blocking=pin)
+    return out
+
+
+def stage_to_host(obj: Any, pin: bool | None = None) -> Any:
+    """A copy of ``obj`` that later training cannot change: every tensor copied into host memory (pinned when an
+    accelerator is present), :class:`TensorPieces` piece by piece, a DTensor as the pieces of its local shard (its
+    offsets in the logical tensor), containers rebuilt, anything else deep-copied. Call
+    :func:`synchronize_staging` before using the copies from another thread when tensors were on an accelerator."""
+    pin = _pinned() if pin is None else pin
+    if isinstance(obj, TensorPieces):
+        pieces = [(offsets, _host_copy(piece, pin)) for offsets, piece in obj.pieces]
+        return TensorPieces(obj.shape, pieces, dtype=obj.dtype, device="cpu")
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
+        local = _host_copy(obj.to_local(), pin)
+        return TensorPieces(obj.shape, [(tuple(offsets), local)], dtype=obj.dtype, device="cpu")
+    if isinstance(obj, torch.Tensor):
+        return _host_copy(obj, pin)
+    if isinstance(obj, dict):
+        return type(obj)((k, stage_to_host(v, pin)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(stage_to_host(v, pin) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def synchronize_staging() -> None:
+    """Wait for non-blocking copies into pinned memory (a no-op on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elif hasattr(torch, "xpu") and torch.xpu.is_available():
+        torch.xpu.synchronize()
+
+
+class AsyncSlotSaver:
+    """Runs dual-slot saves with their writes in a background thread, at most one in flight (see the module
+    docstring). One per checkpoint directory; every rank calls :meth:`save` and :meth:`wait` alike."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None
+        self._in_flight_step: int | None = None
+        self.waits: list[tuple[int, float]] = []  # (step that waited, seconds), for logs and benchmarks
+        self.completed = 0  # slots this saver completed
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def _checkpoint_group(self) -> Any:
+        """The checkpoint-only gloo group (collective the first time: every rank creates it at its first save)."""
+        if not is_distributed():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def wait(self, step: int | None = None) -> float:
+        """Block until the save in flight (if any) is complete; returns the seconds waited and logs them (rank 0).
+
+        Raises:
+            CheckpointWriteError: (or the background's error) when that save failed; no marker was written.
+        """
+        if self._thread is None:
+            return 0.0
+        start = time.monotonic()
+        self._thread.join()
+        waited = time.monotonic() - start
+        self._thread, saved_step = None, self._in_flight_step
+        error, self._error = self._error, None
+        if step is not None:
+            self.waits.append((step, waited))
+        if rank_world()[0] == 0 and waited > 0.0:
+            who = f"step {step}" if step is not None else "the end of training"
+            log.warning("checkpoint: %s waited %.2f s for the save of step %s to finish", who, waited, saved_step)
+        if error is not None:
+            raise error
+        return waited
+
+    def save(
+        self,
+        dirpath: str | Path,
+        step: int,
+        stage: Callable[[], Callable[[Path, Any], None]],
+        layout: dict[str, Any] | None = None,
+        signature: dict[str, list[int]] | None = None,
+        phase_hook: Callable[[str], None] | None = None,
+        run_id: str | None = None,
+        on_complete: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Start the save of ``step`` into the slot that is not the newest valid one (collective); returns the slot.
+
+        Args:
+            stage: called once the slot is cleared, in the training thread; copies this rank's state to host memory
+                and returns ``write(path, group)``, which the background thread calls to write it (a collective
+                over ``group``, the checkpoint-only group).
+            layout, signature, phase_hook, run_id: as for :func:`~mula_lightning.checkpoint.slots.save_slot`.
+            on_complete: called with the slot in the background thread once its marker is written.
+        """
+        self.wait(step)
+        hook = phase_hook or (lambda phase: None)
+        group = self._checkpoint_group()
+        slot = clear_slot(dirpath, hook)
+        rng = rng_state()
+        write = stage()
+        synchronize_staging()
+
+        def run() -> None:
+            try:
+                done = write_and_mark(
+                    slot, step, lambda path: write(path, group), rng, layout, signature, hook, run_id, group
+                )
+                self.completed += 1
+                if on_complete is not None:
+                    on_complete(done)
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread at the next wait
+                self._error = err
+
+        self._in_flight_step = step
+        # a daemon thread: a process that dies or exits mid-save must not wait for storage (the slot then stays
+        # incomplete and the previous one is the newest complete slot, as after a SIGKILL)
+        self._thread = threading.Thread(target=run, name=f"mula-checkpoint-{step}", daemon=True)
+        self._thread.start()
+        return slot

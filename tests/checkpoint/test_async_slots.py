@@ -1,0 +1,83 @@
+"""Asynchronous slot saves in one process: staging copies what later training changes, at most one save is in
+flight (the next one waits and says so), and a background failure surfaces at the next wait with no marker."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from mula_lightning.checkpoint.async_slots import AsyncSlotSaver, stage_to_host
+from mula_lightning.checkpoint.slots import MARKER_NAME, CheckpointWriteError, read_marker, resolve_last
+from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
+
+
+def test_staging_copies_tensors_pieces_and_containers():
+    """Every tensor (plain, a view, TensorPieces piece by piece) is copied into fresh host memory, containers are
+    rebuilt and plain data deep-copied: changing the originals afterwards changes nothing staged."""
+    flat = torch.arange(12.0)
+    state = {
+        "w": flat[2:8].view(2, 3),
+        "pieces": TensorPieces((3, 4), flat_range_pieces(flat[5:11], (3, 4), 5, 11)),
+        "meta": {"step": 3, "hist": [1, 2]},
+        "pair": (flat[:2], "name"),
+    }
+    staged = stage_to_host(state)
+    flat.add_(100.0)
+    state["meta"]["hist"].append(3)
+    assert torch.equal(staged["w"], torch.arange(2.0, 8.0).view(2, 3))
+    assert staged["w"].untyped_storage().nbytes() == staged["w"].nbytes
+    assert [(o, p.tolist()) for o, p in staged["pieces"].pieces] == [
+        ((1, 1), [[5.0, 6.0, 7.0]]),
+        ((2, 0), [[8.0, 9.0, 10.0]]),
+    ]
+    assert staged["meta"] == {"step": 3, "hist": [1, 2]} and staged["pair"][1] == "name"
+    assert torch.equal(staged["pair"][0], torch.tensor([0.0, 1.0]))
+
+
+def _write_value(value, delay=0.0):
+    staged = stage_to_host({"v": value})
+
+    def write(path, group):
+        time.sleep(delay)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(staged, path / "data.pt")
+
+    return write
+
+
+def test_one_save_in_flight_the_next_waits_and_logs_it(tmp_path, caplog):
+    """A slow background write: the save call returns at once, no marker exists yet; the next save waits for it
+    (the wait is recorded and logged), and both slots end complete with their own steps."""
+    saver = AsyncSlotSaver()
+    start = time.monotonic()
+    slot = saver.save(tmp_path, 2, lambda: _write_value(torch.ones(3), delay=0.5))
+    assert time.monotonic() - start < 0.4 and saver.in_flight
+    assert not (slot / MARKER_NAME).exists()
+    with caplog.at_level(logging.WARNING, logger="mula_lightning.checkpoint.async_slots"):
+        other = saver.save(tmp_path, 4, lambda: _write_value(torch.zeros(3)))
+    assert saver.waits[0][0] == 4 and saver.waits[0][1] > 0.2
+    assert "step 4 waited" in caplog.text and "save of step 2" in caplog.text
+    assert saver.wait() >= 0.0 and not saver.in_flight and saver.completed == 2
+    assert other != slot and read_marker(slot)["step"] == 2 and read_marker(other)["step"] == 4
+    assert resolve_last(tmp_path) == other
+
+
+def test_background_failure_surfaces_at_the_next_wait_without_a_marker(tmp_path):
+    """A write that raises in the background thread: the slot gets no marker, the next wait raises
+    CheckpointWriteError naming the step, and the previous complete slot stays the one to resume from."""
+    saver = AsyncSlotSaver()
+    good = saver.save(tmp_path, 2, lambda: _write_value(torch.ones(2)))
+    saver.wait()
+
+    def failing():
+        def write(path, group):
+            raise OSError("No space left on device")
+
+        return write
+
+    bad = saver.save(tmp_path, 4, failing)
+    with pytest.raises(CheckpointWriteError, match=r"step 4 not completed.*No space left on device"):
+        saver.wait()
+    assert not (bad / MARKER_NAME).exists() and resolve_last(tmp_path) == good
+    assert not saver.in_flight
