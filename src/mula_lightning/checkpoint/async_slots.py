@@ -130,8 +130,8 @@ class AsyncSlotSaver:
         error, self._error = self._error, None
         if step is not None:
             self.waits.append((step, waited))
-        if rank_world()[0] == 0 and waited > 0.0:
-            who = f"step {step}" if step is not None else "the end of training"
+        if rank_world()[0] == 0 and waited >= 0.01:
+            who = f"step {step}" if step is not None else "training"
             log.warning("checkpoint: %s waited %.2f s for the save of step %s to finish", who, waited, saved_step)
         if error is not None:
             raise error
