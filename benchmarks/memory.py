@@ -1,7 +1,8 @@
 """Host memory per rank during setup, save and load of the sharded strategies, as a ratio to the full model's bytes.
 
 Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; about a minute). Options: ``--world 4 8``,
-``--models dense moe``, ``--layouts zero3 zero_topo epso``.
+``--models dense moe``, ``--layouts zero3 zero_topo epso``; ``--export``: instead, ``mula export`` of a checkpoint
+saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh process.
 
 Why: the presets go to 220B parameters; a rank that holds the whole model (or several copies of it) at any phase
 cannot start or checkpoint such a run. For each phase every rank samples its resident memory (``/proc/self/statm``,
@@ -171,12 +172,65 @@ def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dic
     return _phases(fabric, _config(model), path)
 
 
+def _export_rank(rank: int, world_size: int, model: str, path: str, out: str, streamed: bool) -> dict:
+    """One fresh process exports the checkpoint ``path`` to a transformers directory: its resident-memory rise."""
+    from mula_lightning.checkpoint.export import export_to_hf, read_checkpoint
+    from mula_lightning.models.hf_convert import save_hf
+
+    _fixed_mmap_threshold()
+    config = _config(model)
+    with PhaseSampler() as phase:
+        if streamed:
+            export_to_hf(path, out, config)
+        else:  # the in-memory path: every tensor read, the model built, converted and written at once
+            save_hf(read_checkpoint(path, config)[0], out)
+    return {"rise": phase.rise}
+
+
+def _sizes(model: str) -> tuple[int, int]:
+    """(full model, largest tensor) bytes in fp32."""
+    from mula_lightning.models import MulaForCausalLM
+
+    with torch.device("meta"):
+        net = MulaForCausalLM(_config(model))
+    numels = [p.numel() for p in net.parameters()]
+    return 4 * sum(numels), 4 * max(numels)
+
+
+def export_table(models: list[str], world: int) -> None:
+    """``mula export`` of a checkpoint saved by ``world`` ZeRO-3 ranks: streamed vs in memory, in a fresh process."""
+    print(f"mula export of a checkpoint saved by {world} ZeRO-3 ranks; rise of the exporting process")
+    print(f"{'model':>6} {'MB':>6} {'largest MB':>11} {'streamed MB':>12} {'in memory MB':>13} {'target MB':>10}")
+    for model in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "ckpt")
+            run_distributed_test(_rank, world, layout="zero3", model=model, path=path, timeout=900)
+            rises = {}
+            for streamed in (True, False):
+                out = os.path.join(tmp, f"hf-{streamed}")
+                result = run_distributed_test(
+                    _export_rank, 1, model=model, path=path, out=out, streamed=streamed, timeout=900
+                )
+                rises[streamed] = result[0]["rise"]
+        full, largest = _sizes(model)
+        mb = 2**20
+        print(
+            f"{model:>6} {full / mb:>6.0f} {largest / mb:>11.1f} {rises[True] / mb:>12.1f} {rises[False] / mb:>13.1f} "
+            f"{(2 * largest + 100 * mb) / mb:>10.1f}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[4])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["dense", "moe"])
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--export", action="store_true", help="measure mula export instead (streamed vs in memory)")
     args = parser.parse_args()
+    if args.export:
+        export_table(args.models, args.world[0])
+        return
     print(f"torch {torch.__version__}, CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes")
     columns = ("setup", "kept", "step", "save", "load")
     print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>7}" for c in columns))

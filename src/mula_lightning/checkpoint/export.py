@@ -33,7 +33,13 @@ import torch
 from jsonargparse import ArgumentParser
 
 from mula_lightning.checkpoint.slots import STATE_NAME, resolve_last
-from mula_lightning.utils.safe_load import UnsafeCheckpointError, load_full_dcp, load_torch_file, loads_data
+from mula_lightning.utils.safe_load import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    load_full_dcp,
+    load_torch_file,
+    loads_data,
+)
 
 _ANCHOR = "model.embed_tokens.weight"
 #: the checkpoint entry ``MulaLM`` writes: ``{"config": MulaConfig fields, "data": {eos_id, vocab_size,
@@ -115,31 +121,13 @@ def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def _strip_prefix(flat: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    anchors = [k for k in flat if k.endswith(_ANCHOR)]
-    if not anchors:
-        raise KeyError(f"{path}: no Mula model tensors (no key ending in {_ANCHOR!r}) among {sorted(flat)[:6]}")
-    prefix = anchors[0][: -len(_ANCHOR)]
+    prefix = _model_prefix(flat, path)
     return {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
 
 
-def load_any(checkpoint: str | Path, config: Any = None) -> Any:
-    """A ``MulaForCausalLM`` with the full weights of any of our checkpoints (see the module docstring)."""
-    return read_checkpoint(checkpoint, config)[0]
-
-
-def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, dict[str, Any] | None]:
-    """(model, data info) of any of our checkpoints; data info is the training data's ``eos_id``, ``vocab_size``
-    and ``tokenizer_json`` when the checkpoint holds them (``mula fit`` checkpoints do), else None."""
-    from mula_lightning.models import MulaForCausalLM
-    from mula_lightning.models.checkpoint_io import is_model_only_dir, load_data_info, load_model_only
-
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    if is_model_only_dir(path):
-        return load_model_only(path), load_data_info(path)
-    path = full_checkpoint_path(path)
-    flat, extra = _read_full(path)
+def _resolve_config(path: Path, extra: dict[str, Any], config: Any) -> Any:
+    """The model config: ``config`` when given, else the one the checkpoint carries (``mula fit``'s entry, or the
+    LightningModule's hyper-parameters); a clear error when there is none."""
     stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}
     if config is None:
         config = stored.get("config")
@@ -151,23 +139,78 @@ def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, di
             f"{path}: the checkpoint holds no model config; pass --config (a preset name, a config.json or a "
             "model-only directory); checkpoints written by mula fit carry it"
         )
-    config = _config_from(config)
+    return _config_from(config)
+
+
+def _dcp_extra(path: Path) -> dict[str, Any]:
+    """The metadata item of a DCP directory (no tensor is read)."""
+    _, raw = load_full_dcp(path, skip=("",))  # every key starts with "": only the metadata item is read
+    extra = loads_data(raw, path) if raw is not None else {}
+    return extra if isinstance(extra, dict) else {}
+
+
+def _model_prefix(keys: Any, path: Path) -> str:
+    anchors = [k for k in keys if k.endswith(_ANCHOR)]
+    if not anchors:
+        raise KeyError(f"{path}: no Mula model tensors (no key ending in {_ANCHOR!r}) among {sorted(keys)[:6]}")
+    return anchors[0][: -len(_ANCHOR)]
+
+
+def export_to_hf(checkpoint: str | Path, out: str | Path, config: Any = None) -> tuple[Path, int, dict | None]:
+    """Write any of our checkpoints as a transformers directory; returns ``(out, parameters, data info)``.
+
+    A sharded (DCP) checkpoint is streamed one tensor at a time (:mod:`mula_lightning.checkpoint.hf_stream`: the
+    peak is about the largest tensor, whatever the model's size); model-only directories and ``.ckpt`` files are
+    read whole, as they were written by one process.
+    """
+    from mula_lightning.checkpoint.hf_stream import export_dcp_to_hf
+    from mula_lightning.models.hf_convert import save_hf
+
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    from mula_lightning.models.checkpoint_io import is_model_only_dir
+
+    if not is_model_only_dir(path):
+        path = full_checkpoint_path(path)
+        if path.is_dir() and (path / ".metadata").is_file():
+            extra = _dcp_extra(path)
+            resolved = _resolve_config(path, extra, config)
+            keys = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+            out_dir, parameters = export_dcp_to_hf(path, Path(out), resolved, _model_prefix(keys, path))
+            stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}
+            return out_dir, parameters, stored.get("data")
+    model, data = read_checkpoint(checkpoint, config)
+    return save_hf(model, out), sum(p.numel() for p in model.parameters()), data
+
+
+def load_any(checkpoint: str | Path, config: Any = None) -> Any:
+    """A ``MulaForCausalLM`` with the full weights of any of our checkpoints (see the module docstring)."""
+    return read_checkpoint(checkpoint, config)[0]
+
+
+def read_checkpoint(checkpoint: str | Path, config: Any = None) -> tuple[Any, dict[str, Any] | None]:
+    """(model, data info) of any of our checkpoints; data info is the training data's ``eos_id``, ``vocab_size``
+    and ``tokenizer_json`` when the checkpoint holds them (``mula fit`` checkpoints do), else None."""
+    from mula_lightning.checkpoint.hf_stream import check_against_config
+    from mula_lightning.models import MulaForCausalLM
+    from mula_lightning.models.checkpoint_io import is_model_only_dir, load_data_info, load_model_only
+
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if is_model_only_dir(path):
+        return load_model_only(path), load_data_info(path)
+    path = full_checkpoint_path(path)
+    flat, extra = _read_full(path)
+    stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}
+    config = _resolve_config(path, extra, config)
     state = _strip_prefix(flat, path)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    check_against_config(path, config, {k: tuple(v.shape) for k, v in state.items()})
     with torch.device("meta"):
         model = MulaForCausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if got != expected:
-        wrong = {
-            k: (got.get(k), expected.get(k)) for k in sorted(set(got) | set(expected)) if got.get(k) != expected.get(k)
-        }
-        raise ValueError(
-            f"{path}: does not match config {config.name!r}: (checkpoint, config) {dict(list(wrong.items())[:4])}"
-        )
     model.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -211,18 +254,15 @@ def write_tokenizer(out: Path, data: dict[str, Any], vocab_size: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mula export``."""
-    from mula_lightning.models.hf_convert import save_hf
-
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
-        model, data = read_checkpoint(args.checkpoint, args.config)
+        out, parameters, data = export_to_hf(args.checkpoint, args.out, args.config)
     except UnsafeCheckpointError as err:  # one line, no traceback: nothing of the file ran, nothing was written
         print(f"mula export: {err}", file=sys.stderr)
         return 1
-    out = save_hf(model, args.out)
     tokenizer = "no tokenizer in the checkpoint"
     if data is not None:
-        tokenizer = f"tokenizer, EOS id {write_tokenizer(out, data, model.config.vocab_size)}"
-    parameters = sum(p.numel() for p in model.parameters())
+        vocab_size = json.loads((out / "config.json").read_text())["vocab_size"]
+        tokenizer = f"tokenizer, EOS id {write_tokenizer(out, data, vocab_size)}"
     print(f"mula export: {args.checkpoint} -> {out} ({args.to}, {parameters} parameters, {tokenizer})")
     return 0

@@ -278,44 +278,62 @@ def to_hf(model: MulaForCausalLM) -> Any:
     return hf_model.eval()
 
 
-def save_hf(model: MulaForCausalLM, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``model`` as a transformers directory (config.json + safetensors) without building the HF model."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    hf_config = hf_config_from_mula(model.config)
+def hf_export_config(config: MulaConfig) -> Any:
+    """The transformers config an export writes: special ids outside the vocabulary dropped, architectures named."""
+    hf_config = hf_config_from_mula(config)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # transformers' defaults may lie outside the vocab
         value = getattr(hf_config, name, None)
-        if isinstance(value, int) and not 0 <= value < model.config.vocab_size:
+        if isinstance(value, int) and not 0 <= value < config.vocab_size:
             setattr(hf_config, name, None)
     hf_config.architectures = [
         {"olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM"}[
             hf_config.model_type
         ]
     ]
-    sd = {k: v.detach().contiguous().cpu() for k, v in mula_to_hf_state_dict(model.state_dict(), model.config).items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    return hf_config
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Keys in order, cut into files of at most ``max_shard_bytes`` (a larger tensor gets a file of its own)."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for key, value in sd.items():
-        nbytes = value.numel() * value.element_size()
+    for key, nbytes in sizes:
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][key] = value
+        shards[-1].append(key)
         size += nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """transformers' file names: ``model.safetensors`` alone, else ``model-0000i-of-0000n.safetensors``."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_shard_index(path: Path, shards: list[list[str]], total_bytes: int) -> None:
+    """``model.safetensors.index.json`` when the weights span several files."""
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(path / "model.safetensors", 0o644)  # safetensors writes 0600: an export is for others to read
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / name), metadata={"format": "pt"})
-            os.chmod(path / name, 0o644)
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(v.numel() * v.element_size() for v in sd.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return
+    weight_map = {key: name for keys, name in zip(shards, shard_names(len(shards))) for key in keys}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def save_hf(model: MulaForCausalLM, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``model`` as a transformers directory (config.json + safetensors) without building the HF model."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config = hf_export_config(model.config)
+    sd = {k: v.detach().contiguous().cpu() for k, v in mula_to_hf_state_dict(model.state_dict(), model.config).items()}
+    shards = plan_shards([(k, v.numel() * v.element_size()) for k, v in sd.items()], max_shard_bytes)
+    for keys, name in zip(shards, shard_names(len(shards))):
+        save_file({k: sd[k] for k in keys}, str(path / name), metadata={"format": "pt"})
+        os.chmod(path / name, 0o644)  # safetensors writes 0600: an export is for others to read
+    write_shard_index(path, shards, sum(v.numel() * v.element_size() for v in sd.values()))
     hf_config.save_pretrained(str(path))
     return path
