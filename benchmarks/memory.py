@@ -20,7 +20,8 @@ are then in place: what remains is what the model's size causes):
 ``setup`` = ``fabric.setup(model, AdamW(...))``; ``step`` = one training step (forward and backward of one sequence
 of 64 tokens, ``optimizer.step()``: where the optimizer state appears, as with torch's AdamW); ``save`` =
 ``fabric.save(dir, {"model", "optimizer"})`` (DCP) after that step; ``load`` = ``fabric.load(dir, state)`` into the
-same objects.
+same objects; ``model-only`` = what ``ModelOnlyCheckpoint(hf_export=True)`` writes (bf16 weights and the transformers
+export, every rank writing what it holds).
 
 Layouts: ``zero3`` = ``FabricZeroTopoStrategy`` with weights, gradients and optimizer states sharded over every
 rank; ``zero_topo`` = its 3-level layout with 2 ranks per GPU and per node (weights over 2, gradients over 2,
@@ -135,6 +136,14 @@ def _phases(fabric, config, path: str) -> dict:
         fabric.load(path, state)
     out["load"] = phase.rise
     fabric.barrier()
+    from mula_lightning.callbacks.model_only_checkpoint import _sharded_state
+    from mula_lightning.checkpoint.model_only_sharded import save_model_only_sharded
+
+    with PhaseSampler() as phase:
+        weights, planner = _sharded_state(fabric.strategy, net.module)
+        save_model_only_sharded(weights, planner, config, path + "-weights", torch.bfloat16, hf_export=True)
+    out["model-only"] = phase.rise
+    fabric.barrier()
     return out
 
 
@@ -232,8 +241,8 @@ def main() -> None:
         export_table(args.models, args.world[0])
         return
     print(f"torch {torch.__version__}, CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes")
-    columns = ("setup", "kept", "step", "save", "load")
-    print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>7}" for c in columns))
+    columns = ("setup", "kept", "step", "save", "load", "model-only")
+    print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>10}" for c in columns))
     for world in args.world:
         for model in args.models:
             for layout in args.layouts:
@@ -241,7 +250,7 @@ def main() -> None:
                     path = os.path.join(tmp, "ckpt")
                     results = run_distributed_test(_rank, world, layout=layout, model=model, path=path, timeout=900)
                 full = results[0]["full_bytes"]
-                ratios = " ".join(f"{max(r[c] for r in results) / full:>6.2f}x" for c in columns)
+                ratios = " ".join(f"{max(r[c] for r in results) / full:>9.2f}x" for c in columns)
                 print(f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {ratios}", flush=True)
 
 

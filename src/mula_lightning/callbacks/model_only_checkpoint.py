@@ -6,11 +6,14 @@ step. A full checkpoint per step kept is too big (with AdamW it also holds two m
 master with bf16 parameters); the weights alone, in bf16, are about 6x (fp32 training) to 7x (bf16 parameters
 with fp32 masters) smaller. Training restarts from them with fresh optimizer states.
 
-Layout: ``dirpath/step-00001000/`` with ``model.safetensors`` (full tensors: expert slices are gathered from
-the expert-parallel ranks), ``config.json`` (when the LightningModule holds a ``MulaForCausalLM``: the format of
-:mod:`mula_lightning.models.checkpoint_io`, loadable with ``load_model_only``), ``trainer_state.json`` (step,
-epoch, dtype) and, with ``hf_export=True``, ``hf/`` (a transformers OLMoE / Mixtral / Llama directory). Rank 0
-writes into a temporary directory that is renamed into place, so a ``step-*`` directory is always complete.
+Layout: ``dirpath/step-00001000/`` with ``model.safetensors`` (full tensors; beyond 5 GiB transformers' numbered
+files and ``model.safetensors.index.json``), ``config.json`` (when the LightningModule holds a ``MulaForCausalLM``:
+the format of :mod:`mula_lightning.models.checkpoint_io`, loadable with ``load_model_only``), ``trainer_state.json``
+(step, epoch, dtype) and, with ``hf_export=True``, ``hf/`` (a transformers OLMoE / Mixtral / Llama directory). Under the
+sharded strategies (``epso``, ``zero_topo``) no rank gathers the model: every rank writes what it holds and the files
+are streamed out tensor by tensor (:mod:`mula_lightning.checkpoint.model_only_sharded`); otherwise the weights are
+gathered and rank 0 writes. Either way the files go into a temporary directory renamed into place, so a ``step-*``
+directory is always complete.
 
 Restart: build the model, then :func:`restore_weights` (e.g. in ``configure_model``) and ``trainer.fit`` without
 ``ckpt_path``: weights from the checkpoint, optimizer states and schedulers fresh.
@@ -29,11 +32,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from mula_lightning.checkpoint.model_only_sharded import TRAINER_STATE_NAME
 from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.io import fsync_dir
 
 WEIGHTS_NAME = "model.safetensors"
-TRAINER_STATE_NAME = "trainer_state.json"
 
 
 def _mula_model(module: nn.Module) -> Any:
@@ -61,6 +64,22 @@ def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.
 
         return gather_expert_parallel_state_dict(target, topology.ep_group)
     return dict(target.state_dict())
+
+
+def _sharded_state(strategy: Any, mula: nn.Module) -> tuple[dict[str, Any], Any] | None:
+    """(this rank's logical-key state of ``mula``, DCP planner) under the sharded strategies, else None."""
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:  # zero_topo: the pieces of the primary chunks
+        from mula_lightning.parallel.zero.state_dict import model_state_dict
+
+        return model_state_dict(engine, mula), None
+    topology = getattr(strategy, "topology", None)
+    if topology is not None:  # epso: expert slices as DTensors, the rest replicated (written DP-scattered)
+        from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner
+        from mula_lightning.parallel.state_dict import model_state_dict as epso_state_dict
+
+        return epso_state_dict(mula, topology), DPScatteredSavePlanner(topology.dp_size, topology.ep_size)
+    return None
 
 
 def save_weights(
@@ -121,11 +140,16 @@ def restore_weights(module: nn.Module, path: str | Path, strict: bool = True) ->
     """
     from safetensors.torch import load_file
 
+    from mula_lightning.models.checkpoint_io import weight_files
+
     path = Path(path)
     file = path / WEIGHTS_NAME
-    if not file.is_file():
+    files = weight_files(path)
+    if not files:
         raise FileNotFoundError(f"{file}: missing (not a model-only checkpoint)")
-    state = load_file(str(file))
+    state = {}
+    for part in files:
+        state.update(load_file(str(part)))
     target = _mula_model(module) or module
     config = getattr(target, "config", None)
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
@@ -189,15 +213,23 @@ class ModelOnlyCheckpoint(Callback):
             self.save(trainer, pl_module)
 
     def save(self, trainer: Any, pl_module: Any) -> Path:
-        """Gather the full weights and let rank 0 write ``step-XXXXXXXX`` (collective)."""
+        """Write ``step-XXXXXXXX`` (collective): under a sharded strategy every rank writes what it holds, nothing
+        is gathered (:mod:`mula_lightning.checkpoint.model_only_sharded`); otherwise the full weights are gathered
+        and rank 0 writes."""
         step = trainer.global_step
         self.last_saved_step = step
-        state = full_state_dict(pl_module, trainer.strategy)
         path = self.dirpath / f"step-{step:08d}"
+        mula = _mula_model(pl_module)
+        meta = {"step": step, "epoch": trainer.current_epoch}
+        data = getattr(pl_module, "data_info", None)  # MulaLM's: the tokenizer travels with the weights
+        sharded = _sharded_state(trainer.strategy, mula) if mula is not None and trainer.world_size > 1 else None
+        if sharded is not None:
+            from mula_lightning.checkpoint.model_only_sharded import save_model_only_sharded
+
+            state, planner = sharded
+            return save_model_only_sharded(state, planner, mula.config, path, self.dtype, self.hf_export, meta, data)
+        state = full_state_dict(pl_module, trainer.strategy)
         if trainer.global_rank == 0:
-            mula = _mula_model(pl_module)
-            meta = {"step": step, "epoch": trainer.current_epoch}
-            data = getattr(pl_module, "data_info", None)  # MulaLM's: the tokenizer travels with the weights
             save_weights(state, path, getattr(mula, "config", None), meta, self.dtype, self.hf_export, data)
         if is_distributed() and trainer.world_size > 1:
             dist.barrier()

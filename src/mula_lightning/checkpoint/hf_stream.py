@@ -137,11 +137,21 @@ def check_against_config(path: Path, config: Any, got: dict[str, tuple[int, ...]
 
 
 def export_dcp_to_hf(
-    path: Path, out: Path, config: Any, prefix: str, max_shard_bytes: int = 5 * 2**30
+    path: Path,
+    out: Path,
+    config: Any,
+    prefix: str,
+    max_shard_bytes: int = 5 * 2**30,
+    part: tuple[int, int] = (0, 1),
 ) -> tuple[Path, int]:
     """Stream the model tensors under ``prefix`` of the DCP directory ``path`` into a transformers directory ``out``
     (config.json, safetensors files, index); returns ``(out, parameters)``. Checks names and shapes against
-    ``config`` first, naming the mismatches, before any file is written."""
+    ``config`` first, naming the mismatches, before any file is written.
+
+    Args:
+        part: ``(rank, world)``: write only the files ``i`` with ``i % world == rank`` (and, on rank 0, the index
+            and config), so that the ranks of a job write an export in parallel.
+    """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from mula_lightning.models.hf_convert import hf_export_config, plan_shards, shard_names, write_shard_index
@@ -172,9 +182,12 @@ def export_dcp_to_hf(
     out.mkdir(parents=True, exist_ok=True)
     sizes = [(name, math.prod(shape) * dtype.itemsize) for name, shape, dtype, _, _ in plan]
     shards = plan_shards(sizes, max_shard_bytes)
-    for keys, file_name in zip(shards, shard_names(len(shards))):
-        entries = [(k, by_name[k][0], by_name[k][1]) for k in keys]
-        write_safetensors_streaming(out / file_name, entries, produce)
-    write_shard_index(out, shards, sum(n for _, n in sizes))
-    hf_export_config(config).save_pretrained(str(out))
+    rank, world = part
+    for i, (keys, file_name) in enumerate(zip(shards, shard_names(len(shards)))):
+        if i % world == rank:
+            entries = [(k, by_name[k][0], by_name[k][1]) for k in keys]
+            write_safetensors_streaming(out / file_name, entries, produce)
+    if rank == 0:
+        write_shard_index(out, shards, sum(n for _, n in sizes))
+        hf_export_config(config).save_pretrained(str(out))
     return out, sum(math.prod(shape) for shape in expected.values())

@@ -54,10 +54,27 @@ def load_data_info(path: str | Path) -> dict[str, Any] | None:
     return {**info, "tokenizer_json": (path / TOKENIZER_NAME).read_text()}
 
 
+#: the index of a model-only checkpoint whose weights span several files (transformers' layout and names)
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a model-only checkpoint: ``model.safetensors``, or every file its index names
+    (a checkpoint written by several ranks of a large model); empty when neither exists."""
+    path = Path(path)
+    if (path / INDEX_NAME).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{path / INDEX_NAME}: unreadable index ({err})") from err
+        return [path / name for name in sorted(set(weight_map.values()))]
+    return [path / WEIGHTS_NAME] if (path / WEIGHTS_NAME).is_file() else []
+
+
 def is_model_only_dir(path: str | Path) -> bool:
     """Whether ``path`` looks like a Mula model-only checkpoint (a config without ``model_type`` + weights)."""
     path = Path(path)
-    if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+    if not (path / CONFIG_NAME).is_file() or not ((path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file()):
         return False
     try:
         values = json.loads((path / CONFIG_NAME).read_text())
@@ -149,12 +166,17 @@ def load_model_only(path: str | Path, device: torch.device | str | None = None, 
     if overrides:
         config = MulaConfig(**{**config.to_dict(), **overrides})
     file = path / WEIGHTS_NAME
-    if not file.is_file():
+    files = weight_files(path)
+    if not files:
         raise FileNotFoundError(f"{file}: missing (a model-only checkpoint needs its weights)")
-    try:
-        state = load_file(str(file), device=str(device) if device is not None else "cpu")
-    except Exception as err:  # safetensors raises its own error types for truncated or corrupt files
-        raise ValueError(f"{file}: cannot read safetensors file ({err})") from err
+    state = {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: listed in {INDEX_NAME} but missing")
+        try:
+            state.update(load_file(str(file), device=str(device) if device is not None else "cpu"))
+        except Exception as err:  # safetensors raises its own error types for truncated or corrupt files
+            raise ValueError(f"{file}: cannot read safetensors file ({err})") from err
     if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
