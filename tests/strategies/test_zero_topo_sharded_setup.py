@@ -202,3 +202,48 @@ def test_trainer_fit_sets_up_sharded_and_trains_bit_identical_to_the_whole_model
         assert sharded.keys() == reference.keys()
         for key, value in reference.items():
             assert torch.equal(sharded[key], value), key
+
+
+def _init_from_rank(rank, world_size, path):
+    from mula_lightning.checkpoint.init_source import InitWeights
+    from mula_lightning.parallel.parallelize import weights_initializer
+    from mula_lightning.strategies import FabricZeroTopoStrategy
+
+    weights = InitWeights(path)
+    with torch.device("meta"):
+        model = MulaForCausalLM(_config())
+    initializer = weights_initializer(model, weights, rank, world_size)
+    engine = HierarchicalZeroAdamW(model, ZeroTopoLayout(world_size, world_size, world_size), **HP,
+                                   block_size=16, initializer=initializer)  # fmt: skip
+    with engine.full_parameters():
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    read = weights.store.bytes_read
+    # the same through the strategy: Fabric with init_from set on it
+    strategy = FabricZeroTopoStrategy(block_size=16)
+    strategy.init_from = path
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        net = MulaForCausalLM(_config())
+    net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    with fabric.strategy.engine.full_parameters():
+        via_fabric = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
+    return state, read, via_fabric
+
+
+@pytest.mark.distributed
+def test_init_from_is_read_once_per_tensor_spread_over_the_ranks(tmp_path):
+    """init_from under the sharded setup (2 processes): every tensor is read by exactly one rank (the bytes read over
+    the ranks add up to the source once, each rank reading part of it) and broadcast; the engine's weights equal the
+    source bit for bit, directly and through Fabric with the strategy's init_from."""
+    from mula_lightning.models.checkpoint_io import save_model_only
+
+    source = init_weights(MulaForCausalLM(_config()), seed=7)
+    path = str(save_model_only(source, tmp_path / "weights"))
+    total = sum(v.numel() * v.element_size() for k, v in source.state_dict().items())
+    results = run_pooled_test(_init_from_rank, 2, path=path)
+    reads = [read for _, read, _ in results]
+    assert sum(reads) == total and all(0 < r < total for r in reads), (reads, total)
+    for state, _, via_fabric in results:
+        for k, v in source.state_dict().items():
+            assert torch.equal(state[k], v) and torch.equal(via_fabric[k], v), k

@@ -124,14 +124,9 @@ def materialize_and_broadcast(
     return model
 
 
-def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Parameter], torch.Tensor] | None:
-    """The initial full value of any meta parameter of ``model``, drawn on demand from (seed, single-device name):
-    exactly what :func:`materialize_and_broadcast` gives it, so a strategy can materialise one shard at a time.
-
-    None when that cannot be done parameter by parameter: a meta parameter outside a Mula model (its module's
-    ``reset_parameters`` needs the whole module), a frozen one, or a meta buffer; the caller then materialises the
-    whole model as before.
-    """
+def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]] | None:
+    """``id(meta parameter) -> (its Mula config, single-device name)``; None when the meta parameters cannot be made
+    one by one (see :func:`parameter_initializer`)."""
     table: dict[int, tuple[MulaConfig, str]] = {}
     for _, mula in _mula_models(model):
         for wrapped_name, param in mula.named_parameters():
@@ -141,10 +136,55 @@ def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Param
         return None
     if any(p.is_meta and (id(p) not in table or not p.requires_grad) for p in params):
         return None
+    return table
+
+
+def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Parameter], torch.Tensor] | None:
+    """The initial full value of any meta parameter of ``model``, drawn on demand from (seed, single-device name):
+    exactly what :func:`materialize_and_broadcast` gives it, so a strategy can materialise one shard at a time.
+
+    None when that cannot be done parameter by parameter: a meta parameter outside a Mula model (its module's
+    ``reset_parameters`` needs the whole module), a frozen one, or a meta buffer; the caller then materialises the
+    whole model as before.
+    """
+    table = _meta_parameter_table(model)
+    if table is None:
+        return None
 
     def initial_value(param: nn.Parameter) -> torch.Tensor:
         config, name = table[id(param)]
         return init_parameter(name, param.shape, config, seed)
+
+    return initial_value
+
+
+def weights_initializer(
+    model: nn.Module, weights: Any, rank: int, world_size: int, device: torch.device | str = "cpu"
+) -> Callable[[nn.Parameter], torch.Tensor] | None:
+    """Like :func:`parameter_initializer`, with the values read from ``weights`` (``init_from``, an
+    :class:`~mula_lightning.checkpoint.init_source.InitWeights`): the ``i``-th parameter asked for is read by rank
+    ``i % world_size`` alone and broadcast to the others, so the reads are spread over the ranks, each tensor is read
+    once, and no rank holds more than the parameter in flight besides what the caller keeps.
+
+    Collective: every rank must ask for the same parameters in the same order (the engine materialises its units in
+    one order on every rank). None in the cases :func:`parameter_initializer` names.
+    """
+    table = _meta_parameter_table(model)
+    if table is None:
+        return None
+    asked = 0
+
+    def initial_value(param: nn.Parameter) -> torch.Tensor:
+        nonlocal asked
+        config, name = table[id(param)]
+        reader, asked = asked % world_size, asked + 1
+        if rank == reader:
+            value = weights.read(config, name).to(device=device, dtype=param.dtype)
+        else:
+            value = torch.empty(param.shape, dtype=param.dtype, device=device)
+        if is_distributed() and world_size > 1:
+            dist.broadcast(value, src=reader)
+        return value
 
     return initial_value
 

@@ -6,9 +6,9 @@ communication plan and the memory per rank):
 
 * setup, no DDP wrapper: a model built on the meta device and trained (``fabric.setup(model, optimizer)``,
   ``Trainer.fit``) is materialised by the engine one unit (layer) at a time, each rank drawing a unit's values from
-  (``seed``, name) and keeping only its chunks, so no rank ever holds the whole model; otherwise (``setup_module``
-  alone, evaluation, ``init_from`` weights, parameters outside a Mula model) the whole model is materialised first,
-  drawn or read once and broadcast;
+  (``seed``, name), or with ``init_from`` receiving each tensor from the one rank that read it (round robin), and
+  keeping only its chunks, so no rank ever holds the whole model; otherwise (``setup_module`` alone, evaluation,
+  parameters outside a Mula model) the whole model is materialised first, drawn or read once and broadcast;
 * the user's ``torch.optim.AdamW`` becomes the engine (same param groups and hyper-parameters), which shards the
   weights over ``weight_size`` ranks, the gradients over ``grad_size``, the optimizer states over
   ``optimizer_size`` and keeps a secondary partition over ``secondary_size``; sizes default to the paper's design
@@ -38,7 +38,12 @@ from typing_extensions import override
 
 from mula_lightning.checkpoint.dcp_format import load_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
-from mula_lightning.parallel.parallelize import materialize_and_broadcast, move_real_tensors, parameter_initializer
+from mula_lightning.parallel.parallelize import (
+    materialize_and_broadcast,
+    move_real_tensors,
+    parameter_initializer,
+    weights_initializer,
+)
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
 from mula_lightning.parallel.topology import MoETopology
@@ -204,11 +209,12 @@ class ZeroTopoOptions(ShardingOptions):
         return unwrap_optimizer(optimizer).global_grad_norm()
 
     def _sharded_initializer(self, module: nn.Module):
-        """What draws a meta parameter when setup can be sharded (seed weights, every meta parameter in a Mula
-        model and trained), else None. ``init_from`` weights still go through the whole-model path (one reader,
-        then broadcast), which is left for the sharded-load step."""
-        if self.init_weights() is not None:
-            return None
+        """What gives a meta parameter its value when setup can be sharded (every meta parameter in a Mula model and
+        trained), else None: drawn from the seed, or with ``init_from`` read by one rank (round robin over the
+        parameters) and broadcast; the engine keeps each rank's chunks of one unit at a time."""
+        weights = self.init_weights()
+        if weights is not None:
+            return weights_initializer(module, weights, self.global_rank, self.world_size, self.root_device)
         return parameter_initializer(module, self.settings.seed)
 
 
@@ -260,8 +266,8 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None):
         """``fabric.setup(model, optimizer)``: a meta model is materialised by the engine one unit at a time (this
-        rank keeps its chunks only); otherwise (``fabric.setup_module`` alone, ``init_from``, modules outside a Mula
-        model) the whole model first, as :meth:`setup_module` does."""
+        rank keeps its chunks only); otherwise (``fabric.setup_module`` alone, modules outside a Mula model) the whole
+        model first, as :meth:`setup_module` does."""
         initializer = self._sharded_initializer(module) if len(optimizers) == 1 else None
         if initializer is None:
             return super().setup_module_and_optimizers(module, optimizers, scheduler)
@@ -341,7 +347,7 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         names = {id(p): n for n, p in self.model.named_parameters()}
         fitting = trainer.state.fn == TrainerFn.FITTING
         initializer = self._sharded_initializer(self.model) if fitting else None
-        if initializer is None:  # evaluation, init_from, or a model that cannot be drawn parameter by parameter
+        if initializer is None:  # evaluation, or a model that cannot be made parameter by parameter
             _materialize(
                 self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
             )
