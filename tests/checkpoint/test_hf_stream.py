@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 
 from mula_lightning.checkpoint.export import export_to_hf, read_checkpoint
 from mula_lightning.checkpoint.hf_stream import export_dcp_to_hf, write_safetensors_streaming
-from mula_lightning.models import MulaConfig, MulaForCausalLM
+from mula_lightning.models import MulaConfig
 from mula_lightning.models.hf_convert import save_hf
 from mula_lightning.testing import run_pooled_test
+from mula_lightning.testing.fabric_run import fabric_after_one_step
 
 SMALL = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=8)
 
@@ -28,23 +29,13 @@ def _config(kind):
 
 
 def _save(rank, world_size, kind, path):
-    from lightning.fabric import Fabric
-
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
     if kind == "moe":  # DP=2 x EP=2, experts sliced over EP
         strategy = FabricEPSOStrategy(ep_size=2)
     else:  # ZeRO-3 over 4 ranks: every tensor cut into flat-range pieces
         strategy = FabricZeroTopoStrategy(weight_size=4, grad_size=4, optimizer_size=4, block_size=16)
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = MulaForCausalLM(_config(kind))
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
-    out = model(x, labels=x)
-    fabric.backward(out.loss + out.aux_loss)
-    optimizer.step()
+    fabric, model, optimizer = fabric_after_one_step(strategy, world_size, rank, _config(kind))
     fabric.save(path, {"model": model, "optimizer": optimizer})
 
 

@@ -12,36 +12,20 @@ import torch
 from safetensors.torch import load_file
 
 from mula_lightning.callbacks.model_only_checkpoint import restore_weights, save_weights
-from mula_lightning.models import MulaConfig, MulaForCausalLM
+from mula_lightning.models import MulaForCausalLM
 from mula_lightning.models.checkpoint_io import load_model_only
 from mula_lightning.testing import run_pooled_test
-
-
-def _config():
-    return MulaConfig.from_name(
-        "mula-tiny-moe", vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
-        intermediate_size=8, num_experts=4, top_k=2, moe_impl="fast",
-    )  # fmt: skip
+from mula_lightning.testing.fabric_run import fabric_after_one_step, tiny_moe_config
 
 
 def _write(rank, world_size, root):
-    from lightning.fabric import Fabric
-
     from mula_lightning.checkpoint.model_only_sharded import save_model_only_sharded
     from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner
     from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
     from mula_lightning.parallel.state_dict import model_state_dict
     from mula_lightning.strategies import FabricEPSOStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=FabricEPSOStrategy(ep_size=2))
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = MulaForCausalLM(_config())
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
-    out = model(x, labels=x)
-    fabric.backward(out.loss + out.aux_loss)
-    optimizer.step()
+    fabric, model, _ = fabric_after_one_step(FabricEPSOStrategy(ep_size=2), world_size, rank)
     topology = fabric.strategy.topology
     meta = {"step": 1, "epoch": 0}
 
@@ -49,11 +33,13 @@ def _write(rank, world_size, root):
         return DPScatteredSavePlanner(topology.dp_size, topology.ep_size)
 
     state = model_state_dict(model.module, topology)
-    save_model_only_sharded(state, planner(), _config(), f"{root}/sharded", torch.bfloat16, True, meta)
-    save_model_only_sharded(state, planner(), _config(), f"{root}/split", None, False, meta, max_shard_bytes=4096)
+    save_model_only_sharded(state, planner(), tiny_moe_config(), f"{root}/sharded", torch.bfloat16, True, meta)
+    save_model_only_sharded(
+        state, planner(), tiny_moe_config(), f"{root}/split", None, False, meta, max_shard_bytes=4096
+    )
     full = {k: v.clone() for k, v in gather_expert_parallel_state_dict(model.module, topology.ep_group).items()}
     if rank == 0:
-        save_weights(full, f"{root}/gathered", _config(), meta, torch.bfloat16, hf_export=True)
+        save_weights(full, f"{root}/gathered", tiny_moe_config(), meta, torch.bfloat16, hf_export=True)
     return full
 
 
@@ -83,6 +69,6 @@ def test_every_rank_writes_what_the_gathered_path_wrote_and_split_files_load(tmp
     assert sorted(index["weight_map"]) == sorted(full)
     loaded = load_model_only(split).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in full.items())
-    fresh = MulaForCausalLM(_config())
+    fresh = MulaForCausalLM(tiny_moe_config())
     assert restore_weights(fresh, split) == 1
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in full.items())

@@ -10,26 +10,20 @@ from lightning.fabric import Fabric
 from torch.distributed.checkpoint import filesystem
 
 from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner
-from mula_lightning.models import MulaConfig, MulaForCausalLM
+from mula_lightning.models import MulaForCausalLM
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.testing import run_pooled_test
+from mula_lightning.testing.fabric_run import tiny_moe_config
 
 DP, EP = 2, 2
-
-
-def _config():
-    return MulaConfig.from_name(
-        "mula-tiny-moe", vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
-        intermediate_size=8, num_experts=4, top_k=2, moe_impl="fast",
-    )  # fmt: skip
 
 
 def _save_then_load(rank, world_size, path):
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=FabricEPSOStrategy(ep_size=EP))
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = MulaForCausalLM(_config())
+        model = MulaForCausalLM(tiny_moe_config())
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     fabric.backward(model(x, labels=x).loss)
@@ -73,7 +67,8 @@ def test_dp_scattered_writes_and_one_reader_per_model_shard(tmp_path):
     """Saving at DP=2 x EP=2: the expert slices of EP rank m and the non-expert tensors hashed to shard m are
     written by DP index m % DP (ranks 0 and 3; ranks 1 and 2 write only their optimizer shards). Loading: rank 0
     reads the non-expert weights and its experts, rank 1 only its experts, ranks 2 and 3 no weights at all (they
-    get them by broadcast: their NaN-filled weights come back exactly) and every rank reads its optimizer shard."""
+    get them by broadcast: their NaN-filled weights come back exactly) and every rank reads its optimizer shard; each
+    rank opens exactly the files holding what it reads, each once."""
     path = str(tmp_path / "ckpt")
     results = run_pooled_test(_save_then_load, DP * EP, path=path, timeout=240)
     assert all(r["same"] for r in results)
@@ -103,4 +98,13 @@ def test_dp_scattered_writes_and_one_reader_per_model_shard(tmp_path):
     read_model = [set(r["reads"]) & model_keys for r in results]
     assert read_model[0] == model_keys and read_model[1] == expert and read_model[2] == read_model[3] == set()
     assert all(any(k.startswith("optimizer.") for k in r["reads"]) for r in results)
-    print("file opens per rank:", [len(r["opens"]) for r in results])
+    # files each rank opens, each once: rank 0's (the metadata item every rank reads), its own (its optimizer shard)
+    # and the writers of the weights it reads (rank 0: the non-expert tensors of shards 0 and 1, written by ranks 0
+    # and 3; rank 1: its experts, written by rank 3); ranks 2 and 3 read no weights
+    opens = [sorted(r["opens"]) for r in results]
+    assert opens == [
+        ["__0_0.distcp", "__3_0.distcp"],
+        ["__0_0.distcp", "__1_0.distcp", "__3_0.distcp"],
+        ["__0_0.distcp", "__2_0.distcp"],
+        ["__0_0.distcp", "__3_0.distcp"],
+    ], opens

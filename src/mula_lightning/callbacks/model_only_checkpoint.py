@@ -70,9 +70,10 @@ def _sharded_state(strategy: Any, mula: nn.Module) -> tuple[dict[str, Any], Any]
     """(this rank's logical-key state of ``mula``, DCP planner) under the sharded strategies, else None."""
     engine = getattr(strategy, "engine", None)
     if engine is not None:  # zero_topo: the pieces of the primary chunks
+        from mula_lightning.checkpoint.scattered import SpreadReplicasSavePlanner
         from mula_lightning.parallel.zero.state_dict import model_state_dict
 
-        return model_state_dict(engine, mula), None
+        return model_state_dict(engine, mula), SpreadReplicasSavePlanner()
     topology = getattr(strategy, "topology", None)
     if topology is not None:  # epso: expert slices as DTensors, the rest replicated (written DP-scattered)
         from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner

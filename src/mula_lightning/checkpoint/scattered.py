@@ -85,6 +85,32 @@ class DPScatteredSavePlanner(NoCopySavePlanner):
         ]
 
 
+class SpreadReplicasSavePlanner(NoCopySavePlanner):
+    """A DCP save planner for layouts without a DP x EP grid (``zero_topo``): an item every rank holds (buffers,
+    optimizer step and hyper-parameters, the metadata item) is written by rank 0, so every rank finds all of them in
+    one file at load; an item a subset of ranks holds (the replicas of a primary chunk's piece in the 3-level layout)
+    by one of them chosen by a hash of its key and offset, so those writes spread over the holders instead of going
+    to the least-loaded rank of each plan (DCP's default, which moves small replicated items from file to file)."""
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        holders: dict[Any, list[int]] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                holders.setdefault(item.index, []).append(rank)
+        world = len(all_plans)
+        keep: dict[Any, int] = {}
+        for index, ranks in holders.items():
+            if len(ranks) in (1, world):
+                keep[index] = ranks[0]
+            else:
+                key = f"{index.fqn}@{tuple(index.offset) if index.offset is not None else ()}"
+                keep[index] = sorted(ranks)[zlib.crc32(key.encode()) % len(ranks)]
+        return [
+            dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == rank])
+            for rank, plan in enumerate(all_plans)
+        ]
+
+
 def reads_model_key(name: str, topology: MoETopology) -> bool:
     """Whether this rank reads model tensor ``name`` from storage (else it receives it by broadcast)."""
     if is_expert_param(name) and topology.ep_size > 1:
@@ -111,4 +137,10 @@ def load_model_once(model_state: dict[str, Any], topology: MoETopology) -> dict[
     return {k: v for k, v in model_state.items() if reads_model_key(k, topology)}
 
 
-__all__ = ["DPScatteredSavePlanner", "broadcast_model", "load_model_once", "reads_model_key"]
+__all__ = [
+    "DPScatteredSavePlanner",
+    "SpreadReplicasSavePlanner",
+    "broadcast_model",
+    "load_model_once",
+    "reads_model_key",
+]

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from mula_lightning.checkpoint.dcp_format import load_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
+from mula_lightning.checkpoint.scattered import SpreadReplicasSavePlanner
 from mula_lightning.parallel.parallelize import (
     materialize_and_broadcast,
     move_real_tensors,
@@ -290,7 +291,8 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
 
     def checkpoint_parts(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
         tensors, extra = _split_state(state, self.engine, for_load=False)
-        return tensors, {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()}, None
+        metadata = {k: getattr(v, "state_dict", lambda v=v: v)() for k, v in extra.items()}
+        return tensors, metadata, SpreadReplicasSavePlanner()
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
@@ -393,7 +395,7 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         tensors = {"state_dict": rest.pop("state_dict")}
         for i, opt_state in enumerate(rest.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = opt_state
-        return tensors, rest, None
+        return tensors, rest, SpreadReplicasSavePlanner()
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
