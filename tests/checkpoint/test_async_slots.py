@@ -139,3 +139,18 @@ def test_async_save_of_four_ranks_resumes_on_two_with_the_staged_weights(tmp_pat
     for step, weights in run_pooled_test(_resume_at, 2, root=root, layout=layout):
         assert step == 1 and sorted(weights) == sorted(saved)
         assert all(torch.equal(weights[k], v) for k, v in saved.items())
+
+
+def test_a_staging_failure_fails_the_save_at_the_next_wait(tmp_path):
+    """State that cannot be staged (an error in the training thread, after the slot was cleared) does not raise at
+    once on one rank while the others write: it goes through the agreement like a write failure, and the next wait
+    raises CheckpointWriteError naming it; the slot has no marker."""
+    saver = AsyncSlotSaver()
+
+    def unstageable():
+        raise TypeError("cannot stage a generator")
+
+    slot = saver.save(tmp_path, 2, unstageable)
+    with pytest.raises(CheckpointWriteError, match="step 2 not completed.*TypeError: cannot stage a generator"):
+        saver.wait()
+    assert not (slot / MARKER_NAME).exists() and resolve_last(tmp_path) is None

@@ -29,7 +29,8 @@ Asynchronous saves (``async_save=True``): at the step, the slot is cleared and t
 memory (the sharded strategies' ``stage_checkpoint``; Lightning's own strategies: the checkpoint dict); a background
 thread writes it and completes the slot with the same protocol (:mod:`mula_lightning.checkpoint.async_slots`), while
 training goes on. At most one save is in flight: the next save, the end of training and :meth:`DualCheckpoint.wait`
-wait for it, and a wait is logged with its length. A kill during the background write leaves the previous slot as
+wait for it, and a wait is logged with its length (a Fabric loop calls ``wait()`` before it exits, or its last
+save may be cut short with the process). A kill during the background write leaves the previous slot as
 the newest complete one, as for a synchronous save.
 
 Metadata: the Trainer's checkpoint is made plain data before it is written (configs as dicts, paths as str, NumPy

@@ -15,8 +15,9 @@ Rules:
 * the background collectives (DCP's planning, the agreement, the final barrier) run on a checkpoint-only gloo
   process group created once, so they never interleave with the training's collectives on the default group
   (NCCL or XCCL on accelerators, where a second thread's collectives on the same communicator could deadlock);
-* a background failure (a full disk, a rank that could not write) raises :class:`CheckpointWriteError` from the
-  next wait, on every rank, with no marker written.
+* a failure (a full disk, a rank that could not write, a state that could not be staged) raises
+  :class:`CheckpointWriteError` from the next wait, on every rank, with no marker written: a rank whose staging
+  failed still takes part in the background agreement, so no rank waits for it forever.
 
 Why not ``torch.distributed.checkpoint.async_save`` directly: its stager copies plain tensors and DTensors, not
 the pieces of a tensor a sharded rank holds (:class:`~mula_lightning.parallel.tensor_pieces.TensorPieces`), and its
@@ -162,8 +163,14 @@ class AsyncSlotSaver:
         group = self._checkpoint_group()
         slot = clear_slot(dirpath, hook)
         rng = rng_state()
-        write = stage()
-        synchronize_staging()
+        try:
+            write = stage()
+            synchronize_staging()
+        except Exception as err:  # noqa: BLE001 - this rank's failure goes through the agreement, like a write's
+            failure = err
+
+            def write(path: Path, group: Any) -> None:
+                raise failure
 
         def run() -> None:
             try:
