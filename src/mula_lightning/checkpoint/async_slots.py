@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mula_lightning.checkpoint.slots import clear_slot, rng_state, write_and_mark
-from mula_lightning.parallel.tensor_pieces import TensorPieces
+from mula_lightning.parallel.tensor_pieces import map_held
 from mula_lightning.utils.dist import is_distributed, rank_world
 
 log = logging.getLogger(__name__)
@@ -64,19 +64,8 @@ def stage_to_host(obj: Any, pin: bool | None = None) -> Any:
     offsets in the logical tensor), containers rebuilt, anything else deep-copied. Call
     :func:`synchronize_staging` before using the copies from another thread when tensors were on an accelerator."""
     pin = _pinned() if pin is None else pin
-    if isinstance(obj, TensorPieces):
-        pieces = [(offsets, _host_copy(piece, pin)) for offsets, piece in obj.pieces]
-        return TensorPieces(obj.shape, pieces, dtype=obj.dtype, device="cpu")
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
-        local = _host_copy(obj.to_local(), pin)
-        return TensorPieces(obj.shape, [(tuple(offsets), local)], dtype=obj.dtype, device="cpu")
     if isinstance(obj, torch.Tensor):
-        return _host_copy(obj, pin)
+        return map_held(obj, lambda t: _host_copy(t, pin))
     if isinstance(obj, dict):
         return type(obj)((k, stage_to_host(v, pin)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):

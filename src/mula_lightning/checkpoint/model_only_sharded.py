@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from mula_lightning.checkpoint.dcp_format import save_dcp
 from mula_lightning.checkpoint.hf_stream import export_dcp_to_hf, write_safetensors_streaming
-from mula_lightning.parallel.tensor_pieces import TensorPieces
+from mula_lightning.parallel.tensor_pieces import map_held
 from mula_lightning.utils.dist import is_distributed, rank_world
 from mula_lightning.utils.io import fsync_dir
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load
@@ -49,19 +49,7 @@ def cast_shards(value: Any, dtype: torch.dtype | None) -> Any:
         t = t.detach()
         return t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
 
-    if isinstance(value, TensorPieces):
-        pieces = [(offsets, cast(piece)) for offsets, piece in value.pieces]
-        out_dtype = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        return TensorPieces(value.shape, pieces, dtype=out_dtype, device=value.device)
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        local = cast(value.to_local())
-        return TensorPieces(value.shape, [(tuple(offsets), local)], dtype=local.dtype, device=local.device)
-    return cast(value)
+    return map_held(value, cast)
 
 
 def _barrier() -> None:

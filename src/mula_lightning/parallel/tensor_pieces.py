@@ -21,14 +21,14 @@ partial, whole rows, trailing rows partial (at most ``2 * ndim - 1`` boxes), eac
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["TensorPieces", "flat_range_boxes", "flat_range_pieces"]
+__all__ = ["TensorPieces", "flat_range_boxes", "flat_range_pieces", "map_held"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, sizes)
 
@@ -174,3 +174,23 @@ class TensorPieces(torch.Tensor):
 
     def _pieces_at(self) -> list[tuple[int, ...]]:
         return [o for o, _ in self._pieces]
+
+
+def map_held(value: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` applied to what this rank holds of a logical tensor, keeping where it sits: each piece of a
+    :class:`TensorPieces`, a DTensor's local shard (as the piece at its offsets in the logical tensor), a plain tensor
+    whole. For copies of a rank's checkpoint state (staging to host memory, casting) that DCP writes as before."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        held = [(tuple(offsets), value.to_local())]
+    elif isinstance(value, TensorPieces):
+        held = value.pieces
+    else:
+        return fn(value)
+    pieces = [(offsets, fn(piece)) for offsets, piece in held]
+    probe = fn(torch.empty(0, dtype=value.dtype, device=value.device)) if not pieces else pieces[0][1]
+    return TensorPieces(value.shape, pieces, dtype=probe.dtype, device=probe.device)
