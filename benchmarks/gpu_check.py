@@ -126,7 +126,9 @@ def fit(device: torch.device, steps: int) -> str:
         precision = "32-true" if device.type == "cpu" else "bf16-true"
         config["trainer"].update(accelerator=device.type, devices=devices, precision=precision)
         (work / "fit.yaml").write_text(yaml.safe_dump(config))
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline"}
+        # prepend src, keep what the caller put on the path (packages carried onto a machine without an index)
+        pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": pythonpath, "WANDB_MODE": "offline"}
         start = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "mula_lightning.cli", "fit", "--config", "fit.yaml"],
