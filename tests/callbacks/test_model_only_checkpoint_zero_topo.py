@@ -5,7 +5,7 @@ callbacks together."""
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader
@@ -14,6 +14,7 @@ from mula_lightning.callbacks import DualCheckpoint, ModelOnlyCheckpoint, NaNDet
 from mula_lightning.checkpoint.slots import SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.testing import run_pooled_test
+from mula_lightning.testing.lightning_module import MetaCausalLM
 
 STEPS = 3
 
@@ -23,24 +24,6 @@ def _config():
         "mula-tiny-moe", vocab_size=96, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
         intermediate_size=16, num_experts=4, top_k=2, moe_impl="fast",
     )  # fmt: skip
-
-
-class _LM(LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = None
-
-    def configure_model(self):
-        if self.model is None:
-            with torch.device("meta"):
-                self.model = MulaForCausalLM(_config())
-
-    def training_step(self, batch, batch_idx):
-        out = self.model(batch, labels=batch)
-        return out.loss + out.aux_loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def _run(rank, world_size, root):
@@ -57,7 +40,7 @@ def _run(rank, world_size, root):
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False,
     )  # fmt: skip
-    trainer.fit(_LM(), DataLoader(torch.stack(data), batch_size=None))
+    trainer.fit(MetaCausalLM(_config()), DataLoader(torch.stack(data), batch_size=None))
 
 
 @pytest.mark.distributed

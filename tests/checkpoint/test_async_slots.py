@@ -83,27 +83,35 @@ def test_background_failure_surfaces_at_the_next_wait_without_a_marker(tmp_path)
     assert not saver.in_flight
 
 
-def _async_save_then_train(rank, world_size, root, layout):
+def _async_save_then_train(rank, world_size, root, layout, via):
     from mula_lightning.callbacks import DualCheckpoint
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
     from mula_lightning.testing.fabric_run import fabric_after_one_step
 
+    async_save = via == "fabric.save"  # the strategy's own save is asynchronous, not DualCheckpoint's
     if layout == "epso":
-        strategy = FabricEPSOStrategy(ep_size=2)  # DP=2 x EP=2
+        strategy = FabricEPSOStrategy(ep_size=2, async_save=async_save)  # DP=2 x EP=2
     else:
-        strategy = FabricZeroTopoStrategy(weight_size=4, grad_size=4, optimizer_size=4, block_size=16)
+        strategy = FabricZeroTopoStrategy(
+            weight_size=4, grad_size=4, optimizer_size=4, block_size=16, async_save=async_save
+        )
     from mula_lightning.strategies import common
 
     fabric, model, optimizer = fabric_after_one_step(strategy, world_size, rank)
     full = _full_weights(fabric, model)
     write = common.save_dcp
     common.save_dcp = lambda *args, **kwargs: (time.sleep(0.5), write(*args, **kwargs))  # slow storage
+    state = {"model": model, "optimizer": optimizer, "step": 1}
     checkpoint = DualCheckpoint(root, every_n_train_steps=1, async_save=True)
-    checkpoint.save_fabric(fabric, {"model": model, "optimizer": optimizer, "step": 1}, step=1)
+    if async_save:
+        fabric.save(root, state)
+    else:
+        checkpoint.save_fabric(fabric, state, step=1)
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
     fabric.backward(model(x, labels=x).loss)  # training goes on while the save is written
     optimizer.step()
-    assert checkpoint.wait() > 0  # the step ran while the save was being written
+    waited = fabric.strategy.wait_for_checkpoint() if async_save else checkpoint.wait()
+    assert waited > 0  # the step ran while the save was being written
     common.save_dcp = write
     return full
 
@@ -114,7 +122,7 @@ def _full_weights(fabric, model):
     return {k: v.clone() for k, v in full_state_dict(model.module, fabric.strategy).items()}
 
 
-def _resume_at(rank, world_size, root, layout):
+def _resume_at(rank, world_size, root, layout, via):
     from mula_lightning.callbacks import DualCheckpoint
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
     from mula_lightning.testing.fabric_run import fabric_after_one_step
@@ -122,21 +130,26 @@ def _resume_at(rank, world_size, root, layout):
     strategy = FabricEPSOStrategy(ep_size=2) if layout == "epso" else FabricZeroTopoStrategy(block_size=16)
     fabric, model, optimizer = fabric_after_one_step(strategy, world_size, rank + 50)  # other weights first
     state = {"model": model, "optimizer": optimizer, "step": 0}
-    DualCheckpoint(root, every_n_train_steps=1).load_fabric(fabric, state)
+    if via == "fabric.save":
+        fabric.load(root, state)
+    else:
+        DualCheckpoint(root, every_n_train_steps=1).load_fabric(fabric, state)
     return state["step"], _full_weights(fabric, model)
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("via", ["DualCheckpoint", "fabric.save"])
 @pytest.mark.parametrize("layout", ["epso", "zero_topo"])
-def test_async_save_of_four_ranks_resumes_on_two_with_the_staged_weights(tmp_path, layout):
-    """4 processes (epso DP=2 x EP=2; zero_topo ZeRO-3) save asynchronously and train a step while it is written;
-    2 processes (epso DP=1 x EP=2; zero_topo on 2 ranks) resume from the slot with the weights of the saved step
-    exactly, not those of the step taken during the write."""
+def test_async_save_of_four_ranks_resumes_on_two_with_the_staged_weights(tmp_path, layout, via):
+    """4 processes (epso DP=2 x EP=2; zero_topo ZeRO-3) save asynchronously (a DualCheckpoint slot, or the
+    strategy's own ``fabric.save`` with ``async_save=True``) and train a step while it is written; 2 processes
+    (epso DP=1 x EP=2; zero_topo on 2 ranks) resume with the weights of the saved step exactly, not those of the
+    step taken during the write."""
     from mula_lightning.testing import run_pooled_test
 
     root = str(tmp_path / "dual")
-    saved = run_pooled_test(_async_save_then_train, 4, root=root, layout=layout)[0]
-    for step, weights in run_pooled_test(_resume_at, 2, root=root, layout=layout):
+    saved = run_pooled_test(_async_save_then_train, 4, root=root, layout=layout, via=via)[0]
+    for step, weights in run_pooled_test(_resume_at, 2, root=root, layout=layout, via=via):
         assert step == 1 and sorted(weights) == sorted(saved)
         assert all(torch.equal(weights[k], v) for k, v in saved.items())
 

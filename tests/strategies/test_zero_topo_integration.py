@@ -9,11 +9,12 @@ loss back in float32 (three roundings: LM loss, aux loss, their sum), so logged 
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.testing import adamw_parameter_scale, assert_parity, one_process_data_parallel, run_pooled_test
+from mula_lightning.testing.lightning_module import MetaCausalLM
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP = 0.05
@@ -126,23 +127,6 @@ def test_fabric_zero_topo_trains_saves_resumes_and_reshards(tmp_path):
         assert_parity(got, torch.tensor(ref[step], dtype=DTYPE), reduction_len=STEPS * GRAD_LEN, msg=f"step {step}")
 
 
-class _TinyLM(LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = None
-
-    def configure_model(self):
-        if self.model is None:
-            with torch.device("meta"):
-                self.model = MulaForCausalLM(_config())
-
-    def training_step(self, batch, batch_idx):
-        return self.model(batch, labels=batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), **HP)
-
-
 def _trainer_fit(rank, world_size, epochs, save=None, resume=None):
     from mula_lightning.strategies import ZeroTopoStrategy
 
@@ -163,7 +147,7 @@ def _trainer_fit(rank, world_size, epochs, save=None, resume=None):
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
-    module = _TinyLM()
+    module = MetaCausalLM(_config(), aux_loss=False, **HP)
     trainer.fit(module, DataLoader(mine, batch_size=2, shuffle=False), ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)

@@ -45,7 +45,7 @@ from mula_lightning.utils.dist import is_distributed, rank_world
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncSlotSaver", "stage_to_host"]
+__all__ = ["AsyncSlotSaver", "BackgroundSaver", "stage_to_host", "staged_or_failing", "synchronize_staging"]
 
 
 def _pinned() -> bool:
@@ -81,17 +81,33 @@ def synchronize_staging() -> None:
         torch.xpu.synchronize()
 
 
-class AsyncSlotSaver:
-    """Runs dual-slot saves with their writes in a background thread, at most one in flight (see the module
-    docstring). One per checkpoint directory; every rank calls :meth:`save` and :meth:`wait` alike."""
+def staged_or_failing(stage: Callable[[], Callable[[Path, Any], None]]) -> Callable[[Path, Any], None]:
+    """``stage()`` (the copy to host memory, waited for), or, when it raises, a ``write`` that raises that error in
+    the background: this rank's failure then goes through the agreement like a write's, so no rank waits for it."""
+    try:
+        write = stage()
+        synchronize_staging()
+        return write
+    except Exception as err:  # noqa: BLE001 - handed to the background write, see above
+        failure = err
+
+    def failing(path: Path, group: Any) -> None:
+        raise failure
+
+    return failing
+
+
+class BackgroundSaver:
+    """One background write at a time: the thread, the wait (recorded, and logged on rank 0 from 10 ms), the error
+    handed to the training thread, and the checkpoint-only gloo group. :class:`AsyncSlotSaver` and
+    :class:`~mula_lightning.checkpoint.replace_dir.AsyncReplaceSaver` give it their protocols."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group: Any = None
-        self._in_flight_step: int | None = None
-        self.waits: list[tuple[int, float]] = []  # (step that waited, seconds), for logs and benchmarks
-        self.completed = 0  # slots this saver completed
+        self._in_flight: Any = None
+        self.waits: list[tuple[Any, float]] = []  # (what waited, seconds), for logs and benchmarks
 
     @property
     def in_flight(self) -> bool:
@@ -105,27 +121,60 @@ class AsyncSlotSaver:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def wait(self, step: int | None = None) -> float:
+    def wait(self, waiter: Any = None) -> float:
         """Block until the save in flight (if any) is complete; returns the seconds waited and logs them (rank 0).
 
+        Args:
+            waiter: what is waiting (a step, a path's name), recorded in :attr:`waits` and named in the log.
+
         Raises:
-            CheckpointWriteError: (or the background's error) when that save failed; no marker was written.
+            CheckpointWriteError: (or the background's error) when that save failed.
         """
         if self._thread is None:
             return 0.0
         start = time.monotonic()
         self._thread.join()
         waited = time.monotonic() - start
-        self._thread, saved_step = None, self._in_flight_step
+        self._thread, saved = None, self._in_flight
         error, self._error = self._error, None
-        if step is not None:
-            self.waits.append((step, waited))
+        if waiter is not None:
+            self.waits.append((waiter, waited))
         if rank_world()[0] == 0 and waited >= 0.01:
-            who = f"step {step}" if step is not None else "training"
-            log.warning("checkpoint: %s waited %.2f s for the save of step %s to finish", who, waited, saved_step)
+            log.warning("checkpoint: %s waited %.2f s for the save of %s to finish", self._who(waiter), waited,
+                        self._who(saved))  # fmt: skip
         if error is not None:
             raise error
         return waited
+
+    def _who(self, label: Any) -> str:
+        return "training" if label is None else str(label)
+
+    def _start(self, label: Any, run: Callable[[], None]) -> None:
+        """Run ``run`` in a daemon thread; an exception it raises is raised by the next :meth:`wait`."""
+
+        def guarded() -> None:
+            try:
+                run()
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread at the next wait
+                self._error = err
+
+        self._in_flight = label
+        # a daemon thread: a process that dies or exits mid-save must not wait for storage (the save then stays
+        # incomplete, as after a SIGKILL, and what was saved before stays the newest complete checkpoint)
+        self._thread = threading.Thread(target=guarded, name=f"mula-checkpoint-{label}", daemon=True)
+        self._thread.start()
+
+
+class AsyncSlotSaver(BackgroundSaver):
+    """Runs dual-slot saves with their writes in a background thread, at most one in flight (see the module
+    docstring). One per checkpoint directory; every rank calls :meth:`save` and :meth:`wait` alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.completed = 0  # slots this saver completed
+
+    def _who(self, label: Any) -> str:
+        return "training" if label is None else f"step {label}"
 
     def save(
         self,
@@ -152,29 +201,14 @@ class AsyncSlotSaver:
         group = self._checkpoint_group()
         slot = clear_slot(dirpath, hook)
         rng = rng_state()
-        try:
-            write = stage()
-            synchronize_staging()
-        except Exception as err:  # noqa: BLE001 - this rank's failure goes through the agreement, like a write's
-            failure = err
-
-            def write(path: Path, group: Any) -> None:
-                raise failure
+        write = staged_or_failing(stage)
 
         def run() -> None:
-            try:
-                done = write_and_mark(
-                    slot, step, lambda path: write(path, group), rng, layout, signature, hook, run_id, group
-                )
-                self.completed += 1
-                if on_complete is not None:
-                    on_complete(done)
-            except BaseException as err:  # noqa: BLE001 - handed to the training thread at the next wait
-                self._error = err
+            done = write_and_mark(slot, step, lambda path: write(path, group), rng, layout, signature, hook, run_id,
+                                  group)  # fmt: skip
+            self.completed += 1
+            if on_complete is not None:
+                on_complete(done)
 
-        self._in_flight_step = step
-        # a daemon thread: a process that dies or exits mid-save must not wait for storage (the slot then stays
-        # incomplete and the previous one is the newest complete slot, as after a SIGKILL)
-        self._thread = threading.Thread(target=run, name=f"mula-checkpoint-{step}", daemon=True)
-        self._thread.start()
+        self._start(step, run)
         return slot

@@ -20,6 +20,7 @@ from typing_extensions import override
 from mula_lightning.checkpoint.async_slots import stage_to_host
 from mula_lightning.checkpoint.dcp_format import save_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
+from mula_lightning.checkpoint.replace_dir import AsyncReplaceSaver, readable_checkpoint, save_replacing
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
 
 #: Lightning DDP-strategy arguments that mean something to a sharding strategy. No DDP wrapper is ever built, so the
@@ -128,10 +129,17 @@ class ShardedFabricHooks:
 
 
 class DCPSaves:
-    """Saves of both sharded strategies: a DCP directory written now (``save_checkpoint``) or staged to host memory
-    now and written later (:meth:`stage_checkpoint`, for asynchronous saves). A strategy supplies
-    :meth:`checkpoint_parts`; :class:`FabricDCPSaves` and :class:`TrainerDCPSaves` give Lightning's two signatures.
-    Mix in before the Lightning base class."""
+    """Saves of both sharded strategies: a DCP directory that replaces the previous one at that path whole (written
+    as ``<path>.partial``, then renamed; :mod:`mula_lightning.checkpoint.replace_dir`), now or, with ``async_save``,
+    staged to host memory now and written in the background while training goes on (at most one in flight; the
+    next save, a load, a removal and the end of training wait for it). :meth:`stage_checkpoint` also serves
+    ``DualCheckpoint(async_save=True)``. A strategy supplies :meth:`checkpoint_parts`; :class:`FabricDCPSaves` and
+    :class:`TrainerDCPSaves` give Lightning's two signatures. Mix in before the Lightning base class."""
+
+    #: write ``save_checkpoint`` in a background thread (the strategies' ``async_save`` argument)
+    async_save: bool = False
+    _async_saver: AsyncReplaceSaver | None = None
+    _failed = False  # the run raised: teardown leaves a save in flight alone (its collectives may never finish)
 
     def checkpoint_parts(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
         """(logical-key tensors viewing the live state, metadata entries, DCP save planner or None) of ``state``:
@@ -144,8 +152,13 @@ class DCPSaves:
                 f"the {self.strategy_name} strategy saves torch.distributed.checkpoint directories: no "
                 "storage_options or filter"
             )
+        if self.async_save:
+            if self._async_saver is None:
+                self._async_saver = AsyncReplaceSaver()
+            self._async_saver.save(Path(path), lambda: self.stage_checkpoint(state))
+            return
         tensors, metadata, planner = self.checkpoint_parts(state)
-        save_dcp(Path(path), tensors, metadata, planner)
+        save_replacing(Path(path), lambda target: save_dcp(target, tensors, metadata, planner))
 
     def stage_checkpoint(self, state: dict[str, Any]) -> Callable[[Path, Any], None]:
         """Copy what ``state`` saves into host memory now; return ``write(path, group)``, which writes that copy as
@@ -157,6 +170,31 @@ class DCPSaves:
             save_dcp(Path(path), tensors, metadata, planner, process_group=group)
 
         return write
+
+    def wait_for_checkpoint(self) -> float:
+        """Block until the asynchronous save in flight (if any) is written and in place; returns the seconds waited.
+
+        Raises:
+            CheckpointWriteError: that save failed on some rank (what was at its path before is untouched).
+        """
+        return self._async_saver.wait() if self._async_saver is not None else 0.0
+
+    def checkpoint_to_read(self, path: Any) -> Path:
+        """The directory a load of ``path`` reads, after the save in flight completed (see
+        :func:`~mula_lightning.checkpoint.replace_dir.readable_checkpoint`)."""
+        self.wait_for_checkpoint()
+        return readable_checkpoint(path)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.wait_for_checkpoint()  # never delete an older checkpoint before the newer one is complete
+        super().remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        if not self._failed:  # after an exception a peer may be gone: do not wait on it
+            self.wait_for_checkpoint()
+        super().teardown()
 
 
 class FabricDCPSaves(DCPSaves):
@@ -173,6 +211,11 @@ class TrainerDCPSaves(DCPSaves):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self._write_now(filepath, checkpoint, storage_options)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
 
 
 class InPlaceCheckpointRestore:

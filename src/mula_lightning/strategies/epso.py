@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,6 +168,8 @@ class EPSOOptions(ShardingOptions):
         init_from_dense: a dense checkpoint (HF Llama directory or Mula model-only checkpoint) to upcycle into the
             model at setup, online: each rank builds only its own experts (see :func:`initialise_from_dense`).
         upcycle: options of that upcycling: ``granularity``, ``noise``, ``seed``, ``layers``.
+        async_save: ``save_checkpoint`` stages the state to host memory and writes it in the background while
+            training goes on (at most one save in flight); every save replaces its directory whole.
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
@@ -186,6 +187,7 @@ class EPSOOptions(ShardingOptions):
         compile: bool | dict[str, Any] = False,
         init_from_dense: str | None = None,
         upcycle: dict[str, Any] | None = None,
+        async_save: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
@@ -202,6 +204,7 @@ class EPSOOptions(ShardingOptions):
             upcycle,
         )
         self.topology: MoETopology | None = None
+        self.async_save = bool(async_save)
         self._init_flavour()
 
     @property
@@ -294,7 +297,7 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDCPSaves, Fabric
     def load_checkpoint(
         self, path, state=None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        return load_sharded_checkpoint(Path(path), state or {}, self.topology, strict)
+        return load_sharded_checkpoint(self.checkpoint_to_read(path), state or {}, self.topology, strict)
 
     @classmethod
     @override
@@ -386,7 +389,7 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, Train
         state: dict[str, Any] = {"state_dict": self.model}
         for i, opt in enumerate(self.optimizers):
             state[f"optimizer_{i}"] = unwrap_optimizer(opt)
-        return load_sharded_checkpoint(Path(checkpoint_path), state, self.topology, strict=True)
+        return load_sharded_checkpoint(self.checkpoint_to_read(checkpoint_path), state, self.topology, strict=True)
 
     @classmethod
     @override

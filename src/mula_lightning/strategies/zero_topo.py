@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,6 +164,8 @@ class ZeroTopoOptions(ShardingOptions):
         grad_bits: bits of quantized gradients (8 or 4).
         block_size: values per quantization block (one scale each).
         seed: initialisation seed for models built on the meta device.
+        async_save: ``save_checkpoint`` stages the state to host memory and writes it in the background while
+            training goes on (at most one save in flight); every save replaces its directory whole.
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
@@ -186,6 +187,7 @@ class ZeroTopoOptions(ShardingOptions):
         grad_bits: int = 4,
         block_size: int = 256,
         seed: int = 0,
+        async_save: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), ZeroTopoOptions.__init__, ddp_kwargs))
@@ -203,6 +205,7 @@ class ZeroTopoOptions(ShardingOptions):
             block_size,
             seed,
         )
+        self.async_save = bool(async_save)
         self._init_flavour()
 
     def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
@@ -298,7 +301,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
         state = state or {}
         targets, _ = _split_state(state, self.engine, for_load=True)
-        metadata = load_dcp(Path(path), targets, strict)
+        metadata = load_dcp(self.checkpoint_to_read(path), targets, strict)
         for key, value in state.items():
             if key not in targets:
                 if key in metadata and hasattr(value, "load_state_dict"):
@@ -407,7 +410,7 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         else:
             targets = {"state_dict": zc.model_state_dict(engine, self.model)}
             targets["optimizer_0"] = zc.optimizer_state_dict(engine, for_load=True)
-        metadata = load_dcp(Path(checkpoint_path), targets, strict=engine is not None)
+        metadata = load_dcp(self.checkpoint_to_read(checkpoint_path), targets, strict=engine is not None)
         if engine is None:
             self.model.load_state_dict(targets["state_dict"])
         else:
