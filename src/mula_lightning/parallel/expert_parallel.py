@@ -87,14 +87,15 @@ def _make_block_expert_parallel(block: FastSparseMoEBlock, ep_group: Any, dispat
 
 
 def gather_expert_parallel_state_dict(model: nn.Module, ep_group: Any) -> dict[str, torch.Tensor]:
-    """The full (single-device) state dict of an expert-parallel model, on every rank of ``ep_group``.
+    """The full (single-device) state dict of an expert-parallel model, on every rank of ``ep_group`` (None: one
+    EP rank, nothing to gather).
 
     Expert tensors are all-gathered along dim 0 over the group (in EP-rank order, i.e. expert order); the
     others are returned as they are. The inverse of :func:`apply_expert_parallel` for saving full weights.
     """
     out = {}
     for name, tensor in model.state_dict().items():
-        if is_expert_param(name) and dist.get_world_size(ep_group) > 1:
+        if ep_group is not None and is_expert_param(name) and dist.get_world_size(ep_group) > 1:
             out[name] = all_gather_into_tensor(tensor.contiguous(), ep_group, level="ep", tag="ep.gather_state")
         else:
             out[name] = tensor

@@ -45,7 +45,8 @@ def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:
         if sharded and is_expert_param(name):
             from torch.distributed.tensor import DTensor, Replicate, Shard
 
-            out[name] = DTensor.from_local(tensor, mesh, [Replicate(), Shard(0)], run_check=False)
+            placements = [Replicate() if dim == "edp" else Shard(0) for dim in mesh.mesh_dim_names]
+            out[name] = DTensor.from_local(tensor, mesh, placements, run_check=False)
         else:
             out[name] = tensor
     return out

@@ -15,8 +15,9 @@ Parameter families and who holds a copy of each element:
 * expert parameters: rank r holds experts ``[ep_rank*E/EP, (ep_rank+1)*E/EP)`` -> replicated over its
   ``dp`` group of DP ranks.
 
-Every group is created with ``torch.distributed.new_group`` in the same order on every rank (a collective
-requirement), and the layout is also exposed as a ``DeviceMesh`` (dims ``("dp", "ep")``) for code that wants one.
+The groups are the MoE side of one :class:`~mula_lightning.parallel.mesh.ParallelMesh` (its ``edp`` and ``ep``
+dimensions; ``dp`` here is the mesh's ``edp``), built once by every rank; a dimension of size 1 has no group
+(``None``), and every caller skips collectives over one rank.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mula_lightning.parallel.mesh import ParallelDims, ParallelMesh, build_parallel_mesh
 from mula_lightning.utils.dist import is_distributed
 
 
@@ -37,8 +39,9 @@ class MoETopology:
         dp_size: data-parallel degree (replicas of each expert slice).
         ep_size: expert-parallel degree (ways the experts are split).
         rank: this process's global rank.
-        ep_group / dp_group / world_group: process groups (``None`` when not distributed; ``world_group`` is
-            the default group).
+        ep_group / dp_group / world_group: process groups (``None`` when not distributed or of size 1;
+            ``world_group`` is the default group).
+        mesh: the :class:`ParallelMesh` the groups come from.
     """
 
     dp_size: int
@@ -47,7 +50,7 @@ class MoETopology:
     ep_group: Any = field(default=None, repr=False)
     dp_group: Any = field(default=None, repr=False)
     world_group: Any = field(default=None, repr=False)
-    _mesh: Any = field(default=None, repr=False)
+    mesh: ParallelMesh | None = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -79,14 +82,8 @@ class MoETopology:
 
     @property
     def device_mesh(self) -> Any:
-        """A ``DeviceMesh`` of shape (dp, ep) over the default group (built lazily)."""
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from mula_lightning.utils.device import accelerator_type
-
-            self._mesh = init_device_mesh(accelerator_type(), (self.dp_size, self.ep_size), mesh_dim_names=("dp", "ep"))
-        return self._mesh
+        """The MoE side's ``DeviceMesh``: dims ``("edp", "ep")``, less those of size 1 (None for one rank)."""
+        return self.mesh.moe if self.mesh is not None else None
 
 
 def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str) -> None:
@@ -95,8 +92,8 @@ def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str
         raise ValueError(f"{value_name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
-def build_topology(ep_size: int, world_size: int | None = None, rank: int | None = None) -> MoETopology:
-    """Create the EP and DP groups of a DP x EP layout of the default process group.
+def build_topology(ep_size: int) -> MoETopology:
+    """The DP x EP layout of the default process group, its groups taken from one ParallelMesh (collective).
 
     Every rank must call this with the same ``ep_size``. Without an initialised process group (one process)
     the layout is DP = EP = 1 and no group is created.
@@ -108,16 +105,15 @@ def build_topology(ep_size: int, world_size: int | None = None, rank: int | None
         if ep_size != 1:
             raise ValueError(f"ep_size ({ep_size}) > 1 needs an initialised process group of ep_size ranks or more")
         return MoETopology(dp_size=1, ep_size=1, rank=0)
-    world_size = dist.get_world_size() if world_size is None else world_size
-    rank = dist.get_rank() if rank is None else rank
+    world_size, rank = dist.get_world_size(), dist.get_rank()
     check_divisible(world_size, ep_size, "world size", "ep_size")
-    topo = MoETopology(dp_size=world_size // ep_size, ep_size=ep_size, rank=rank, world_group=dist.group.WORLD)
-    for d in range(topo.dp_size):  # all ranks create all groups, in the same order
-        group = dist.new_group(topo.ep_ranks(d))
-        if d == topo.dp_rank:
-            topo.ep_group = group
-    for e in range(topo.ep_size):
-        group = dist.new_group(topo.dp_ranks(e))
-        if e == topo.ep_rank:
-            topo.dp_group = group
-    return topo
+    mesh = build_parallel_mesh(ParallelDims(world_size, ep=ep_size))
+    return MoETopology(
+        dp_size=world_size // ep_size,
+        ep_size=ep_size,
+        rank=rank,
+        ep_group=mesh.group("ep"),
+        dp_group=mesh.group("edp"),
+        world_group=dist.group.WORLD,
+        mesh=mesh,
+    )

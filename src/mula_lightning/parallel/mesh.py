@@ -1,0 +1,184 @@
+"""One rank layout for every parallel dimension, dense and MoE folded over the same ranks, as DeviceMeshes.
+
+MoE parallel folding (the Llama-3 upcycling paper, Megatron-Core): the dense layers (attention, dense MLPs, norms,
+embeddings) and the MoE layers are laid out independently over the ranks of one pipeline stage::
+
+    world = pp * stage,   stage = dp * cp * tp   (dense)   = edp * ep * etp   (MoE)
+
+    dense rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i          # tp innermost
+    MoE rank   = ((pp_i * edp + edp_i) * ep + ep_i) * etp + etp_i      # etp innermost, then ep
+
+Innermost dimensions are consecutive ranks, the ranks of one node on a real machine, so the communication-heavy
+groups of both sides (TP's activation all-reduces, EP's token all-gathers / all-to-alls) stay inside a node while
+the gradient reductions (dp, edp) cross nodes. Expert parallelism borrows its ranks from dp and tp: ``ep`` is not
+a factor of the world size beside them, and ``edp`` is whatever is left of the stage.
+
+Each side is one ``DeviceMesh`` (``init_device_mesh``) whose dimensions are the sizes above that are larger than 1
+(a size-1 dimension creates no process group: :meth:`ParallelMesh.group` returns None for it, and callers skip
+collectives of one rank). The communication ledger derives each group's level (GCD pair / node / inter-node) from
+its ranks, so it needs nothing from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mula_lightning.utils.dist import is_distributed
+
+DENSE_DIMS = ("pp", "dp", "cp", "tp")
+MOE_DIMS = ("pp", "edp", "ep", "etp")
+
+__all__ = ["DENSE_DIMS", "MOE_DIMS", "ParallelDims", "ParallelMesh", "build_parallel_mesh"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The size of every parallel dimension over ``world_size`` ranks; ``dp`` and ``edp`` are what is left.
+
+    Raises:
+        ValueError: naming the sizes that do not divide (checked at construction, before any group exists).
+    """
+
+    world_size: int
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {"world size": self.world_size, "pp": self.pp, "tp": self.tp, "cp": self.cp, "ep": self.ep,
+                 "etp": self.etp}  # fmt: skip
+        bad = [f"{k}={v}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:
+            raise ValueError(f"parallel sizes must be positive integers, got {', '.join(bad)}")
+        if self.world_size % self.pp:
+            raise ValueError(f"pp ({self.pp}) must divide the world size ({self.world_size})")
+        stage = self.world_size // self.pp
+        if stage % (self.cp * self.tp):
+            raise ValueError(
+                f"cp x tp ({self.cp} x {self.tp} = {self.cp * self.tp}) must divide the ranks of a pipeline stage "
+                f"({stage} = world size {self.world_size} / pp {self.pp})"
+            )
+        if stage % (self.ep * self.etp):
+            raise ValueError(
+                f"ep x etp ({self.ep} x {self.etp} = {self.ep * self.etp}) must divide the ranks of a pipeline "
+                f"stage ({stage} = world size {self.world_size} / pp {self.pp}): the MoE layers fold edp x ep x etp "
+                "over the same ranks as the dense layers' dp x cp x tp"
+            )
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage."""
+        return self.world_size // self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of every dense parameter (within a stage, beside cp and tp)."""
+        return self.stage_size // (self.cp * self.tp)
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel replicas of every expert parameter (within a stage, beside ep and etp)."""
+        return self.stage_size // (self.ep * self.etp)
+
+    def sizes(self, dims: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in dims)
+
+    def _grid(self, dims: tuple[str, ...]) -> torch.Tensor:
+        return torch.arange(self.world_size).reshape(self.sizes(dims))
+
+    def side(self, name: str) -> tuple[str, ...]:
+        """The dims of the side (dense or MoE) that has dimension ``name`` (``pp`` is in both: dense)."""
+        if name in DENSE_DIMS:
+            return DENSE_DIMS
+        if name in MOE_DIMS:
+            return MOE_DIMS
+        raise KeyError(f"unknown parallel dimension {name!r}; the dimensions are {DENSE_DIMS} and {MOE_DIMS}")
+
+    def coordinate(self, name: str, rank: int) -> int:
+        """The index of ``rank`` along dimension ``name``."""
+        dims = self.side(name)
+        where = (self._grid(dims) == rank).nonzero()[0]
+        return int(where[dims.index(name)])
+
+    def ranks(self, name: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group along dimension ``name`` (the closed form of the layout above)."""
+        dims = self.side(name)
+        grid = self._grid(dims)
+        index = list((grid == rank).nonzero()[0].tolist())
+        index[dims.index(name)] = slice(None)
+        return grid[tuple(index)].reshape(-1).tolist()
+
+
+@dataclass
+class ParallelMesh:
+    """The dense and MoE DeviceMeshes of :class:`ParallelDims` for this rank (None where no dimension exceeds 1)."""
+
+    dims: ParallelDims
+    rank: int = 0
+    dense: Any = field(default=None, repr=False)
+    moe: Any = field(default=None, repr=False)
+
+    def size(self, name: str) -> int:
+        return getattr(self.dims, name)
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along ``name``."""
+        return self.dims.coordinate(name, self.rank)
+
+    def ranks(self, name: str) -> list[int]:
+        """This rank's group along ``name``, as global ranks."""
+        return self.dims.ranks(name, self.rank)
+
+    def group(self, name: str) -> Any:
+        """The process group of this rank along ``name``, or None when that dimension has size 1."""
+        dims = self.dims.side(name)
+        if self.size(name) == 1:
+            return None
+        mesh = self.dense if dims == DENSE_DIMS else self.moe
+        return mesh.get_group(name)
+
+    def submesh(self, name: str) -> Any:
+        """The one-dimensional DeviceMesh along ``name`` (for DTensor placements), or None at size 1."""
+        if self.size(name) == 1:
+            return None
+        mesh = self.dense if self.dims.side(name) == DENSE_DIMS else self.moe
+        return mesh[name]
+
+
+def _side_mesh(device_type: str, dims: ParallelDims, names: tuple[str, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kept = tuple(n for n in names if getattr(dims, n) > 1)
+    if not kept:
+        return None
+    return init_device_mesh(device_type, dims.sizes(kept), mesh_dim_names=kept)
+
+
+def build_parallel_mesh(dims: ParallelDims, device_type: str | None = None) -> ParallelMesh:
+    """The meshes of ``dims`` over the default process group (collective: every rank calls it with equal dims).
+
+    Without an initialised process group the world is one process and nothing is built.
+
+    Raises:
+        ValueError: when ``dims.world_size`` is not the process group's size.
+    """
+    if not is_distributed():
+        if dims.world_size != 1:
+            raise ValueError(f"a layout of {dims.world_size} ranks needs an initialised process group of that size")
+        return ParallelMesh(dims)
+    import torch.distributed as dist
+
+    from mula_lightning.utils.device import accelerator_type
+
+    if dims.world_size != dist.get_world_size():
+        raise ValueError(f"the layout is for {dims.world_size} ranks, the process group has {dist.get_world_size()}")
+    device_type = device_type or accelerator_type()
+    mesh = ParallelMesh(dims, rank=dist.get_rank())
+    mesh.dense = _side_mesh(device_type, dims, DENSE_DIMS)
+    mesh.moe = _side_mesh(device_type, dims, MOE_DIMS)
+    return mesh
