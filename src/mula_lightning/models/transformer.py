@@ -103,6 +103,8 @@ class MulaAttention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_dim, bias=False)
         self.v_proj = nn.Linear(h, config.kv_dim, bias=False)
         self.o_proj = nn.Linear(config.q_dim, h, bias=False)
+        # heads this module computes: all of them, or this rank's share under tensor parallelism (set by the plan)
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         if config.qk_norm:
             self.q_norm = RMSNorm(config.q_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.kv_dim, config.rms_norm_eps)
@@ -113,12 +115,12 @@ class MulaAttention(nn.Module):
         q, k, v = self.q_proj(x_BTH), self.k_proj(x_BTH), self.v_proj(x_BTH)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = q.view(b, t, self.num_heads, c.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(b, t, self.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(b, t, self.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.q_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * c.head_dim))
 
 
 class MulaMLP(nn.Module):
@@ -217,6 +219,9 @@ class MulaForCausalLM(nn.Module):
         self.config = config
         self.model = MulaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        #: ``(logits, labels, reduction) -> loss``; a vocabulary-parallel plan swaps in its own (logits are then this
+        #: rank's slice of the vocabulary)
+        self.loss_function = causal_lm_loss
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not any(p.is_meta for p in self.parameters()):
@@ -229,7 +234,7 @@ class MulaForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         hidden, moe_aux = self.model(input_ids)
         logits = self.lm_head(hidden)
-        loss = causal_lm_loss(logits, labels, loss_reduction) if labels is not None else None
+        loss = self.loss_function(logits, labels, loss_reduction) if labels is not None else None
         if moe_aux:
             aux_loss = torch.stack([a.aux_loss for a in moe_aux]).sum()
         else:

@@ -1,0 +1,175 @@
+"""Tensor parallelism of a Mula model's dense parts with DTensor (Megatron's layout, torch's ``parallelize_module``).
+
+Over the ``tp`` ranks of one :class:`~mula_lightning.parallel.mesh.ParallelMesh`:
+
+* attention: ``q_proj`` / ``k_proj`` / ``v_proj`` column-wise (each rank computes ``num_heads / tp`` query heads and
+  ``num_kv_heads / tp`` key/value heads; GQA keeps its ratio), ``o_proj`` row-wise (one all-reduce of the
+  attention output). The OLMoE q/k norm spans every head, so it normalises by the sum of squares all-reduced over
+  ``tp`` (:class:`HeadShardedRMSNorm`), its weight sharded like the heads;
+* dense SwiGLU MLPs: ``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise (one all-reduce);
+* the embedding vocabulary-parallel (rows of the table sharded; the partial lookups all-reduced), the LM head
+  column-wise over the vocabulary with the cross-entropy computed on each rank's slice of the logits
+  (:func:`vocab_parallel_cross_entropy`: a max, a sum of exponentials and the target's logit all-reduced, never
+  the logits themselves: ``tokens x vocab / tp`` per rank instead of ``tokens x vocab``);
+* MoE blocks are left alone: their experts are expert parallelism's business (the folded ``ep`` / ``etp`` dims).
+
+Every tensor-parallel weight is a DTensor sharded over the ``tp`` mesh, so DCP checkpoints keep logical
+single-device keys and shapes. Norms, routers and experts stay plain tensors replicated over ``tp``; their gradients
+come out equal on every ``tp`` rank (DTensor's backward all-reduces the gradient of each replicated input).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mula_lightning.models.transformer import MulaAttention, MulaForCausalLM, MulaMLP, RMSNorm
+from mula_lightning.parallel.collectives import all_reduce
+from mula_lightning.utils.precision import upcast
+
+__all__ = ["HeadShardedRMSNorm", "apply_tensor_parallel", "check_tensor_parallel", "vocab_parallel_cross_entropy"]
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """Raise ``ValueError`` naming every size of ``config`` that ``tp`` does not divide (before any process starts).
+
+    Attention heads, key/value heads (GQA: each rank keeps whole key/value heads), the dense MLP's intermediate
+    size (when the model has dense layers) and the vocabulary are split over ``tp``.
+    """
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "vocab_size": config.vocab_size}
+    if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
+        sizes["intermediate_size"] = config.intermediate_size
+    bad = [f"{k} ({v})" for k, v in sizes.items() if v % tp]
+    if bad:
+        raise ValueError(f"tp_size ({tp}) must divide {', '.join(bad)}")
+    if config.tie_word_embeddings and tp > 1:
+        raise ValueError(f"tp_size ({tp}) > 1 with tie_word_embeddings=True is not supported (untie the LM head)")
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group``; each rank's input feeds every rank's output, so the gradient is summed too."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, tag: str) -> torch.Tensor:
+        ctx.group, ctx.tag = group, tag
+        return all_reduce(x, group, level="tp", tag=tag)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_reduce(grad.contiguous(), ctx.group, level="tp", tag=ctx.tag + ".backward"), None, None
+
+
+class HeadShardedRMSNorm(nn.Module):
+    """:class:`RMSNorm` over a projection whose last dimension is sharded over ``tp`` (this rank's heads): the mean
+    of squares is taken over the full width (local sums all-reduced), the weight is a ``Shard(0)`` DTensor.
+
+    Built from the replicated norm it replaces (same key, same logical weight)."""
+
+    def __init__(self, norm: RMSNorm, tp_mesh: Any) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        self.eps, self.full_dim, self.group = norm.eps, norm.weight.shape[0], tp_mesh.get_group()
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = upcast(x)
+        sum_sq = _AllReduceSum.apply(x32.pow(2).sum(-1, keepdim=True), self.group, "tp.qk_norm")
+        x32 = x32 * torch.rsqrt(sum_sq / self.full_dim + self.eps)
+        return self.weight.to_local() * x32.to(dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary (Megatron's ``vocab_parallel_cross_entropy``)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:
+        logits = upcast(logits)
+        local_max = logits.max(dim=-1).values
+        logits = logits - all_reduce(local_max, group, dist.ReduceOp.MAX, level="tp", tag="tp.ce.max")[:, None]
+        vocab_local = logits.shape[-1]
+        mine = (target >= vocab_start) & (target < vocab_start + vocab_local)
+        local_index = torch.where(mine, target - vocab_start, torch.zeros_like(target))
+        target_logit = logits.gather(1, local_index[:, None]).squeeze(1) * mine
+        target_logit = all_reduce(target_logit, group, level="tp", tag="tp.ce.target")
+        exp = logits.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1), group, level="tp", tag="tp.ce.sum_exp")
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), mine, local_index)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, mine, local_index = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(1, local_index[:, None], -mine.to(softmax.dtype)[:, None])
+        return grad_logits * grad[:, None], None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", *, vocab_start: int, group: Any
+) -> torch.Tensor:
+    """:func:`~mula_lightning.models.transformer.causal_lm_loss` of this rank's vocabulary slice of the logits
+    (``[vocab_start, vocab_start + logits.shape[-1])``), equal on every rank of ``group``; -100 is ignored."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    valid = shifted != -100
+    target = torch.where(valid, shifted, torch.zeros_like(shifted))
+    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, vocab_start, group)
+    per_token = per_token * valid
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / valid.sum()
+
+
+def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan["o_proj"] = RowwiseParallel()
+    parallelize_module(attn, tp_mesh, plan)
+    attn.num_heads, attn.num_kv_heads = attn.config.num_heads // tp, attn.config.num_kv_heads // tp
+    if attn.config.qk_norm:
+        attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh)
+        attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh)
+
+
+def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any) -> MulaForCausalLM:
+    """Shard ``model``'s attention, dense MLPs, embedding and LM head over ``tp_mesh`` in place (see the module
+    docstring); returns ``model``. Call on a materialised model, before expert parallelism's dispatchers.
+
+    Raises:
+        ValueError: naming the sizes ``tp_mesh.size()`` does not divide.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    check_tensor_parallel(model.config, tp)
+    for layer in model.model.layers:
+        _plan_attention(layer.self_attn, tp_mesh, tp)
+        if isinstance(layer.mlp, MulaMLP):
+            parallelize_module(
+                layer.mlp,
+                tp_mesh,
+                {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+            )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1)),
+        },
+    )
+    vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)
+    model.loss_function = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=tp_mesh.get_group())
+    return model

@@ -1,0 +1,145 @@
+"""Tensor parallelism of a Mula model against one process: the loss, every gradient and the weights after AdamW
+steps, in float64, on dense and MoE models with GQA and the OLMoE q/k norm; local shapes are 1/tp of each weight;
+the vocabulary-parallel loss equals the full cross-entropy; sizes tp does not divide are named."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.models.transformer import causal_lm_loss
+from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
+from mula_lightning.testing import assert_parity, run_pooled_test
+
+DTYPE = torch.float64
+H, SEQ, V, FF = 32, 12, 96, 16
+# Rounded operations feeding one gradient element, forward and backward (x2): per layer, the dots of q / k / v and
+# o (4 H), attention over SEQ, the MLP's gate / up (2 H) and down (FF); the vocabulary's softmax; the batch's tokens.
+# Step s builds on s earlier updates, each within the bound: (s + 1) x GRAD_LEN at step s.
+GRAD_LEN = 2 * (2 * (6 * H + SEQ + FF) + V + 2 * SEQ)
+
+
+def _config(kind):
+    common = dict(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=FF)
+    if kind == "dense":
+        return MulaConfig.from_name("mula-tiny-dense", **common)
+    return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=4, top_k=2, moe_impl="fast")
+
+
+def _batch(step):
+    return torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def _train(model, steps, lr=1e-2):
+    """Loss (with the MoE aux loss) and gradients of each step, after which torch's AdamW steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        out = model(_batch(step), labels=_batch(step))
+        (out.loss + out.aux_loss).backward()
+        losses.append(out.loss.item())
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: _full(p.detach()) for n, p in model.named_parameters()}
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+
+def _tp_rank(rank, world_size, kind, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mula_lightning.parallel.tensor_parallel import apply_tensor_parallel
+
+    model = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(DTYPE)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    attn = model.model.layers[0].self_attn
+    local = {
+        "q_proj": tuple(attn.q_proj.weight.to_local().shape),
+        "k_proj": tuple(attn.k_proj.weight.to_local().shape),
+        "o_proj": tuple(attn.o_proj.weight.to_local().shape),
+        "q_norm": tuple(attn.q_norm.weight.to_local().shape),
+        "embed": tuple(model.model.embed_tokens.weight.to_local().shape),
+        "lm_head": tuple(model.lm_head.weight.to_local().shape),
+    }
+    return _train(model, steps), local
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("tp", [2])
+def test_tensor_parallel_matches_one_process_over_adamw_steps(kind, tp):
+    """TP=2 (GQA 4 query / 2 key-value heads, q/k norm, untied vocabulary-parallel head): every rank's loss and
+    full gradients of 3 steps and the weights after 3 AdamW steps equal one process in float64; each rank holds
+    1/tp of every sharded weight."""
+    steps = 3
+    reference = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(DTYPE)
+    ref_losses, ref_grads, ref_params = _train(reference, steps)
+    for (losses, grads, params), local in run_pooled_test(_tp_rank, tp, kind=kind, steps=steps, timeout=240):
+        assert local == {
+            "q_proj": (H // tp, H), "k_proj": (H // 2 // tp, H), "o_proj": (H, H // tp), "q_norm": (H // tp,),
+            "embed": (V // tp, H), "lm_head": (V // tp, H),
+        }  # fmt: skip
+        for step in range(steps):
+            bound = (step + 1) * GRAD_LEN
+            assert_parity(torch.tensor(losses[step]), torch.tensor(ref_losses[step]), reduction_len=bound)
+            for name, g in ref_grads[step].items():
+                assert_parity(grads[step][name], g, reduction_len=bound, msg=f"step {step} grad {name}")
+        for name, p in ref_params.items():
+            assert_parity(params[name], p, reduction_len=steps * GRAD_LEN, scale=1.0, msg=f"param {name}")
+
+
+def _loss_rank(rank, world_size, reduction):
+    from mula_lightning.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, 12, generator=g, dtype=DTYPE)
+    labels = torch.randint(0, 12, (3, 7), generator=g)
+    labels[0, 2] = labels[2, 5] = -100
+    part = 12 // world_size
+    local = logits[..., rank * part : (rank + 1) * part].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, labels, reduction, vocab_start=rank * part, group=None)
+    weights = torch.randn(loss.shape, generator=g, dtype=DTYPE)
+    (loss * weights).sum().backward()
+    full = logits.clone().requires_grad_()
+    expected = causal_lm_loss(full, labels, reduction)
+    (expected * weights).sum().backward()
+    return loss.detach(), expected.detach(), local.grad, full.grad[..., rank * part : (rank + 1) * part]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocabulary_parallel_cross_entropy_equals_the_full_one(reduction):
+    """3 ranks each holding a third of the vocabulary: the loss (ignored labels included) and each rank's slice of
+    the logits' gradient equal the full cross-entropy's, without any rank seeing the other slices."""
+    for loss, expected, grad, expected_grad in run_pooled_test(_loss_rank, 3, reduction=reduction):
+        assert_parity(loss, expected, reduction_len=24)
+        assert_parity(grad, expected_grad, reduction_len=24)
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (dict(num_heads=6, num_kv_heads=6, head_dim=8), r"tp_size \(4\) must divide num_heads \(6\), num_kv_heads \(6\)"),
+        (dict(num_heads=8, num_kv_heads=2), r"must divide num_kv_heads \(2\)$"),
+        (dict(vocab_size=90), r"must divide vocab_size \(90\)"),
+        (dict(intermediate_size=18), r"must divide intermediate_size \(18\)"),
+        (dict(tie_word_embeddings=True), r"tie_word_embeddings=True is not supported"),
+    ],
+)
+def test_sizes_tensor_parallelism_does_not_divide_are_named(overrides, fragment):
+    """Each bad size raises one ValueError naming tp and the value, before any process group exists."""
+    sizes = dict(num_heads=8, num_kv_heads=4, hidden_size=64, vocab_size=96, intermediate_size=32)
+    config = MulaConfig.from_name("mula-tiny-dense", **{**sizes, **overrides})
+    with pytest.raises(ValueError, match=fragment):
+        check_tensor_parallel(config, 4)
+
+
+def test_cross_entropy_reference_is_torchs():
+    """The one-process loss the parity tests compare with is torch's cross-entropy of the shifted labels."""
+    logits = torch.randn(2, 5, 7, dtype=DTYPE)
+    labels = torch.randint(0, 7, (2, 5))
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
+    assert torch.allclose(causal_lm_loss(logits, labels), expected)
