@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from memory import MODELS, _fixed_mmap_threshold, _strategy
+from memory import MODELS, _strategy, fixed_mmap_threshold
 from mula_lightning.testing import run_distributed_test
 
 LAYOUTS = ("zero3", "epso")
@@ -41,7 +41,7 @@ def _rank(rank: int, world_size: int, layout: str, model: str, path: str, steps:
     from mula_lightning.callbacks import DualCheckpoint
     from mula_lightning.models import MulaConfig, MulaForCausalLM
 
-    _fixed_mmap_threshold()
+    fixed_mmap_threshold()
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
     fabric.launch()

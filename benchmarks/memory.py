@@ -11,7 +11,7 @@ phase (peak during it minus resident memory just before it); the table prints th
 by the full model's fp32 bytes, and what setup left resident (``kept``: the parameter shards, gradient shards and
 optimizer state the strategy's layout keeps) on the same scale: a setup rise near ``kept`` is what a sharded setup
 costs; anything above it is transient memory (whole-model materialisation, copies). Each rank fixes glibc's mmap
-threshold first (``_fixed_mmap_threshold``), so that freed buffers leave the resident set and a rise is memory the
+threshold first (``fixed_mmap_threshold``), so that freed buffers leave the resident set and a rise is memory the
 program holds, not heap fragmentation.
 
 Phases, with Fabric (``fabric.init_module(empty_init=True)``: the model starts on the meta device), measured after
@@ -147,7 +147,7 @@ def _phases(fabric, config, path: str) -> dict:
     return out
 
 
-def _fixed_mmap_threshold() -> None:
+def fixed_mmap_threshold() -> None:
     """Serve every allocation above 128 KiB with its own mapping, returned to the system when freed.
 
     glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), after which a unit's
@@ -166,7 +166,7 @@ def _fixed_mmap_threshold() -> None:
 def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dict:
     from lightning.fabric import Fabric
 
-    _fixed_mmap_threshold()
+    fixed_mmap_threshold()
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
     fabric.launch()
@@ -186,7 +186,7 @@ def _export_rank(rank: int, world_size: int, model: str, path: str, out: str, st
     from mula_lightning.checkpoint.export import export_to_hf, read_checkpoint
     from mula_lightning.models.hf_convert import save_hf
 
-    _fixed_mmap_threshold()
+    fixed_mmap_threshold()
     config = _config(model)
     with PhaseSampler() as phase:
         if streamed:

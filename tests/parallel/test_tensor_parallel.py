@@ -122,7 +122,10 @@ def test_vocabulary_parallel_cross_entropy_equals_the_full_one(reduction):
 @pytest.mark.parametrize(
     "overrides,fragment",
     [
-        (dict(num_heads=6, num_kv_heads=6, head_dim=8), r"tp_size \(4\) must divide num_heads \(6\), num_kv_heads \(6\)"),
+        (
+            dict(num_heads=6, num_kv_heads=6, head_dim=8),
+            r"tp_size \(4\) must divide num_heads \(6\), num_kv_heads \(6\)",
+        ),
         (dict(num_heads=8, num_kv_heads=2), r"must divide num_kv_heads \(2\)$"),
         (dict(vocab_size=90), r"must divide vocab_size \(90\)"),
         (dict(intermediate_size=18), r"must divide intermediate_size \(18\)"),

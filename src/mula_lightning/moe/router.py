@@ -17,11 +17,20 @@ coefficients.
 
 Capacity: expert e may take ``ceil(capacity_factor * S * K / E)`` (token, k) pairs; pairs beyond that are
 dropped in token order (row-major over ``(S, K)``): their index becomes -1 and their weight 0.
+
+Recomputation (activation checkpointing) must not route differently from the forward it repeats: inside
+:func:`routing_replay`, the first run of a forward records every router's decisions (the chosen experts before and
+after capacity drops) and a recomputation takes them back in the same order instead of choosing again, so a
+near-tie that rounds the other way, or a changed weight, cannot move a token to another expert between the forward
+and its backward. The weights of the chosen experts are recomputed from the logits (they carry the gradient).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +93,40 @@ def uniform_routing_indices(num_tokens: int, num_experts: int, top_k: int, devic
     return (s * top_k + j) % num_experts
 
 
+@dataclass
+class RoutingReplay:
+    """The router decisions of one forward, in call order: recorded by its first run, replayed by recomputations."""
+
+    decisions: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    replaying: bool = False
+    position: int = 0
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position >= len(self.decisions):
+            raise RuntimeError(
+                f"a recomputation called the routers {self.position + 1} times, the forward it repeats "
+                f"{len(self.decisions)} times: the recomputed code is not the code that ran"
+            )
+        self.position += 1
+        return self.decisions[self.position - 1]
+
+
+_ACTIVE = threading.local()
+
+
+@contextmanager
+def routing_replay(replay: RoutingReplay) -> Iterator[RoutingReplay]:
+    """Run a forward whose routers record into ``replay`` (first run) or take from it (every later run)."""
+    previous = getattr(_ACTIVE, "replay", None)
+    replay.position = 0
+    _ACTIVE.replay = replay
+    try:
+        yield replay
+    finally:
+        _ACTIVE.replay = previous
+        replay.replaying = True  # whatever runs this forward again replays it
+
+
 def apply_capacity(indices_SK: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
     """Mark (token, k) pairs beyond an expert's capacity with -1, keeping the first ``cap`` in token order."""
     flat = indices_SK.reshape(-1)
@@ -133,18 +176,26 @@ class Router(nn.Module):
             f"capacity_factor={self.capacity_factor}, forced_uniform={self.forced_uniform_routing}"
         )
 
+    def _choose(self, logits_SE: torch.Tensor, probs_SE: torch.Tensor) -> torch.Tensor:
+        """The K experts of each token (the discrete decision a recomputation replays)."""
+        if self.forced_uniform_routing:
+            return uniform_routing_indices(logits_SE.shape[0], self.num_experts, self.top_k, logits_SE.device)
+        scores = probs_SE if self.router_kind == "softmax_topk" else logits_SE
+        return torch.topk(scores, self.top_k, dim=-1)[1]
+
     def forward(self, x_SH: torch.Tensor) -> RouterOutput:
         x_SH = x_SH.reshape(-1, self.hidden_size)
         logits_SE = F.linear(upcast(x_SH), upcast(self.weight))
         probs_SE = torch.softmax(logits_SE, dim=-1)
         num_tokens = logits_SE.shape[0]
 
-        if self.forced_uniform_routing:
-            indices_SK = uniform_routing_indices(num_tokens, self.num_experts, self.top_k, logits_SE.device)
-        elif self.router_kind == "softmax_topk":
-            _, indices_SK = torch.topk(probs_SE, self.top_k, dim=-1)
+        replay = getattr(_ACTIVE, "replay", None)
+        if replay is not None and replay.replaying:
+            indices_SK, final_SK = replay.take()
         else:
-            _, indices_SK = torch.topk(logits_SE, self.top_k, dim=-1)
+            with torch.no_grad():  # a discrete choice: saves nothing for backward (nor does its replay)
+                indices_SK = self._choose(logits_SE, probs_SE)
+            final_SK = None
 
         if self.router_kind == "softmax_topk":
             weights_SK = probs_SE.gather(1, indices_SK)
@@ -157,9 +208,14 @@ class Router(nn.Module):
         z_loss = router_z_loss(logits_SE)
 
         with torch.no_grad():
-            if self.capacity_factor is not None:
-                cap = capacity(self.capacity_factor, num_tokens, self.top_k, self.num_experts)
-                indices_SK = apply_capacity(indices_SK, self.num_experts, cap)
+            if final_SK is None:
+                final_SK = indices_SK
+                if self.capacity_factor is not None:
+                    cap = capacity(self.capacity_factor, num_tokens, self.top_k, self.num_experts)
+                    final_SK = apply_capacity(indices_SK, self.num_experts, cap)
+                if replay is not None:
+                    replay.decisions.append((indices_SK, final_SK))
+            indices_SK = final_SK
             kept = indices_SK >= 0
             tokens_per_expert_E = torch.bincount(indices_SK[kept], minlength=self.num_experts)
             num_dropped = (~kept).sum()

@@ -4,8 +4,9 @@ The order matters and is the same everywhere (the strategies call :func:`paralle
 
 1. **Expert parallelism** first: it replaces MoE blocks and cuts expert tensors to the local slice, so every
    later step sees the final modules and parameter shapes.
-2. **Activation checkpointing** next: it wraps whole decoder layers (including the EP collectives, which are
-   then re-run in backward on every rank alike).
+2. **Activation checkpointing** next: whole decoder layers or the selected parts
+   (:mod:`~mula_lightning.parallel.activation_checkpointing`), EP collectives included, which are then re-run in
+   backward on every rank alike; routers replay their forward's decisions.
 3. **Compile** after that: regional compilation of the attention and norm modules of each layer. FastSparseMoE
    is left eager on purpose: its routed-token counts are data dependent, so a compiled MoE block would either
    recompile for every new routing or break its graph at each count; asking to compile it raises.
@@ -27,6 +28,10 @@ from torch import nn
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.transformer import MulaDecoderLayer, MulaForCausalLM, init_parameter
+from mula_lightning.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    parse_activation_checkpointing,
+)
 from mula_lightning.parallel.expert_parallel import apply_expert_parallel
 from mula_lightning.parallel.params import is_expert_param, logical_name
 from mula_lightning.parallel.topology import MoETopology
@@ -38,26 +43,17 @@ def parallelize(
     topology: MoETopology,
     *,
     dispatcher: str = "allgather",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str | list[str] = False,
     compile: bool | dict[str, Any] = False,
 ) -> nn.Module:
     """EP -> activation checkpointing -> compile, in place (see the module docstring); returns ``model``."""
     if topology.ep_size > 1:  # 1. expert parallelism
         apply_expert_parallel(model, topology.ep_group, dispatcher=dispatcher)
-    if activation_checkpointing:  # 2. activation checkpointing
-        apply_activation_checkpointing(model)
+    if parse_activation_checkpointing(activation_checkpointing):  # 2. activation checkpointing
+        apply_activation_checkpointing(model, activation_checkpointing)
     if compile:  # 3. regional compile (MoE blocks stay eager)
         apply_compile(model, **(compile if isinstance(compile, dict) else {}))
     return model  # 4. data-parallel sharding happens in the sharded optimizer
-
-
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each decoder layer in backward instead of storing its activations (full-layer checkpointing)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as apply_ac
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, MulaDecoderLayer))
-    return model
 
 
 def apply_compile(model: nn.Module, moe: bool = False, **compile_kwargs: Any) -> nn.Module:

@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, sharded_checkpoint_parts
+from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
 from mula_lightning.parallel.state_dict import model_state_dict, optimizer_state_dict
@@ -61,7 +62,7 @@ class EPSOSettings:
     reduce_dtype: torch.dtype = torch.float32
     bucket_numel: int | None = 40_000_000
     seed: int = 0
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str | list[str] = False
     compile: bool | dict[str, Any] = False
     init_from_dense: str | None = None
     upcycle: dict[str, Any] | None = None
@@ -77,6 +78,7 @@ class EPSOSettings:
             self.reduce_dtype = getattr(torch, self.reduce_dtype.replace("torch.", ""))
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"reduce_dtype ({self.reduce_dtype}) must be torch.float32 or torch.bfloat16")
+        parse_activation_checkpointing(self.activation_checkpointing)  # an unknown part is named at construction
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
@@ -163,7 +165,9 @@ class EPSOOptions(ShardingOptions):
         reduce_dtype: dtype gradients are reduced in (``torch.float32``, or ``torch.bfloat16`` as in the paper).
         bucket_numel: elements per gradient-reduction bucket.
         seed: initialisation seed for models built on the meta device (weights are a function of (seed, name)).
-        activation_checkpointing: recompute decoder layers in backward.
+        activation_checkpointing: ``"full"`` (or True: recompute each decoder layer in backward), False, or a list
+            of the parts to recompute: ``"norm"``, ``"attention"``, ``"moe"`` (the expert block), ``"mlp"`` (dense
+            MLPs); routers replay their forward's decisions (:mod:`mula_lightning.parallel.activation_checkpointing`).
         compile: regional ``torch.compile`` of attention and norms (a dict is passed to ``compile``).
         init_from_dense: a dense checkpoint (HF Llama directory or Mula model-only checkpoint) to upcycle into the
             model at setup, online: each rank builds only its own experts (see :func:`initialise_from_dense`).
@@ -183,7 +187,7 @@ class EPSOOptions(ShardingOptions):
         reduce_dtype: torch.dtype = torch.float32,
         bucket_numel: int | None = 40_000_000,
         seed: int = 0,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str | list[str] = False,
         compile: bool | dict[str, Any] = False,
         init_from_dense: str | None = None,
         upcycle: dict[str, Any] | None = None,
