@@ -19,24 +19,35 @@ H, SEQ, V, FF = 32, 12, 96, 16
 GRAD_LEN = 2 * (2 * (6 * H + SEQ + FF) + V + 2 * SEQ)
 
 
-def _config(kind):
+def _config(kind, sequence_parallel=False):
     common = dict(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=FF)
     if kind == "dense":
         return MulaConfig.from_name("mula-tiny-dense", **common)
-    return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=4, top_k=2, moe_impl="fast")
+    # under sequence parallelism each tp rank's router sees its part of the sequence: its load-balancing and z
+    # losses are those of that part (like a micro-batch's), not the whole sequence's; parity is checked without them
+    losses = dict(aux_loss_coef=0.0, z_loss_coef=0.0) if sequence_parallel else {}
+    return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=4, top_k=2, moe_impl="fast", **losses)
 
 
 def _batch(step):
     return torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(step))
 
 
-def _train(model, steps, lr=1e-2):
-    """Loss (with the MoE aux loss) and gradients of each step, after which torch's AdamW steps."""
+def _train(model, steps, lr=1e-2, sum_plain_grads=False):
+    """Loss (with the MoE aux loss) and gradients of each step, after which torch's AdamW steps. With
+    ``sum_plain_grads`` the gradients of plain (not DTensor) parameters are summed over the ranks first: under
+    sequence parallelism each tp rank's router and experts saw only its tokens."""
+    import torch.distributed as dist
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses, grads = [], []
     for step in range(steps):
         out = model(_batch(step), labels=_batch(step))
         (out.loss + out.aux_loss).backward()
+        if sum_plain_grads:
+            for p in model.parameters():
+                if not hasattr(p, "full_tensor") and p.grad is not None:
+                    dist.all_reduce(p.grad)
         losses.append(out.loss.item())
         grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
@@ -48,13 +59,16 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 
 
-def _tp_rank(rank, world_size, kind, steps):
+def _tp_rank(rank, world_size, kind, steps, sp):
     from torch.distributed.device_mesh import init_device_mesh
 
     from mula_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
-    model = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(DTYPE)
-    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    model = init_weights(MulaForCausalLM(_config(kind, sp)), seed=0).to(DTYPE)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    apply_tensor_parallel(model, mesh, sequence_parallel=sp)
+    residual = []
+    model.model.layers[1].register_forward_pre_hook(lambda m, args: residual.append(tuple(args[0].shape)))
     attn = model.model.layers[0].self_attn
     local = {
         "q_proj": tuple(attn.q_proj.weight.to_local().shape),
@@ -64,23 +78,25 @@ def _tp_rank(rank, world_size, kind, steps):
         "embed": tuple(model.model.embed_tokens.weight.to_local().shape),
         "lm_head": tuple(model.lm_head.weight.to_local().shape),
     }
-    return _train(model, steps), local
+    trained = _train(model, steps, sum_plain_grads=sp)
+    return trained, {**local, "residual": residual[0]}
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-@pytest.mark.parametrize("tp", [2])
-def test_tensor_parallel_matches_one_process_over_adamw_steps(kind, tp):
-    """TP=2 (GQA 4 query / 2 key-value heads, q/k norm, untied vocabulary-parallel head): every rank's loss and
-    full gradients of 3 steps and the weights after 3 AdamW steps equal one process in float64; each rank holds
-    1/tp of every sharded weight."""
-    steps = 3
-    reference = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(DTYPE)
+def test_tensor_parallel_matches_one_process_over_adamw_steps(kind, sp):
+    """TP=2 (GQA 4 query / 2 key-value heads, q/k norm, untied vocabulary-parallel head), with and without sequence
+    parallelism: every rank's loss and full gradients of 3 steps and the weights after 3 AdamW steps equal one
+    process in float64 (under SP, router and expert gradients summed over tp first); each rank holds 1/tp of every
+    sharded weight."""
+    steps, tp = 3, 2
+    reference = init_weights(MulaForCausalLM(_config(kind, sp)), seed=0).to(DTYPE)
     ref_losses, ref_grads, ref_params = _train(reference, steps)
-    for (losses, grads, params), local in run_pooled_test(_tp_rank, tp, kind=kind, steps=steps, timeout=240):
+    for (losses, grads, params), local in run_pooled_test(_tp_rank, tp, kind=kind, steps=steps, sp=sp, timeout=240):
         assert local == {
             "q_proj": (H // tp, H), "k_proj": (H // 2 // tp, H), "o_proj": (H, H // tp), "q_norm": (H // tp,),
-            "embed": (V // tp, H), "lm_head": (V // tp, H),
+            "embed": (V // tp, H), "lm_head": (V // tp, H), "residual": (2, SEQ // tp if sp else SEQ, H),
         }  # fmt: skip
         for step in range(steps):
             bound = (step + 1) * GRAD_LEN

@@ -13,6 +13,11 @@ Over the ``tp`` ranks of one :class:`~mula_lightning.parallel.mesh.ParallelMesh`
   the logits themselves: ``tokens x vocab / tp`` per rank instead of ``tokens x vocab``);
 * MoE blocks are left alone: their experts are expert parallelism's business (the folded ``ep`` / ``etp`` dims).
 
+Sequence parallelism (``sequence_parallel=True``, Megatron's): between the tensor-parallel blocks the residual
+stream stays split over ``tp`` along the sequence; row-wise outputs are reduce-scattered and column-wise inputs
+all-gathered (the same bytes as one all-reduce), and the norms, the residual adds and the MoE blocks work on
+``1/tp`` of the tokens, so their activations take ``1/tp`` of the memory.
+
 Every tensor-parallel weight is a DTensor sharded over the ``tp`` mesh, so DCP checkpoints keep logical
 single-device keys and shapes. Norms, routers and experts stay plain tensors replicated over ``tp``; their gradients
 come out equal on every ``tp`` rank (DTensor's backward all-reduces the gradient of each replicated input).
@@ -130,46 +135,79 @@ def vocab_parallel_cross_entropy(
     return per_token.sum() / valid.sum()
 
 
-def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
-    plan["o_proj"] = RowwiseParallel()
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan["o_proj"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
     parallelize_module(attn, tp_mesh, plan)
+    if sequence_parallel:  # (x, cos, sin): the sequence of x all-gathered, the rotary tables as they are
+        gather = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        parallelize_module(attn, tp_mesh, gather)
     attn.num_heads, attn.num_kv_heads = attn.config.num_heads // tp, attn.config.num_kv_heads // tp
     if attn.config.qk_norm:
         attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh)
         attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh)
 
 
-def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any) -> MulaForCausalLM:
+def _colwise_input(sequence_parallel: bool) -> Any:
+    """What a block whose first layers are column-wise needs in front: the sequence all-gathered under SP."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if not sequence_parallel:
+        return None
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+
+def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_parallel: bool = False) -> MulaForCausalLM:
     """Shard ``model``'s attention, dense MLPs, embedding and LM head over ``tp_mesh`` in place (see the module
     docstring); returns ``model``. Call on a materialised model, before expert parallelism's dispatchers.
+
+    Args:
+        sequence_parallel: keep the residual stream, the norms and the MoE blocks' tokens split over ``tp`` along
+            the sequence (Megatron's sequence parallelism): row-wise outputs are reduce-scattered instead of
+            all-reduced, column-wise inputs all-gathered; norm weights become replicated DTensors (their gradients
+            summed over ``tp``). Each ``tp`` rank's MoE blocks then route their own tokens: router and expert
+            gradients are partial sums to be summed over ``tp``, and the load-balancing loss is that of each
+            rank's tokens (as for a micro-batch). The sequence length must be divisible by ``tp``.
 
     Raises:
         ValueError: naming the sizes ``tp_mesh.size()`` does not divide.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    tp = tp_mesh.size()
+    tp, sp = tp_mesh.size(), sequence_parallel
     check_tensor_parallel(model.config, tp)
+    rowwise_out = Shard(1) if sp else Replicate()
     for layer in model.model.layers:
-        _plan_attention(layer.self_attn, tp_mesh, tp)
+        _plan_attention(layer.self_attn, tp_mesh, tp, sp)
         if isinstance(layer.mlp, MulaMLP):
-            parallelize_module(
-                layer.mlp,
-                tp_mesh,
-                {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
-            )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1)),
-        },
-    )
+            plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel()}
+            plan["down_proj"] = RowwiseParallel(output_layouts=rowwise_out)
+            parallelize_module(layer.mlp, tp_mesh, plan)
+            if sp:
+                parallelize_module(layer.mlp, tp_mesh, _colwise_input(sp))
+        if sp:
+            norms = {"input_layernorm": SequenceParallel(use_local_output=True)}
+            norms["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
+            parallelize_module(layer, tp_mesh, norms)
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=rowwise_out),
+        "lm_head": ColwiseParallel(input_layouts=rowwise_out, output_layouts=Shard(-1)),
+    }
+    if sp:
+        plan["model.norm"] = SequenceParallel(use_local_output=True)
+    parallelize_module(model, tp_mesh, plan)
     vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)
     model.loss_function = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=tp_mesh.get_group())
     return model
