@@ -162,3 +162,48 @@ def test_cross_entropy_reference_is_torchs():
     labels = torch.randint(0, 7, (2, 5))
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
     assert torch.allclose(causal_lm_loss(logits, labels), expected)
+
+
+def _ledger_rank(rank, world_size, kind, sp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mula_lightning.parallel.ledger import CommLedger, record_functional_collectives
+    from mula_lightning.parallel.tensor_parallel import apply_tensor_parallel
+
+    model = init_weights(MulaForCausalLM(_config(kind, sp)), seed=0).to(DTYPE)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)), sequence_parallel=sp)
+    with CommLedger() as ledger, record_functional_collectives():
+        out = model(_batch(0), labels=_batch(0))
+        out.loss.backward()
+    return [(r.op, r.tag, r.bytes_in, r.bytes_sent, r.level) for r in ledger.records]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tensor_parallel_collectives_move_the_closed_form_bytes(kind, sp):
+    """One forward + backward at TP=2, every collective recorded (DTensor's through the dispatch recorder): per
+    tensor-parallel block (attention, dense MLP) one activation all-reduce forward and one backward (SP: a
+    reduce-scatter and an all-gather each way), plus the embedding's and the LM head input's; the q/k norm's two
+    sums of squares per layer each way and the loss's three per-token all-reduces; ring bytes as in the ledger."""
+    d, tokens, layers, s = 2, 2 * SEQ, 2, DTYPE.itemsize
+    blocks = layers + (layers if kind == "dense" else 0)  # attention everywhere, MLP in dense layers
+    activation = tokens * H * s
+    expected = {}
+    if sp:  # the residual stream is split: reduce-scatter out of row-wise, all-gather into column-wise
+        expected[("reduce_scatter", "dtensor")] = (2 * (1 + blocks), (d - 1) * activation // d)
+        expected[("all_gather", "dtensor")] = (2 * (1 + blocks), (d - 1) * activation // d)
+    else:
+        expected[("all_reduce", "dtensor")] = (2 * (1 + blocks), 2 * (d - 1) * activation // d)
+    per_token = 2 * (d - 1) * tokens * s // d
+    expected[("all_reduce", "tp.qk_norm")] = (2 * layers, per_token)
+    expected[("all_reduce", "tp.qk_norm.backward")] = (2 * layers, per_token)
+    for tag in ("tp.ce.max", "tp.ce.target", "tp.ce.sum_exp"):
+        expected[("all_reduce", tag)] = (1, per_token)
+    for records in run_pooled_test(_ledger_rank, d, kind=kind, sp=sp, timeout=240):
+        got = {}
+        for op, tag, _, sent, level in records:
+            count, sizes = got.get((op, tag), (0, set()))
+            got[(op, tag)] = (count + 1, sizes | {sent})
+            assert level != "tp" and level is not None  # hardware levels, as for every other group
+        assert {k: (c, sizes) for k, (c, sizes) in got.items()} == {k: (c, {b}) for k, (c, b) in expected.items()}

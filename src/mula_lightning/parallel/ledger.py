@@ -47,6 +47,7 @@ __all__ = [
     "CommTotals",
     "is_recording",
     "record_collective",
+    "record_functional_collectives",
     "ring_bytes_sent",
 ]
 
@@ -258,3 +259,35 @@ def record_collective(
     bytes_out = tensor_out.numel() * tensor_out.element_size()
     for ledger in ledgers:
         ledger.add(op, ranks, rank, tensor_in.dtype, bytes_in, bytes_out, bytes_sent, level, phase, tag)
+
+
+_FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def record_functional_collectives() -> Any:
+    """A context in which the collectives DTensor issues (tensor parallelism's activation all-reduces,
+    all-gathers and reduce-scatters, through ``torch.distributed._functional_collectives``) are recorded in the
+    active ledgers like this package's own, tagged ``"dtensor"``. It is a ``TorchDispatchMode`` of the calling
+    thread: backward collectives are seen where backward runs in that thread (always on the CPU)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    functional = torch.ops._c10d_functional
+    ops = {getattr(functional, name).default: op for name, op in _FUNCTIONAL_OPS.items()}
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            op = ops.get(func)
+            if op is not None and is_recording():
+                group = _resolve_process_group(args[-1])
+                d, tensor = dist.get_world_size(group), args[0]
+                sent = ring_bytes_sent(op, d, tensor.numel() * tensor.element_size())
+                record_collective(op, group, tensor, out, sent, tag="dtensor")
+            return out
+
+    return _Recorder()

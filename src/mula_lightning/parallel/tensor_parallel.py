@@ -62,11 +62,11 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, tag: str) -> torch.Tensor:
         ctx.group, ctx.tag = group, tag
-        return all_reduce(x, group, level="tp", tag=tag)
+        return all_reduce(x, group, tag=tag)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_reduce(grad.contiguous(), ctx.group, level="tp", tag=ctx.tag + ".backward"), None, None
+        return all_reduce(grad.contiguous(), ctx.group, tag=ctx.tag + ".backward"), None, None
 
 
 class HeadShardedRMSNorm(nn.Module):
@@ -97,14 +97,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:
         logits = upcast(logits)
         local_max = logits.max(dim=-1).values
-        logits = logits - all_reduce(local_max, group, dist.ReduceOp.MAX, level="tp", tag="tp.ce.max")[:, None]
+        logits = logits - all_reduce(local_max, group, dist.ReduceOp.MAX, tag="tp.ce.max")[:, None]
         vocab_local = logits.shape[-1]
         mine = (target >= vocab_start) & (target < vocab_start + vocab_local)
         local_index = torch.where(mine, target - vocab_start, torch.zeros_like(target))
         target_logit = logits.gather(1, local_index[:, None]).squeeze(1) * mine
-        target_logit = all_reduce(target_logit, group, level="tp", tag="tp.ce.target")
+        target_logit = all_reduce(target_logit, group, tag="tp.ce.target")
         exp = logits.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group, level="tp", tag="tp.ce.sum_exp")
+        sum_exp = all_reduce(exp.sum(dim=-1), group, tag="tp.ce.sum_exp")
         ctx.save_for_backward(exp.div_(sum_exp[:, None]), mine, local_index)
         return sum_exp.log() - target_logit
 
@@ -137,35 +137,32 @@ def vocab_parallel_cross_entropy(
 
 def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int, sequence_parallel: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan: dict[str, Any] = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
     plan["o_proj"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
     parallelize_module(attn, tp_mesh, plan)
-    if sequence_parallel:  # (x, cos, sin): the sequence of x all-gathered, the rotary tables as they are
-        gather = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-        )
-        parallelize_module(attn, tp_mesh, gather)
+    parallelize_module(attn, tp_mesh, _shared_input(sequence_parallel, extra=2))  # (x, cos, sin)
     attn.num_heads, attn.num_kv_heads = attn.config.num_heads // tp, attn.config.num_kv_heads // tp
     if attn.config.qk_norm:
         attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh)
         attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh)
 
 
-def _colwise_input(sequence_parallel: bool) -> Any:
-    """What a block whose first layers are column-wise needs in front: the sequence all-gathered under SP."""
+def _shared_input(sequence_parallel: bool, extra: int = 0) -> Any:
+    """In front of a block whose first layers are column-wise (attention's q / k / v, the MLP's gate / up): its
+    input as one DTensor for all of them (the sequence all-gathered under SP), so that backward sums their
+    partial input gradients first and reduces them over ``tp`` once (one all-reduce, or one reduce-scatter),
+    instead of once per projection. ``extra`` inputs after the first (attention's rotary tables) pass as they are."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    if not sequence_parallel:
-        return None
-    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    given = Shard(1) if sequence_parallel else Replicate()
+    return PrepareModuleInput(
+        input_layouts=(given, *[None] * extra),
+        desired_input_layouts=(Replicate(), *[None] * extra),
+        use_local_output=False,
+    )
 
 
 def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_parallel: bool = False) -> MulaForCausalLM:
@@ -195,8 +192,7 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
             plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel()}
             plan["down_proj"] = RowwiseParallel(output_layouts=rowwise_out)
             parallelize_module(layer.mlp, tp_mesh, plan)
-            if sp:
-                parallelize_module(layer.mlp, tp_mesh, _colwise_input(sp))
+            parallelize_module(layer.mlp, tp_mesh, _shared_input(sp))
         if sp:
             norms = {"input_layernorm": SequenceParallel(use_local_output=True)}
             norms["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
