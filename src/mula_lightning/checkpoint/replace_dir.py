@@ -87,6 +87,7 @@ def move_into_place(path: Path) -> None:
     partial, replaced = partial_path(path), _replaced_path(path)
     if not _complete(partial):
         raise CheckpointWriteError(f"{partial}: no .metadata after the write; {path} was left as it was")
+    fsync_dir(partial)  # its entries durable before it becomes the checkpoint (DCP fsyncs the files, not the folder)
     if path.exists() or path.is_symlink():
         _remove(replaced)
         path.rename(replaced)
