@@ -43,7 +43,7 @@ class _RecordWeights(Callback):
         self.at[trainer.global_step] = _full_weights(module, trainer.strategy)
 
 
-def _slow_storage(kill_at_step=None, delay=0.4):
+def _slow_storage(kill_at_step=None, delay=0.4, fail_last_at_step=None):
     """Delay every strategy DCP write by ``delay`` s; SIGKILL the process once the write of ``last.ckpt`` at
     ``kill_at_step`` is on disk but not yet moved into place (from the background thread: the whole process dies,
     training included). Returns the undelayed write, to put back (pooled worker processes run later tests)."""
@@ -53,6 +53,8 @@ def _slow_storage(kill_at_step=None, delay=0.4):
 
     def slow(path, tensors, metadata, planner=None, process_group=None):
         time.sleep(delay)
+        if metadata.get("global_step") == fail_last_at_step and path.name.startswith("last.ckpt"):
+            raise OSError("No space left on device")
         write(path, tensors, metadata, planner, process_group=process_group)
         if metadata.get("global_step") == kill_at_step and path.name.startswith("last.ckpt"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -69,10 +71,10 @@ def _strategy(layout, async_save):
     return ZeroTopoStrategy(block_size=16, async_save=async_save)
 
 
-def _fit(rank, world_size, root, layout, max_steps, resume=False, kill_at_step=None, async_save=True):
+def _fit(rank, world_size, root, layout, max_steps, resume=False, kill_at_step=None, async_save=True, fail=None):
     from mula_lightning.strategies import common
 
-    write = _slow_storage(kill_at_step)
+    write = _slow_storage(kill_at_step, fail_last_at_step=fail)
     record = _RecordWeights()
     checkpoint = ModelCheckpoint(root, every_n_train_steps=2, save_top_k=1, save_last=True)
     strategy = _strategy(layout, async_save)
@@ -161,3 +163,14 @@ def test_a_failed_write_leaves_the_previous_directory_and_a_kill_between_renames
     assert (readable_checkpoint(path) / "data").read_text() == "one"
     save_replacing(path, _write("three"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"] and (path / "data").read_text() == "three"
+
+
+@pytest.mark.distributed
+def test_a_failed_last_asynchronous_save_fails_the_run_at_teardown(tmp_path):
+    """The last save of a run (last.ckpt at step 4) fails in the background after training ended: the Trainer's
+    teardown waits for it and the run fails naming the error, instead of ending green without its checkpoint; the
+    step-2 last.ckpt is still there, whole."""
+    root = tmp_path / "ckpt"
+    with pytest.raises(DistributedTestError, match="No space left on device"):
+        run_pooled_test(_fit, 2, root=str(root), layout="epso", max_steps=4, fail=4, timeout=300)
+    assert (root / "last.ckpt" / ".metadata").is_file() and (root / "epoch=0-step=4.ckpt" / ".metadata").is_file()

@@ -192,9 +192,11 @@ class DCPSaves:
 
     @override
     def teardown(self) -> None:
-        if not self._failed:  # after an exception a peer may be gone: do not wait on it
-            self.wait_for_checkpoint()
-        super().teardown()
+        try:
+            if not self._failed:  # after an exception a peer may be gone: do not wait on it
+                self.wait_for_checkpoint()  # a failed last save raises here, after Lightning's teardown below
+        finally:
+            super().teardown()
 
 
 class FabricDCPSaves(DCPSaves):
