@@ -101,8 +101,11 @@ def test_tensor_parallel_matches_one_process_over_adamw_steps(kind, sp):
         for step in range(steps):
             bound = (step + 1) * GRAD_LEN
             assert_parity(torch.tensor(losses[step]), torch.tensor(ref_losses[step]), reduction_len=bound)
+            # rounding enters through the activations every gradient shares, so an element that is a small sum of
+            # cancelling terms (an expert's gradient) carries errors of the step's largest gradient, not its own
+            scale = max(g.abs().max().item() for g in ref_grads[step].values())
             for name, g in ref_grads[step].items():
-                assert_parity(grads[step][name], g, reduction_len=bound, msg=f"step {step} grad {name}")
+                assert_parity(grads[step][name], g, reduction_len=bound, scale=scale, msg=f"step {step} grad {name}")
         for name, p in ref_params.items():
             assert_parity(params[name], p, reduction_len=steps * GRAD_LEN, scale=1.0, msg=f"param {name}")
 
