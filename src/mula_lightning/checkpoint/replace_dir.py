@@ -127,11 +127,8 @@ def _agree_and_move(path: Path, error: BaseException | None, group: Any) -> None
         raise CheckpointWriteError(f"{path}: written but not moved into place on rank 0 ({moved!r})")
 
 
-def save_replacing(path: str | Path, write: Callable[[Path], None], group: Any = None) -> None:
-    """Collective (``group``, default: the default group): ``write(<path>.partial)`` on every rank, then replace
-    ``path`` by it. Raises :class:`CheckpointWriteError` on every rank when any rank's write failed."""
-    path = Path(path)
-    clear_partial(path, group)
+def _write_and_move(path: Path, write: Callable[[Path], None], group: Any) -> None:
+    """``write(<path>.partial)`` on this rank, then the agreement and the move (raises on every rank on failure)."""
     error: BaseException | None = None
     try:
         write(partial_path(path))
@@ -141,6 +138,14 @@ def save_replacing(path: str | Path, write: Callable[[Path], None], group: Any =
         _agree_and_move(path, error, group)
     except CheckpointWriteError as failure:
         raise failure from error
+
+
+def save_replacing(path: str | Path, write: Callable[[Path], None], group: Any = None) -> None:
+    """Collective (``group``, default: the default group): ``write(<path>.partial)`` on every rank, then replace
+    ``path`` by it. Raises :class:`CheckpointWriteError` on every rank when any rank's write failed."""
+    path = Path(path)
+    clear_partial(path, group)
+    _write_and_move(path, write, group)
 
 
 class AsyncReplaceSaver(BackgroundSaver):
@@ -157,13 +162,4 @@ class AsyncReplaceSaver(BackgroundSaver):
         group = self._checkpoint_group()
         clear_partial(path, group)
         write = staged_or_failing(stage)
-
-        def run() -> None:
-            error: BaseException | None = None
-            try:
-                write(partial_path(path), group)
-            except Exception as err:  # noqa: BLE001 - agreed on below
-                error = err
-            _agree_and_move(path, error, group)
-
-        self._start(path.name, run)
+        self._start(path.name, lambda: _write_and_move(path, lambda target: write(target, group), group))

@@ -136,18 +136,15 @@ class ParallelMesh:
 
     def group(self, name: str) -> Any:
         """The process group of this rank along ``name``, or None when that dimension has size 1."""
-        dims = self.dims.side(name)
-        if self.size(name) == 1:
-            return None
-        mesh = self.dense if dims == DENSE_DIMS else self.moe
-        return mesh.get_group(name)
+        mesh = self.submesh(name)
+        return None if mesh is None else mesh.get_group()
 
     def submesh(self, name: str) -> Any:
         """The one-dimensional DeviceMesh along ``name`` (for DTensor placements), or None at size 1."""
+        side = self.dims.side(name)  # an unknown name raises here, naming the dimensions
         if self.size(name) == 1:
             return None
-        mesh = self.dense if self.dims.side(name) == DENSE_DIMS else self.moe
-        return mesh[name]
+        return (self.dense if side == DENSE_DIMS else self.moe)[name]
 
 
 def _side_mesh(device_type: str, dims: ParallelDims, names: tuple[str, ...]) -> Any:
