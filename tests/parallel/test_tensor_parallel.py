@@ -23,10 +23,8 @@ def _config(kind, sequence_parallel=False):
     common = dict(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=FF)
     if kind == "dense":
         return MulaConfig.from_name("mula-tiny-dense", **common)
-    # under sequence parallelism each tp rank's router sees its part of the sequence: its load-balancing and z
-    # losses are those of that part (like a micro-batch's), not the whole sequence's; parity is checked without them
-    losses = dict(aux_loss_coef=0.0, z_loss_coef=0.0) if sequence_parallel else {}
-    return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=4, top_k=2, moe_impl="fast", **losses)
+    # a z-loss too: under sequence parallelism both router losses must be the whole sequence's
+    return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=4, top_k=2, moe_impl="fast", z_loss_coef=1e-3)
 
 
 def _batch(step):
@@ -188,7 +186,8 @@ def test_tensor_parallel_collectives_move_the_closed_form_bytes(kind, sp):
     """One forward + backward at TP=2, every collective recorded (DTensor's through the dispatch recorder): per
     tensor-parallel block (attention, dense MLP) one activation all-reduce forward and one backward (SP: a
     reduce-scatter and an all-gather each way), plus the embedding's and the LM head input's; the q/k norm's two
-    sums of squares per layer each way and the loss's three per-token all-reduces; ring bytes as in the ledger."""
+    sums of squares per layer each way and the loss's three per-token all-reduces; under SP one all-reduce of the
+    router statistics per MoE layer; ring bytes as in the ledger."""
     d, tokens, layers, s = 2, 2 * SEQ, 2, DTYPE.itemsize
     blocks = layers + (layers if kind == "dense" else 0)  # attention everywhere, MLP in dense layers
     activation = tokens * H * s
@@ -203,6 +202,8 @@ def test_tensor_parallel_collectives_move_the_closed_form_bytes(kind, sp):
     expected[("all_reduce", "tp.qk_norm.backward")] = (2 * layers, per_token)
     for tag in ("tp.ce.max", "tp.ce.target", "tp.ce.sum_exp"):
         expected[("all_reduce", tag)] = (1, per_token)
+    if sp and kind == "moe":  # each router's sequence statistics: counts, probability sums, lse^2, tokens (2E + 2)
+        expected[("all_reduce", "tp.sp.router")] = (layers, 2 * (d - 1) * (2 * 4 + 2) * s // d)
     for records in run_pooled_test(_ledger_rank, d, kind=kind, sp=sp, timeout=240):
         got = {}
         for op, tag, _, sent, level in records:

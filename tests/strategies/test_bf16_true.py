@@ -1,5 +1,6 @@
 """bf16-true against float32 under ``epso`` and ``zero_topo``: 20 optimizer steps of the same model, data and layout
-(4 ranks: DP 2 x EP 2 for epso; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2
+(4 ranks: DP 2 x EP 2 for epso, and its tensor-parallel layouts: TP 2 x DP 2, TP 2 folded with EP 2, with and
+without sequence parallelism; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2
 micro-batches per step), the relative loss difference printed and bounded.
 
 How tight the bound is: on learnable data (arithmetic sequences) at lr 1e-3 a correct bf16-true run stays within
@@ -21,6 +22,12 @@ from mula_lightning.testing import run_pooled_test
 
 STEPS, MICRO, LR = 20, 2, 1e-3
 BOUND = 2e-3  # largest relative loss difference bf16-true may show against float32 in any of the 20 steps
+EPSO_LAYOUTS = {
+    "epso": dict(ep_size=2),
+    "epso tp2": dict(tp_size=2),
+    "epso tp2 ep2": dict(tp_size=2, ep_size=2),
+    "epso tp2+sp ep2": dict(tp_size=2, sequence_parallel=True, ep_size=2),
+}
 V, T, B = 128, 32, 4
 
 
@@ -61,8 +68,8 @@ def _train(rank, world_size, strategy_name, precision, wrong_state):
 
     if wrong_state:
         _bf16_optimizer_state()
-    if strategy_name == "epso":
-        strategy = FabricEPSOStrategy(ep_size=2)
+    if strategy_name.startswith("epso"):
+        strategy = FabricEPSOStrategy(**EPSO_LAYOUTS[strategy_name])
     else:
         strategy = FabricZeroTopoStrategy(block_size=16, ranks_per_node=2, ranks_per_gpu=2)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
@@ -76,7 +83,7 @@ def _train(rank, world_size, strategy_name, precision, wrong_state):
         for step in range(STEPS):
             total = torch.zeros(())
             for micro in range(MICRO):
-                x = _batch(step, rank, micro)
+                x = _batch(step, strategy.distributed_sampler_kwargs["rank"], micro)  # tp ranks: one batch
                 with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
                     out = model(x, labels=x)
                     loss = (out.loss + 0.01 * out.aux_loss) / MICRO
@@ -109,7 +116,7 @@ def _relative_difference(strategy_name: str, wrong_state: bool) -> torch.Tensor:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy_name", ["epso", "zero_topo"])
+@pytest.mark.parametrize("strategy_name", [*EPSO_LAYOUTS, "zero_topo"])
 def test_bf16_true_follows_float32_within_the_bound(strategy_name):
     """bf16-true trains (the loss falls by more than 0.5 in 20 steps) and stays within BOUND of the float32 run in
     every step; its parameters are bf16 and its gradients are reduced in float32 (the ledger's records)."""

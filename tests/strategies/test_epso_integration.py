@@ -71,7 +71,7 @@ def _inject(bug):
 
         def init_without_dp(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            self.world_size = self.topology.ep_size
+            self.grad_divisor = self.topology.ep_size
 
         so.ShardedAdamW.__init__ = init_without_dp
     return undo

@@ -73,11 +73,11 @@ class _TinyLM(LightningModule):
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
 
-def _trainer(world_size, ep, mode="ep_aware", **kwargs):
+def _trainer(world_size, ep, mode="ep_aware", tp=1, **kwargs):
     return Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=EPSOStrategy(ep_size=ep, sharded_optimizer=mode),
+        strategy=EPSOStrategy(ep_size=ep, sharded_optimizer=mode, tp_size=tp, sequence_parallel=tp > 1),
         precision="64-true",
         accumulate_grad_batches=ACCUM,
         gradient_clip_val=CLIP,
@@ -85,38 +85,49 @@ def _trainer(world_size, ep, mode="ep_aware", **kwargs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=tp > 1,  # with TP, Lightning's sampler over the dense data-parallel ranks
         **kwargs,
     )
 
 
-def _loader(world_size, rank):
-    """Rank r reads samples r, r + W, ... (explicitly, so the test does not depend on Lightning's sampler)."""
+def _loader(world_size, rank, tp=1):
+    """Rank r reads samples r, r + W, ... (explicitly, so the test does not depend on Lightning's sampler); with
+    TP, Lightning's (shuffling) DistributedSampler over the W / tp dense data-parallel ranks decides."""
+    if tp > 1:
+        return DataLoader(_samples(world_size // tp), batch_size=MICRO, shuffle=False)
     return DataLoader(_samples(world_size)[rank::world_size], batch_size=MICRO, shuffle=False)
 
 
 def _full_state(module, trainer):
+    from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
+
+    if trainer.strategy.tp_size > 1:  # experts gathered over ep, tensor-parallel weights over tp
+        return {k: v.clone() for k, v in full_state_dict(module.model, trainer.strategy).items()}
     state = gather_expert_parallel_state_dict(module.model, trainer.strategy.topology.ep_group)
     return {k: v.clone() for k, v in state.items()}
 
 
-def _fit(rank, world_size, ep, epochs, save=None, resume=None, mode="ep_aware"):
+def _fit(rank, world_size, ep, epochs, save=None, resume=None, mode="ep_aware", tp=1):
     module = _TinyLM()
-    trainer = _trainer(world_size, ep, mode, max_epochs=epochs)
+    trainer = _trainer(world_size, ep, mode, tp, max_epochs=epochs)
     with CommLedger() as ledger:
-        trainer.fit(module, _loader(world_size, rank), ckpt_path=resume)
+        trainer.fit(module, _loader(world_size, rank, tp), ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
     reduce_scatters = len([r for r in ledger.records if r.op == "reduce_scatter" and r.tag.startswith("optimizer.")])
     return _full_state(module, trainer), reduce_scatters, trainer.global_step
 
 
-def _reference(world_size, steps):
+def _reference(world_size, steps, shuffled=False):
+    """One process standing for ``world_size`` data-parallel ranks; ``shuffled``: each rank reads what Lightning's
+    DistributedSampler gives it (epoch e: a permutation seeded 0 + e, rank r taking every W-th index from r)."""
     model = init_weights(MulaForCausalLM(_config()), seed=0).to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     data = _samples(world_size)
-    for _ in range(steps):
+    for epoch in range(steps):  # one step per epoch
+        if shuffled:
+            data = _samples(world_size)[torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))]
         losses = []
         for rank in range(world_size):  # rank r reads samples r, r + W, ...
             mine = data[rank::world_size]
@@ -164,6 +175,18 @@ def test_trainer_save_resume_equals_straight_run_and_reshards(tmp_path):
     for state, _, steps in at_two:
         assert steps == 2
         _assert_state_close(state, _reference(4, 2), "resharded to 2 ranks")
+
+
+@pytest.mark.distributed
+def test_trainer_tensor_parallel_folded_with_ep_resumes_to_the_straight_run(tmp_path):
+    """4 processes, TP=2 with sequence parallelism folded with EP=2, Lightning's own sampler over the 2 dense
+    data-parallel ranks: save after 2 steps (accumulation 2, clipping, LR schedule), resume for 1 more, and the
+    weights equal one process running the 2 data-parallel batches for 3 steps."""
+    path = str(tmp_path / "step2.ckpt")
+    run_pooled_test(_fit, 4, ep=2, tp=2, epochs=2, save=path, timeout=300)
+    for rank, (state, _, steps) in enumerate(run_pooled_test(_fit, 4, ep=2, tp=2, epochs=3, resume=path, timeout=300)):
+        assert steps == 3
+        _assert_state_close(state, _reference(2, 3, shuffled=True), f"tp2 x ep2 resumed, rank {rank}")
 
 
 def _bad(rank, world_size, case):

@@ -82,7 +82,7 @@ def _layout(strategy: Any) -> dict[str, Any]:
     }
     topology = getattr(strategy, "topology", None)
     if topology is not None:
-        layout.update(dp_size=topology.dp_size, ep_size=topology.ep_size)
+        layout.update(dp_size=topology.dp_size, ep_size=topology.ep_size, tp_size=topology.tp_size)
     return layout
 
 

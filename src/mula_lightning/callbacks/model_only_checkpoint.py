@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from mula_lightning.checkpoint.model_only_sharded import TRAINER_STATE_NAME
+from mula_lightning.parallel.params import is_dtensor
 from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.io import fsync_dir
 
@@ -48,7 +49,8 @@ def _mula_model(module: nn.Module) -> Any:
 def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.Tensor]:
     """Single-device state dict of ``module`` (its ``MulaForCausalLM`` if it holds one), experts gathered.
 
-    Collective over the expert-parallel group when the strategy has a topology with ``ep_size > 1``, and over every
+    Collective over the expert-parallel group when the strategy has a topology with ``ep_size > 1`` (over the
+    tensor-parallel group too with ``tp_size > 1``), and over every
     rank under ``zero_topo``, whose parameters hold no storage between steps (their values live in the engine's
     shards: reading ``module.state_dict()`` there would read freed memory).
     """
@@ -62,8 +64,11 @@ def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.
     if topology is not None and topology.ep_size > 1:
         from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 
-        return gather_expert_parallel_state_dict(target, topology.ep_group)
-    return dict(target.state_dict())
+        state = gather_expert_parallel_state_dict(target, topology.ep_group)
+    else:
+        state = dict(target.state_dict())
+    # tensor-parallel weights (DTensors) gathered over their tp group, in state-dict order on every rank
+    return {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}
 
 
 def _sharded_state(strategy: Any, mula: nn.Module) -> tuple[dict[str, Any], Any] | None:

@@ -4,8 +4,10 @@ Both sharded strategies (``epso`` and ``zero_topo``) write it, so ``mula export`
 resume at another layout read one format:
 
 * tensors: whatever state dicts the caller built with logical keys (model ``state_dict`` keys; optimizer states as
-  ``state.<param>.<exp_avg | exp_avg_sq | master>`` 1-D vectors), saved by ``torch.distributed.checkpoint``, which
-  reshards on load (a checkpoint written at DP=2 x EP=2 loads at DP=1 x EP=4 or in one process);
+  ``state.<param>.<exp_avg | exp_avg_sq | master>`` shaped like the parameter), saved by
+  ``torch.distributed.checkpoint``, which reshards on load (a checkpoint written at DP=2 x EP=2 x TP=2 loads at
+  DP=1 x EP=4 or in one process); a tensor saved in another shape with as many elements (optimizer states were 1-D
+  vectors before tensor parallelism) is read in the shape it was saved in, into the same memory;
 * ``metadata``: one bytes item holding tensors and plain data (loops, callbacks, schedulers, the step, the config),
   written by :func:`~mula_lightning.utils.safe_load.dumps_data` and read back with ``weights_only`` semantics.
 
@@ -23,9 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
+from mula_lightning.parallel.tensor_pieces import TensorPieces
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
-__all__ = ["METADATA_KEY", "NoCopySavePlanner", "load_dcp", "save_dcp", "saved_keys"]
+__all__ = ["METADATA_KEY", "NoCopySavePlanner", "as_saved_shape", "load_dcp", "save_dcp", "saved_keys"]
 
 #: the DCP item that holds the non-tensor state
 METADATA_KEY = "metadata"
@@ -111,6 +114,29 @@ def load_dcp(path: Path, targets: dict[str, Any], strict: bool = True) -> dict[s
         raise KeyError(f"{path}: the checkpoint has no {missing} (it holds {sorted(saved)})")
     for key in missing:
         del targets[key]
+    saved_sizes = {
+        fqn: tuple(item.size)
+        for fqn, item in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        if hasattr(item, "size")
+    }
+    for key, value in targets.items():
+        if isinstance(value, dict):
+            targets[key] = {k: as_saved_shape(v, saved_sizes.get(f"{key}.{k}")) for k, v in value.items()}
     targets[METADATA_KEY] = b""
     dcp_load(targets, path, strict)
     return loads_data(targets.pop(METADATA_KEY), path)
+
+
+def as_saved_shape(value: Any, saved: tuple[int, ...] | None) -> Any:
+    """``value`` (a target tensor of a load) seen in the shape ``saved`` it was saved in, over the same memory, when
+    that shape differs and has as many elements (a 1-D optimizer state of older checkpoints); otherwise itself.
+    DCP then checks everything else (a different number of elements still fails, naming the tensor)."""
+    if saved is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == saved:
+        return value
+    if torch.Size(saved).numel() != value.numel():
+        return value
+    if isinstance(value, TensorPieces):
+        return value.reshaped(saved)
+    if type(value) is torch.Tensor and value.is_contiguous():
+        return value.view(saved)
+    return value

@@ -16,7 +16,8 @@ nodes. :class:`DPScatteredSavePlanner` does that for our layout (rank = dp_rank 
 Optimizer shards are written by their owners and are never replicated in the plans, so they are untouched.
 
 Reads (:func:`load_model_once`): only one rank per model shard reads weights from storage - global rank 0 for
-non-expert tensors, the ``dp_rank == 0`` rank of each EP group for expert slices - and the replicas receive them
+replicated tensors, the ``dp_rank == 0`` rank of each EP group for expert slices, the ``dense_dp_rank == 0`` rank of
+each TP group for tensor-parallel slices - and the replicas receive them
 by broadcast (the paper's "model broadcasting": N ranks reading one file in parallel can hang a shared
 filesystem). Each owner still reads its own optimizer shard, which nobody else holds.
 """
@@ -27,12 +28,11 @@ import dataclasses
 import zlib
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.planner import SavePlan
 
 from mula_lightning.checkpoint.dcp_format import NoCopySavePlanner
-from mula_lightning.parallel.params import is_expert_param
+from mula_lightning.parallel.parallelize import broadcast_from_readers, reads_shard
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.dist import is_distributed
 
@@ -111,30 +111,22 @@ class SpreadReplicasSavePlanner(NoCopySavePlanner):
         ]
 
 
-def reads_model_key(name: str, topology: MoETopology) -> bool:
-    """Whether this rank reads model tensor ``name`` from storage (else it receives it by broadcast)."""
-    if is_expert_param(name) and topology.ep_size > 1:
-        return topology.dp_rank == 0
-    return topology.rank == 0
+def reads_model_key(name: str, topology: MoETopology, tensor: Any = None) -> bool:
+    """Whether this rank reads model tensor ``name`` (``tensor``: its logical value here, which tells a
+    tensor-parallel slice) from storage, else it receives it by broadcast (:func:`broadcast_model`)."""
+    return reads_shard(name, tensor, topology)
 
 
 def broadcast_model(model: nn.Module, topology: MoETopology) -> None:
     """Send every model tensor from its reader (see :func:`reads_model_key`) to its replicas, in place."""
-    if not is_distributed() or topology.world_size == 1:
-        return
-    for name, tensor in model.state_dict().items():
-        if is_expert_param(name) and topology.ep_size > 1:
-            if topology.dp_size > 1:
-                dist.broadcast(tensor, src=topology.ep_rank, group=topology.dp_group)
-        else:
-            dist.broadcast(tensor, src=0)
+    broadcast_from_readers(model, topology)
 
 
 def load_model_once(model_state: dict[str, Any], topology: MoETopology) -> dict[str, Any]:
     """The part of a logical model state dict this rank must read; call :func:`broadcast_model` after the load."""
     if not is_distributed() or topology.world_size == 1:
         return model_state
-    return {k: v for k, v in model_state.items() if reads_model_key(k, topology)}
+    return {k: v for k, v in model_state.items() if reads_model_key(k, topology, v)}
 
 
 __all__ = [

@@ -15,6 +15,12 @@ load balancing, router z-loss) are computed here, per layer and per micro-batch,
 choice (before capacity drops) and returned unweighted; the block weights them by the config's
 coefficients.
 
+Sequence parallelism splits a sequence's tokens over ranks, yet the losses are those of the whole sequence
+(Megatron's ``sequence_partition_group``): a router given ``sequence_reduce`` (a sum over those ranks, set by tensor
+parallelism) sums the expert counts, token counts and statistics of its rank's tokens with the others'
+(:func:`sequence_parallel_router_losses`, one all-reduce of ``2E + 2`` values), so every rank reports the
+sequence's losses while its backward carries only its own tokens' share: the shares' sum is the sequence's gradient.
+
 Capacity: expert e may take ``ceil(capacity_factor * S * K / E)`` (token, k) pairs; pairs beyond that are
 dropped in token order (row-major over ``(S, K)``): their index becomes -1 and their weight 0.
 
@@ -28,7 +34,7 @@ and its backward. The weights of the chosen experts are recomputed from the logi
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -80,6 +86,35 @@ def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> tor
 def router_z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
     """ST-MoE router z-loss: mean over tokens of ``logsumexp(logits)^2``."""
     return torch.logsumexp(logits_SE, dim=-1).square().mean()
+
+
+def sequence_parallel_router_losses(
+    logits_SE: torch.Tensor,
+    probs_SE: torch.Tensor,
+    indices_SK: torch.Tensor,
+    sequence_reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`load_balancing_loss` and :func:`router_z_loss` of a sequence split over ranks, from this rank's part.
+
+    ``sequence_reduce`` sums a tensor over the ranks holding the other parts (no autograd). Each loss is
+    ``share + (whole - share).detach()``: its value is the whole sequence's on every rank, its gradient the share of
+    this rank's tokens (``f_e`` and the token count are the sequence's, the router probabilities this rank's), so
+    the ranks' backwards add up to the whole sequence's gradient.
+    """
+    num_tokens, num_experts = probs_SE.shape
+    lse_sq_S = torch.logsumexp(logits_SE, dim=-1).square()
+    with torch.no_grad():
+        counts_E = torch.zeros(num_experts, dtype=probs_SE.dtype, device=probs_SE.device)
+        counts_E.scatter_add_(0, indices_SK.reshape(-1), torch.ones_like(indices_SK, dtype=probs_SE.dtype).reshape(-1))
+        local = torch.cat([counts_E, probs_SE.sum(0), lse_sq_S.sum()[None], counts_E.new_tensor([num_tokens])])
+        total = sequence_reduce(local)
+        counts_E, prob_sums_E, lse_sq, tokens = total[:num_experts], total[num_experts:-2], total[-2], total[-1]
+        f_E = counts_E / tokens.clamp(min=1)
+        whole_lb = num_experts * torch.sum(f_E * prob_sums_E) / tokens.clamp(min=1)
+        whole_z = lse_sq / tokens.clamp(min=1)
+    share_lb = num_experts * torch.sum(f_E * probs_SE.sum(0)) / tokens.clamp(min=1)
+    share_z = lse_sq_S.sum() / tokens.clamp(min=1)
+    return share_lb + (whole_lb - share_lb).detach(), share_z + (whole_z - share_z).detach()
 
 
 def uniform_routing_indices(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> torch.Tensor:
@@ -168,6 +203,8 @@ class Router(nn.Module):
         self.capacity_factor = capacity_factor
         self.forced_uniform_routing = forced_uniform_routing
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        # a sum over the ranks that hold the other parts of this rank's sequences (sequence parallelism), or None
+        self.sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -204,8 +241,11 @@ class Router(nn.Module):
         else:
             weights_SK = torch.softmax(logits_SE.gather(1, indices_SK), dim=-1)
 
-        lb_loss = load_balancing_loss(probs_SE, indices_SK)
-        z_loss = router_z_loss(logits_SE)
+        if self.sequence_reduce is not None:
+            lb_loss, z_loss = sequence_parallel_router_losses(logits_SE, probs_SE, indices_SK, self.sequence_reduce)
+        else:
+            lb_loss = load_balancing_loss(probs_SE, indices_SK)
+            z_loss = router_z_loss(logits_SE)
 
         with torch.no_grad():
             if final_SK is None:

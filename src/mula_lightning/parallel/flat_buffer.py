@@ -13,7 +13,8 @@ sharded over the same group). Its layout:
 
 ``param.data`` becomes a view into ``params`` (so an all-gather into a bucket refreshes the model in place)
 and gradients are accumulated into ``grads`` (a separate buffer, possibly of another dtype) by hooks.
-Padding elements stay zero in both buffers.
+Padding elements stay zero in both buffers. A tensor-parallel parameter (a DTensor) is laid out by its local
+shard: the buffer holds what this rank holds, and the DTensor's local tensor becomes the view.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from mula_lightning.parallel.params import local_tensor, set_local_storage
 
 
 @dataclass
@@ -138,7 +141,7 @@ class FlatBuffer:
             nonlocal offset
             start = offset
             for name, p, g in current:
-                slot = ParamSlot(name, p, g, offset, p.numel(), len(self.buckets))
+                slot = ParamSlot(name, p, g, offset, local_tensor(p).numel(), len(self.buckets))
                 self.slots.append(slot)
                 offset += p.numel()
             multiple = shard_count * align
@@ -151,7 +154,7 @@ class FlatBuffer:
         running = 0
         for item in ordered:
             current.append(item)
-            running += item[1].numel()
+            running += local_tensor(item[1]).numel()
             if bucket_numel is not None and running >= bucket_numel:
                 close_bucket()
                 running = 0
@@ -162,7 +165,7 @@ class FlatBuffer:
         self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for slot in self.slots:
-                view = self.params[slot.start : slot.end].view_as(slot.param)
+                view = self.params[slot.start : slot.end].view_as(local_tensor(slot.param))
                 if slot.param.is_meta and initial_value is not None:
                     view.copy_(initial_value(slot.param))
                     # .data, as for a real parameter below: a Parameter built on the view would share the buffer's
@@ -172,8 +175,8 @@ class FlatBuffer:
                     self.replaced[id(slot.param)] = new
                     slot.param = new
                 else:
-                    view.copy_(slot.param.data)
-                    slot.param.data = view
+                    view.copy_(local_tensor(slot.param).detach())
+                    set_local_storage(slot.param, view)
         # after the parameters moved in (their old storage is freed one by one): the peak is two model-sized buffers,
         # not three
         grad_numel = self.numel if allocate_grads else 0

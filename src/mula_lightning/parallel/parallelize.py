@@ -2,7 +2,10 @@
 
 The order matters and is the same everywhere (the strategies call :func:`parallelize`):
 
-1. **Expert parallelism** first: it replaces MoE blocks and cuts expert tensors to the local slice, so every
+0. **Tensor parallelism** (``topology.tp_size > 1``) first: it turns the attention, dense MLP, embedding and LM
+   head weights of every Mula model into DTensors sharded over ``tp`` (on the meta device too: nothing is
+   materialised whole), and installs the vocabulary-parallel loss.
+1. **Expert parallelism** next: it replaces MoE blocks and cuts expert tensors to the local slice, so every
    later step sees the final modules and parameter shapes.
 2. **Activation checkpointing** next: whole decoder layers or the selected parts
    (:mod:`~mula_lightning.parallel.activation_checkpointing`), EP collectives included, which are then re-run in
@@ -33,7 +36,13 @@ from mula_lightning.parallel.activation_checkpointing import (
     parse_activation_checkpointing,
 )
 from mula_lightning.parallel.expert_parallel import apply_expert_parallel
-from mula_lightning.parallel.params import is_expert_param, logical_name
+from mula_lightning.parallel.params import (
+    is_dtensor,
+    is_expert_param,
+    is_tensor_parallel,
+    local_tensor,
+    logical_name,
+)
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.dist import is_distributed
 
@@ -46,7 +55,20 @@ def parallelize(
     activation_checkpointing: bool | str | list[str] = False,
     compile: bool | dict[str, Any] = False,
 ) -> nn.Module:
-    """EP -> activation checkpointing -> compile, in place (see the module docstring); returns ``model``."""
+    """TP -> EP -> activation checkpointing -> compile, in place (see the module docstring); returns ``model``.
+
+    Raises:
+        ValueError: with tensor parallelism, when the module holds no Mula model or ``tp_size`` does not divide a
+            size of one (naming them).
+    """
+    if topology.tp_size > 1:  # 0. tensor parallelism
+        from mula_lightning.parallel.tensor_parallel import apply_tensor_parallel
+
+        mulas = _mula_models(model)
+        if not mulas:
+            raise ValueError(f"tp_size ({topology.tp_size}) > 1 needs a MulaForCausalLM inside the module")
+        for _, mula in mulas:
+            apply_tensor_parallel(mula, topology.tp_mesh, sequence_parallel=topology.sequence_parallel)
     if topology.ep_size > 1:  # 1. expert parallelism
         apply_expert_parallel(model, topology.ep_group, dispatcher=dispatcher)
     if parse_activation_checkpointing(activation_checkpointing):  # 2. activation checkpointing
@@ -93,31 +115,53 @@ def materialize_and_broadcast(
     """Give every rank the same initial weights, reading or drawing them once per shard.
 
     A model on the meta device is allocated on ``device``; on the ranks with ``dp_rank == 0`` (one per expert
-    slice) every parameter of a Mula model is drawn from (seed, single-device name) on the full tensor and
-    sliced, or, with ``weights``, read from it: ``weights.read(config, name, rows)`` returns the parameter of
-    single-device name ``name`` (rows ``rows`` of it for an expert slice; see
-    :class:`~mula_lightning.checkpoint.init_source.InitWeights`); other modules get ``reset_parameters()``. Then
-    non-expert tensors are broadcast from global rank 0 and expert slices from the ``dp_rank == 0`` rank of each DP
-    group, so one process, DDP and every DP x EP layout start bit-identical and only one rank per shard ever
-    initialises or reads.
+    slice) or ``dense_dp_rank == 0`` (one per tensor-parallel slice) every parameter of a Mula model is drawn from
+    (seed, single-device name) on the full tensor and sliced, or, with ``weights``, read from it:
+    ``weights.read(config, name, rows)`` returns the parameter of single-device name ``name`` (rows ``rows`` of it
+    for an expert slice; see :class:`~mula_lightning.checkpoint.init_source.InitWeights`); other modules get
+    ``reset_parameters()``. Then replicated tensors are broadcast from global rank 0, expert slices from the
+    ``dp_rank == 0`` rank of each DP group and tensor-parallel slices from the ``dense_dp_rank == 0`` rank of each
+    dense DP group, so one process, DDP and every DP x EP x TP layout start bit-identical and only one rank per
+    shard ever initialises or reads.
     """
     was_meta = any(p.is_meta for p in model.parameters())
     if weights is not None and not was_meta:
         raise ValueError("weights to read need a model built on the meta device (its values would be overwritten)")
     if was_meta:
         _to_empty_meta_only(model, device)
-        if topology.dp_rank == 0:
+        if topology.dp_rank == 0 or topology.dense_dp_rank == 0:
             _initialise(model, topology, seed, weights)
     else:
         model.to(device)
-    if broadcast and is_distributed() and topology.world_size > 1:
-        for name, tensor in model.state_dict().items():
-            if is_expert_param(name) and topology.ep_size > 1:
-                if topology.dp_size > 1:
-                    dist.broadcast(tensor, src=topology.ep_rank, group=topology.dp_group)
-            else:
-                dist.broadcast(tensor, src=0)
+    if broadcast:
+        broadcast_from_readers(model, topology)
     return model
+
+
+def reads_shard(name: str, tensor: Any, topology: MoETopology) -> bool:
+    """Whether this rank is the one that reads (or draws) model tensor ``name`` for its replicas: global rank 0 for a
+    replicated tensor, the ``dp_rank == 0`` rank of each EP group for an expert slice, the ``dense_dp_rank == 0`` rank
+    of each ``tp`` group for a tensor-parallel slice; the others receive it from :func:`broadcast_from_readers`."""
+    if is_expert_param(name) and topology.ep_size > 1:
+        return topology.dp_rank == 0
+    if is_tensor_parallel(tensor):
+        return topology.dense_dp_rank == 0
+    return topology.rank == 0
+
+
+def broadcast_from_readers(model: nn.Module, topology: MoETopology) -> None:
+    """Send every model tensor from its reader (:func:`reads_shard`) to its replicas, in place (collective)."""
+    if not is_distributed() or topology.world_size == 1:
+        return
+    for name, tensor in model.state_dict().items():
+        if is_expert_param(name) and topology.ep_size > 1:
+            if topology.dp_size > 1:  # the dp_rank == 0 member of the group is global rank ep_rank
+                dist.broadcast(tensor, src=topology.ep_rank, group=topology.dp_group)
+        elif is_tensor_parallel(tensor):
+            if topology.dense_dp_size > 1:  # the dense_dp_rank == 0 member of the group is global rank tp_rank
+                dist.broadcast(local_tensor(tensor), src=topology.tp_rank, group=topology.dense_dp_group)
+        else:
+            dist.broadcast(local_tensor(tensor), src=0)
 
 
 def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]] | None:
@@ -203,6 +247,16 @@ def _to_empty_meta_only(model: nn.Module, device: torch.device) -> None:
     model.to(device)  # everything is real now: this moves the rest, values kept (torchmetrics handles its states)
 
 
+def local_part(param: Any, full: torch.Tensor) -> torch.Tensor:
+    """The part of the full value ``full`` that this rank holds of the DTensor ``param`` (its ``Shard(d)``
+    placements cut ``full`` into even chunks, as ``distribute_tensor`` does; ``Replicate`` keeps it whole)."""
+    coordinate = param.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            full = full.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)[coordinate[mesh_dim]]
+    return full.to(param.dtype)
+
+
 def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any = None) -> None:
     covered: set[int] = set()
     for _, mula in _mula_models(model):
@@ -213,7 +267,10 @@ def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any
             shape = param.shape
             sliced = is_expert_param(name) and topology.ep_size > 1
             rows = slice(topology.ep_rank * shape[0], (topology.ep_rank + 1) * shape[0]) if sliced else None
-            if weights is not None:
+            if is_dtensor(param):  # a tensor-parallel slice: this rank's part of the full value
+                full = weights.read(config, name) if weights is not None else init_parameter(name, shape, config, seed)
+                local_tensor(param).copy_(local_part(param, full))
+            elif weights is not None:
                 param.copy_(weights.read(config, name, rows))
             elif sliced:
                 full = init_parameter(name, (config.num_experts, *shape[1:]), config, seed)

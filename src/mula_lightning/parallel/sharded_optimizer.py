@@ -27,10 +27,20 @@ gradient-accumulation window) the bucket's RS is launched asynchronously, overla
 clips by the global norm (each element counted once: a shard replicated R times is counted 1/R each), updates
 the owned fp32 shard with AdamW (decoupled weight decay), writes it into the parameters and all-gathers.
 
+Tensor parallelism (``topology.tp_size > 1``, ``ep_aware`` or ``none``): a third family, the weights sharded over
+``tp`` (DTensors), is replicated over the ``dense_dp`` group of ``W / tp`` ranks and sharded / reduced over it; the
+``tp`` ranks of one group read the same batch, so every family divides by ``dense_dp = W / tp``, the number of
+distinct batches. A gradient that is a full copy on each ``tp`` rank (a plain parameter fed the replicated residual
+stream, or a replicated DTensor's gradient) is first scaled by ``1/tp``, because the reduction over its replicas
+adds the ``tp`` copies; a partial one (sequence parallelism: each ``tp`` rank's norms, routers and experts saw its
+part of the sequence, and DTensor leaves the norm weights' gradients ``Partial``) is summed as it is. Sharding over
+exactly the ranks that replicate each family keeps EPSO's memory rule under folding.
+
 Bytes per rank (AdamW, P_ne / P_e = non-expert / expert elements of the full model, padding included):
 8 bytes of moments per owned element, plus 4 for an fp32 master copy when parameters are not fp32.
 Owned elements: none: P_ne + P_e/EP; dp (SO): P_ne/DP + P_e/(DP*EP); ep_aware (EPSO): P_ne/(DP*EP) +
-P_e/(DP*EP).
+P_e/(DP*EP); with TP, ep_aware: P_rep/W + P_tp/W + P_e/W (P_rep replicated, P_tp tensor-parallel elements): every
+element of the model is owned by exactly one rank.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from torch import nn
 from mula_lightning.parallel.collectives import all_gather_single, reduce_scatter_single
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
-from mula_lightning.parallel.params import is_expert_param, logical_name
+from mula_lightning.parallel.params import is_dtensor, is_expert_param, is_tensor_parallel, logical_name
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.precision import at_least_float32
 
@@ -115,24 +125,66 @@ class ZerosOnFirstUse(MutableMapping):
 
 
 def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
-    """The groups of the table in the module docstring for ``mode`` on ``topo``."""
+    """The groups of the table in the module docstring for ``mode`` on ``topo``.
+
+    Raises:
+        ValueError: for an unknown mode, or ``"dp"`` with tensor parallelism (its DP-only sharding is the paper's
+            baseline of DP x EP; under folding ``"ep_aware"`` shards every family over exactly its replicas).
+    """
     if mode not in MODES:
         raise ValueError(f"sharded_optimizer mode {mode!r} must be one of {MODES}")
+    if mode == "dp" and topo.tp_size > 1:
+        raise ValueError(
+            f"sharded_optimizer='dp' with tp_size ({topo.tp_size}) > 1 is not supported: it is the DP-only baseline "
+            "of DP x EP; use 'ep_aware' (each family sharded over exactly its replicas) or 'none'"
+        )
     w, dp, ep = topo.world_size, topo.dp_size, topo.ep_size
     world, dpg, epg = topo.world_group, topo.dp_group, topo.ep_group
+    ddp, ddpg = topo.dense_dp_size, topo.dense_dp_group
     if mode == "none":
         return {
             "non_expert": FamilyPlan("non_expert", None, 1, 0, world if w > 1 else None, w, topo.rank),
+            "tensor_parallel": FamilyPlan(
+                "tensor_parallel", None, 1, 0, ddpg if ddp > 1 else None, ddp, topo.dense_dp_rank
+            ),
             "expert": FamilyPlan("expert", None, 1, 0, dpg if dp > 1 else None, dp, topo.dp_rank),
         }
     expert = FamilyPlan("expert", dpg if dp > 1 else None, dp, topo.dp_rank, None, 1)
+    tensor_parallel = FamilyPlan("tensor_parallel", ddpg if ddp > 1 else None, ddp, topo.dense_dp_rank, None, 1)
     if mode == "dp":
         non_expert = FamilyPlan(
             "non_expert", dpg if dp > 1 else None, dp, topo.dp_rank, epg if ep > 1 else None, ep, topo.ep_rank
         )
     else:
         non_expert = FamilyPlan("non_expert", world if w > 1 else None, w, topo.rank, None, 1)
-    return {"non_expert": non_expert, "expert": expert}
+    return {"non_expert": non_expert, "tensor_parallel": tensor_parallel, "expert": expert}
+
+
+def family_of(name: str, param: Any) -> str:
+    """The family of a parameter: ``"expert"``, ``"tensor_parallel"`` (sharded over tp) or ``"non_expert"``."""
+    if is_expert_param(name):
+        return "expert"
+    return "tensor_parallel" if is_tensor_parallel(param) else "non_expert"
+
+
+def local_gradient(param: Any, tp_size: int, sequence_parallel: bool) -> tuple[torch.Tensor, float]:
+    """This rank's gradient of ``param`` as its flat buffer adds it, and the factor to add it with.
+
+    A shard's gradient is its own (factor 1); a partial sum over ``tp`` (DTensor's ``Partial``, or a plain
+    parameter under sequence parallelism, which saw this rank's part of the sequence) is summed by the family's
+    reduction as it is; a full copy on every ``tp`` rank (a replicated gradient, or a plain parameter fed the
+    replicated residual stream) is scaled by ``1/tp`` so the reduction's sum of the copies counts it once. Any other
+    placement is redistributed to the parameter's own first (a collective every rank runs in the same hook).
+    """
+    grad = param.grad
+    if not is_dtensor(grad):
+        return grad, (1.0 if sequence_parallel or tp_size == 1 else 1.0 / tp_size)
+    if any(p.is_partial() for p in grad.placements) and not is_tensor_parallel(param):
+        return grad.to_local(), 1.0
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(grad.device_mesh, param.placements)
+    replicated = all(p.is_replicate() for p in grad.placements)
+    return grad.to_local(), (1.0 / grad.device_mesh.size() if replicated else 1.0)
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -181,16 +233,18 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.mode = mode
         self.reduce_dtype = reduce_dtype
         self.world_size = topology.world_size
+        self.grad_divisor = topology.dense_dp_size  # distinct batches per step (W without tensor parallelism)
         self.plans = family_plans(mode, topology)
         self.require_grad_sync = True
         self._step = 0
         self._synced = False  # reductions of this step finished (clip_grad_norm_ may run them before step)
 
-        by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {"non_expert": [], "expert": []}
+        by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {"non_expert": [], "tensor_parallel": [],
+                                                                     "expert": []}  # fmt: skip
         for gi, group in enumerate(self.param_groups):
             for p in reversed(group["params"]):  # backward produces gradients roughly in reverse order
                 name = names[id(p)]
-                by_family["expert" if is_expert_param(name) else "non_expert"].append((name, p, gi))
+                by_family[family_of(name, p)].append((name, p, gi))
         self.buffers: dict[str, FlatBuffer] = {}
         for fam, items in by_family.items():
             if items:
@@ -267,7 +321,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _on_grad(self, param: nn.Parameter) -> None:
         fam, bucket, start, end = self._bucket_of[id(param)]
         buf = self.buffers[fam]
-        buf.grads[start:end].add_(param.grad.reshape(-1))
+        grad, factor = local_gradient(param, self.topology.tp_size, self.topology.sequence_parallel)
+        buf.grads[start:end].add_(grad.reshape(-1), alpha=factor)
         param.grad = None
         if not self.require_grad_sync:  # inside a gradient-accumulation window: accumulate only
             return
@@ -277,13 +332,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._launch(fam, bucket)
 
     def _launch(self, fam: str, bucket_index: int) -> None:
-        """Scale the bucket by 1/W and start its reduce-scatter (or all-reduce when states are replicated)."""
+        """Scale the bucket by 1/dense_dp (1/W without TP) and start its reduce-scatter (or all-reduce when states are
+        replicated)."""
         if (fam, bucket_index) in self._pending:
             return
         buf, plan = self.buffers[fam], self.plans[fam]
         b = buf.buckets[bucket_index]
         view = buf.grads[b.start : b.start + b.numel]
-        view.div_(self.world_size)
+        view.div_(self.grad_divisor)
         reduce_dtype = torch.float64 if view.dtype == torch.float64 else self.reduce_dtype
         send = view if view.dtype == reduce_dtype else view.to(reduce_dtype)
         work, out = None, None
@@ -324,7 +380,12 @@ class ShardedAdamW(torch.optim.Optimizer):
 
         For checking and debugging: together, the ranks' segments cover every element of the unsharded model
         (replicated shards appear once per replica). Call after :meth:`finish_grad_sync`.
+
+        Raises:
+            ValueError: under tensor parallelism, where a local shard is not one flat range of its parameter.
         """
+        if self.topology.tp_size > 1:
+            raise ValueError("owned_gradient_segments has no flat offsets under tensor parallelism (tp_size > 1)")
         out = []
         ep_rank, ep_size = self.topology.ep_rank, self.topology.ep_size
         for buf in self.buffers.values():

@@ -3,16 +3,18 @@
 Why logical keys: a checkpoint must load at another DP x EP layout, another sharding mode, or into one process
 (and be exportable to transformers), so nothing in it may depend on how the run was laid out.
 
-* Model: the single-device ``state_dict`` keys and shapes. Non-expert tensors are plain (replicated) tensors;
-  an expert tensor is a ``DTensor`` on the (dp, ep) mesh, ``[Replicate(), Shard(0)]``: EP rank r holds experts
-  ``[r*E/EP, (r+1)*E/EP)`` along dim 0.
-* Optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` as 1-D tensors of the parameter's full
-  ``numel`` (the layout of the optimizer, not of the model, decides where a state's ranges start). Each rank writes
-  the ranges it owns, as a :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` (one piece per owned range,
-  DCP's chunk format: checkpoints written with ``ShardedTensor`` before load unchanged); where a shard is replicated
+* Model: the single-device ``state_dict`` keys and shapes. Replicated tensors are plain tensors; an expert tensor is
+  a ``DTensor`` on the (dp, ep) mesh, ``[Replicate(), Shard(0)]``: EP rank r holds experts ``[r*E/EP, (r+1)*E/EP)``
+  along dim 0; a tensor-parallel weight is the DTensor tensor parallelism made of it (sharded over ``tp``).
+* Optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` shaped like the full parameter. Each rank writes
+  the elements it owns (a flat range of its local shard, cut into the few boxes of :func:`flat_range_boxes` and
+  placed where its shard sits in the full parameter), as a
+  :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` (DCP's chunk format); where a shard is replicated
   (the ``dp`` mode's non-expert states, the ``none`` mode), only the replica with ``cross_rank == 0`` writes it, and
   on load only that replica reads and then broadcasts to the others. ``step`` and the param groups'
-  hyper-parameters are plain values.
+  hyper-parameters are plain values. Checkpoints that stored the states as 1-D vectors of the parameter's numel
+  (before tensor parallelism) load unchanged: the loader reads each tensor in the shape it was saved in
+  (:func:`~mula_lightning.checkpoint.dcp_format.load_dcp`).
 
 DCP reshards on load: it reads, for every local shard of the target layout, the overlapping parts of the saved
 chunks, so saving at DP=2 x EP=2 and loading at DP=1 x EP=2 (or in one process) just works.
@@ -27,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mula_lightning.parallel.params import is_expert_param
+from mula_lightning.parallel.params import is_dtensor, is_expert_param, local_tensor
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
-from mula_lightning.parallel.tensor_pieces import TensorPieces
+from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.dist import is_distributed
 
@@ -52,15 +54,40 @@ def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:
     return out
 
 
-def _global_offset(name: str, local_numel: int, ep_rank: int, ep_size: int) -> int:
-    """Flat offset of a rank's local parameter inside the full parameter (expert slices are dim-0 chunks)."""
-    return ep_rank * local_numel if is_expert_param(name) and ep_size > 1 else 0
+def local_box(name: str, param: Any, topology: MoETopology) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(full shape, offsets of this rank's local part in it) of a parameter: a DTensor's chunk along each sharded
+    dimension (``torch.chunk``'s even cut, as tensor parallelism distributes), an expert slice along dim 0, or the
+    whole tensor."""
+    local = tuple(local_tensor(param).shape)
+    if is_dtensor(param):
+        full, offsets = tuple(param.shape), [0] * len(local)
+        coordinate = param.device_mesh.get_coordinate()
+        for mesh_dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                size = param.device_mesh.size(mesh_dim)
+                offsets[placement.dim] += coordinate[mesh_dim] * -(-full[placement.dim] // size)
+        return full, tuple(offsets)
+    if is_expert_param(name) and topology.ep_size > 1:
+        return (local[0] * topology.ep_size, *local[1:]), (topology.ep_rank * local[0], *[0] * (len(local) - 1))
+    return local, (0,) * len(local)
 
 
-def vector_pieces(local: list[tuple[int, torch.Tensor]], numel: int, like: torch.Tensor) -> Any:
-    """A 1-D logical vector of length ``numel`` of which this rank holds ``local`` ``(offset, values)`` ranges: a
+def state_pieces(
+    local: list[tuple[int, torch.Tensor]],
+    local_shape: tuple[int, ...],
+    box: tuple[tuple[int, ...], tuple[int, ...]],
+    like: torch.Tensor,
+) -> Any:
+    """A parameter-shaped optimizer state of which this rank holds ``local`` ``(flat offset in the local shard,
+    values)`` ranges, its local shard sitting at ``box = (full shape, offsets)``: a
     :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` for DCP (an empty one on a rank that writes none)."""
-    return TensorPieces((numel,), [((off,), t) for off, t in local], dtype=like.dtype, device=like.device)
+    full, offsets = box
+    pieces = [
+        (tuple(o + b for o, b in zip(inner, offsets)), piece)
+        for start, values in local
+        for inner, piece in flat_range_pieces(values, local_shape, start, start + values.numel())
+    ]
+    return TensorPieces(full, pieces, dtype=like.dtype, device=like.device)
 
 
 def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
@@ -75,18 +102,18 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
         plan = optimizer.plans[fam]
         state = optimizer.shards[fam]
         for slot in buf.slots:
-            full_numel = slot.numel * (topo.ep_size if is_expert_param(slot.name) and topo.ep_size > 1 else 1)
-            base = _global_offset(slot.name, slot.numel, topo.ep_rank, topo.ep_size)
+            box = local_box(slot.name, slot.param, topo)
+            local_shape = tuple(local_tensor(slot.param).shape)
             mine = [seg for seg in buf.segments if seg.slot.name == slot.name] if plan.cross_rank == 0 else []
             for key in _STATE_KEYS:
                 if key not in state:
                     continue
                 vec = state[key]
-                local = [(base + seg.param_start, vec[seg.local_start : seg.local_start + seg.numel]) for seg in mine]
+                local = [(seg.param_start, vec[seg.local_start : seg.local_start + seg.numel]) for seg in mine]
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = vector_pieces(local, full_numel, vec)
-                else:
-                    out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]) if local else vec.new_zeros(0)
+                    out[f"state.{slot.name}.{key}"] = state_pieces(local, local_shape, box, vec)
+                else:  # one process holds every element: the whole state, in the parameter's shape
+                    out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]).view(local_shape)
     return out
 
 
@@ -104,7 +131,7 @@ def apply_optimizer_state_dict(optimizer: ShardedAdamW, state: dict[str, Any]) -
             for seg in buf.segments:
                 for key in _STATE_KEYS:
                     if key in optimizer.shards[fam]:
-                        src = state[f"state.{seg.slot.name}.{key}"]
+                        src = state[f"state.{seg.slot.name}.{key}"].reshape(-1)  # any saved shape
                         optimizer.shards[fam][key][seg.local_start : seg.local_start + seg.numel].copy_(
                             src[seg.param_start : seg.param_start + seg.numel]
                         )
@@ -123,5 +150,5 @@ def apply_optimizer_state_dict(optimizer: ShardedAdamW, state: dict[str, Any]) -
 def _cross_root(fam: str, mode: str, topo: MoETopology) -> int:
     """Global rank of the ``cross_rank == 0`` replica of this rank's shard."""
     if mode == "none":
-        return 0 if fam == "non_expert" else topo.ep_rank
+        return {"non_expert": 0, "tensor_parallel": topo.tp_rank}.get(fam, topo.ep_rank)
     return topo.dp_rank * topo.ep_size  # dp mode, non-expert: ep_rank 0 of the same dp_rank

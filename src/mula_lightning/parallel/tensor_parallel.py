@@ -16,7 +16,9 @@ Over the ``tp`` ranks of one :class:`~mula_lightning.parallel.mesh.ParallelMesh`
 Sequence parallelism (``sequence_parallel=True``, Megatron's): between the tensor-parallel blocks the residual
 stream stays split over ``tp`` along the sequence; row-wise outputs are reduce-scattered and column-wise inputs
 all-gathered (the same bytes as one all-reduce), and the norms, the residual adds and the MoE blocks work on
-``1/tp`` of the tokens, so their activations take ``1/tp`` of the memory.
+``1/tp`` of the tokens, so their activations take ``1/tp`` of the memory. The routers' load-balancing and z losses
+stay those of the whole sequence (:func:`~mula_lightning.moe.router.sequence_parallel_router_losses`: one
+all-reduce of ``2E + 2`` statistics per MoE layer over ``tp``).
 
 Every tensor-parallel weight is a DTensor sharded over the ``tp`` mesh, so DCP checkpoints keep logical
 single-device keys and shapes. Norms, routers and experts stay plain tensors replicated over ``tp``; their gradients
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mula_lightning.models.transformer import MulaAttention, MulaForCausalLM, MulaMLP, RMSNorm
+from mula_lightning.moe.router import Router
 from mula_lightning.parallel.collectives import all_reduce
 from mula_lightning.utils.precision import upcast
 
@@ -167,15 +170,16 @@ def _shared_input(sequence_parallel: bool, extra: int = 0) -> Any:
 
 def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_parallel: bool = False) -> MulaForCausalLM:
     """Shard ``model``'s attention, dense MLPs, embedding and LM head over ``tp_mesh`` in place (see the module
-    docstring); returns ``model``. Call on a materialised model, before expert parallelism's dispatchers.
+    docstring); returns ``model``. Call before expert parallelism's dispatchers, on a materialised model or on the
+    meta device (the strategies materialise each rank's shards afterwards).
 
     Args:
         sequence_parallel: keep the residual stream, the norms and the MoE blocks' tokens split over ``tp`` along
             the sequence (Megatron's sequence parallelism): row-wise outputs are reduce-scattered instead of
             all-reduced, column-wise inputs all-gathered; norm weights become replicated DTensors (their gradients
             summed over ``tp``). Each ``tp`` rank's MoE blocks then route their own tokens: router and expert
-            gradients are partial sums to be summed over ``tp``, and the load-balancing loss is that of each
-            rank's tokens (as for a micro-batch). The sequence length must be divisible by ``tp``.
+            gradients are partial sums to be summed over ``tp``; the routers' auxiliary losses are the sequence's
+            (each rank's backward carries its tokens' share). The sequence length must be divisible by ``tp``.
 
     Raises:
         ValueError: naming the sizes ``tp_mesh.size()`` does not divide.
@@ -203,6 +207,10 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
     }
     if sp:
         plan["model.norm"] = SequenceParallel(use_local_output=True)
+        reduce = partial(all_reduce, group=tp_mesh.get_group(), tag="tp.sp.router")
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.sequence_reduce = reduce
     parallelize_module(model, tp_mesh, plan)
     vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)
     model.loss_function = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=tp_mesh.get_group())

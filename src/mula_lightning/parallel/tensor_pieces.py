@@ -20,6 +20,7 @@ partial, whole rows, trailing rows partial (at most ``2 * ndim - 1`` boxes), eac
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["TensorPieces", "flat_range_boxes", "flat_range_pieces", "map_held"]
+__all__ = ["TensorPieces", "flat_range_boxes", "flat_range_pieces", "flat_runs", "map_held"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, sizes)
 
@@ -174,6 +175,46 @@ class TensorPieces(torch.Tensor):
 
     def _pieces_at(self) -> list[tuple[int, ...]]:
         return [o for o, _ in self._pieces]
+
+    def reshaped(self, shape: Sequence[int]) -> TensorPieces:
+        """The same held memory as pieces of a logical tensor of another ``shape`` with as many elements (row-major
+        order kept): for reading a checkpoint that stored this tensor in another shape (a flat vector) in place.
+
+        Raises:
+            ValueError: when ``shape`` has another number of elements.
+        """
+        shape = torch.Size(shape)
+        if shape.numel() != self.shape.numel():
+            raise ValueError(f"cannot view a tensor of {tuple(self.shape)} as {tuple(shape)}")
+        pieces = []
+        for start, run in flat_runs(self.shape, self._pieces):
+            pieces.extend(flat_range_pieces(run, shape, start, start + run.numel()))
+        return TensorPieces(shape, pieces, dtype=self.dtype, device=self.device)
+
+
+def flat_runs(
+    shape: Sequence[int], pieces: list[tuple[tuple[int, ...], torch.Tensor]]
+) -> list[tuple[int, torch.Tensor]]:
+    """Each box of a row-major tensor of ``shape`` as its maximal flat-contiguous runs: ``(flat offset, 1-D view)``.
+
+    A box covers whole trailing dimensions from some dimension on; every index of the dimensions before that one is
+    one run (one run in all for a slice along the first dimension).
+    """
+    shape = tuple(int(d) for d in shape)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    runs = []
+    for offsets, piece in pieces:
+        if not piece.is_contiguous():  # a copy would not be the owner's memory
+            raise ValueError(f"a piece of {tuple(piece.shape)} at {offsets} is not contiguous: it has no flat runs")
+        k = len(shape)  # dims [k, ndim) of the box are whole
+        while k > 0 and piece.shape[k - 1] == shape[k - 1]:
+            k -= 1
+        outer = max(k - 1, 0)  # dims [0, outer) index the runs; dim outer (partial) and what follows are one run
+        for index in itertools.product(*(range(piece.shape[d]) for d in range(outer))):
+            start = sum((offsets[d] + index[d]) * strides[d] for d in range(outer))
+            start += offsets[outer] * strides[outer] if shape else 0
+            runs.append((start, piece[index].reshape(-1)))
+    return runs
 
 
 def map_held(value: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The DP x EP process layout and the process groups each parameter family reduces over.
+"""The DP x EP (x TP) process layout and the process groups each parameter family reduces over.
 
 Ranks are laid out with expert parallelism innermost, so an EP group is a run of consecutive ranks (the
 ranks of one node on a real machine, where all-gather / reduce-scatter of tokens is cheapest)::
@@ -15,9 +15,15 @@ Parameter families and who holds a copy of each element:
 * expert parameters: rank r holds experts ``[ep_rank*E/EP, (ep_rank+1)*E/EP)`` -> replicated over its
   ``dp`` group of DP ranks.
 
-The groups are the MoE side of one :class:`~mula_lightning.parallel.mesh.ParallelMesh` (its ``edp`` and ``ep``
-dimensions; ``dp`` here is the mesh's ``edp``), built once by every rank; a dimension of size 1 has no group
-(``None``), and every caller skips collectives over one rank.
+With tensor parallelism (``tp_size > 1``) the dense side of the same ranks is ``dense_dp x tp`` (tp innermost,
+MoE parallel folding: the mesh's ``dp`` and ``tp``), and a third family appears:
+
+* tensor-parallel parameters (DTensors sharded over ``tp``: attention, dense MLPs, embedding, LM head): rank r holds
+  its ``1/tp`` slice -> replicated over its ``dense_dp`` group of ``world / tp`` ranks.
+
+The groups come from one :class:`~mula_lightning.parallel.mesh.ParallelMesh` (``dp_size`` / ``dp_group`` here are
+the mesh's ``edp``, the replicas of an expert slice; ``dense_dp_*`` and ``tp_*`` its dense side), built once by
+every rank; a dimension of size 1 has no group (``None``), and every caller skips collectives over one rank.
 """
 
 from __future__ import annotations
@@ -33,14 +39,16 @@ from mula_lightning.utils.dist import is_distributed
 
 @dataclass
 class MoETopology:
-    """A DP x EP layout of the default process group.
+    """A DP x EP layout of the default process group, with the dense side's DP x TP folded over the same ranks.
 
     Attributes:
-        dp_size: data-parallel degree (replicas of each expert slice).
+        dp_size: data-parallel degree of the experts (replicas of each expert slice; the mesh's ``edp``).
         ep_size: expert-parallel degree (ways the experts are split).
         rank: this process's global rank.
-        ep_group / dp_group / world_group: process groups (``None`` when not distributed or of size 1;
-            ``world_group`` is the default group).
+        tp_size: tensor-parallel degree of the dense layers (1: none).
+        sequence_parallel: the residual stream is split over ``tp`` along the sequence (Megatron's SP).
+        ep_group / dp_group / world_group / tp_group / dense_dp_group: process groups (``None`` when not
+            distributed or of size 1; ``world_group`` is the default group).
         mesh: the :class:`ParallelMesh` the groups come from.
     """
 
@@ -51,10 +59,33 @@ class MoETopology:
     dp_group: Any = field(default=None, repr=False)
     world_group: Any = field(default=None, repr=False)
     mesh: ParallelMesh | None = field(default=None, repr=False)
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    tp_group: Any = field(default=None, repr=False)
+    dense_dp_group: Any = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
         return self.dp_size * self.ep_size
+
+    @property
+    def dense_dp_size(self) -> int:
+        """Data-parallel degree of the dense layers: the number of distinct batches per step (``world / tp``)."""
+        return self.world_size // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dense_dp_rank(self) -> int:
+        """Index of this rank's batch: the ranks of one ``tp`` group read the same one."""
+        return self.rank // self.tp_size
+
+    @property
+    def tp_mesh(self) -> Any:
+        """The one-dimensional ``tp`` DeviceMesh (DTensor placements of tensor-parallel weights), None at tp 1."""
+        return self.mesh.submesh("tp") if self.mesh is not None else None
 
     @property
     def ep_rank(self) -> int:
@@ -92,22 +123,24 @@ def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str
         raise ValueError(f"{value_name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
-def build_topology(ep_size: int) -> MoETopology:
-    """The DP x EP layout of the default process group, its groups taken from one ParallelMesh (collective).
+def build_topology(ep_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> MoETopology:
+    """The DP x EP (x TP) layout of the default process group, its groups taken from one ParallelMesh (collective).
 
-    Every rank must call this with the same ``ep_size``. Without an initialised process group (one process)
-    the layout is DP = EP = 1 and no group is created.
+    Every rank must call this with the same sizes. Without an initialised process group (one process) the layout
+    is DP = EP = TP = 1 and no group is created.
 
     Raises:
-        ValueError: when ``ep_size`` does not divide the world size.
+        ValueError: when ``ep_size`` or ``tp_size`` does not divide the world size (naming both).
     """
     if not is_distributed():
-        if ep_size != 1:
-            raise ValueError(f"ep_size ({ep_size}) > 1 needs an initialised process group of ep_size ranks or more")
+        for name, size in (("ep_size", ep_size), ("tp_size", tp_size)):
+            if size != 1:
+                raise ValueError(f"{name} ({size}) > 1 needs an initialised process group of {name} ranks or more")
         return MoETopology(dp_size=1, ep_size=1, rank=0)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     check_divisible(world_size, ep_size, "world size", "ep_size")
-    mesh = build_parallel_mesh(ParallelDims(world_size, ep=ep_size))
+    check_divisible(world_size, tp_size, "world size", "tp_size")
+    mesh = build_parallel_mesh(ParallelDims(world_size, tp=tp_size, ep=ep_size))
     return MoETopology(
         dp_size=world_size // ep_size,
         ep_size=ep_size,
@@ -116,4 +149,8 @@ def build_topology(ep_size: int) -> MoETopology:
         dp_group=mesh.group("edp"),
         world_group=dist.group.WORLD,
         mesh=mesh,
+        tp_size=tp_size,
+        sequence_parallel=bool(sequence_parallel and tp_size > 1),
+        tp_group=mesh.group("tp"),
+        dense_dp_group=mesh.group("dp"),
     )

@@ -1,11 +1,14 @@
-"""The ``"epso"`` strategy: DP x EP with the EP-aware sharded optimizer, for Fabric and for the Trainer.
+"""The ``"epso"`` strategy: DP x EP (x TP) with the EP-aware sharded optimizer, for Fabric and for the Trainer.
 
 Both classes are thin: they reuse Lightning's DDP strategies for launching, process groups and collectives,
 and delegate the work to :mod:`mula_lightning.parallel`:
 
-* setup (:func:`setup_epso_module`): build the DP x EP topology, make the model expert parallel
-  (:func:`~mula_lightning.parallel.parallelize.parallelize`: EP -> activation checkpointing -> compile),
+* setup (:func:`setup_epso_module`): build the topology (one DeviceMesh: dense ``dp x tp`` and MoE ``edp x ep``
+  folded over the same ranks), make the model tensor and expert parallel
+  (:func:`~mula_lightning.parallel.parallelize.parallelize`: TP -> EP -> activation checkpointing -> compile),
   materialise it and broadcast the initial weights from one rank per shard; no DDP wrapper;
+* the ``tp`` ranks of one group read the same batch: ``distributed_sampler_kwargs`` report the dense data-parallel
+  group (``world / tp`` replicas);
 * the user's ``torch.optim.AdamW`` becomes a :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW`
   (``sharded_optimizer="ep_aware" | "dp" | "none"``), whose hooks reduce gradients during backward;
 * gradient clipping goes to the sharded global-norm clip (value clipping raises); gradient accumulation
@@ -57,6 +60,8 @@ class EPSOSettings:
     """The user's choices for a DP x EP run (validated on construction)."""
 
     ep_size: int = 1
+    tp_size: int = 1
+    sequence_parallel: bool = False
     sharded_optimizer: str = "ep_aware"
     dispatcher: str = "allgather"
     reduce_dtype: torch.dtype = torch.float32
@@ -68,8 +73,17 @@ class EPSOSettings:
     upcycle: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.ep_size < 1:
-            raise ValueError(f"ep_size ({self.ep_size}) must be >= 1")
+        for name in ("ep_size", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("sequence_parallel=True splits the sequence over tensor-parallel ranks: set tp_size > 1")
+        if self.tp_size > 1 and self.sharded_optimizer == "dp":
+            raise ValueError(
+                f"sharded_optimizer='dp' with tp_size ({self.tp_size}) > 1 is not supported: it is the DP-only "
+                "baseline of DP x EP; use 'ep_aware' (each family sharded over exactly its replicas) or 'none'"
+            )
         if self.sharded_optimizer not in MODES:
             raise ValueError(f"sharded_optimizer ({self.sharded_optimizer!r}) must be one of {MODES}")
         if self.dispatcher not in DISPATCHERS:
@@ -98,7 +112,7 @@ def setup_epso_module(
             f"init_from ({weights.path}) and init_from_dense ({settings.init_from_dense}) both give the initial "
             "weights; keep one"
         )
-    topology = topology or build_topology(settings.ep_size)
+    topology = topology or build_topology(settings.ep_size, settings.tp_size, settings.sequence_parallel)
     parallelize(
         module,
         topology,
@@ -160,6 +174,13 @@ class EPSOOptions(ShardingOptions):
 
     Args:
         ep_size: expert-parallel degree (divides the world size and every MoE layer's experts).
+        tp_size: tensor-parallel degree of the dense layers (attention heads, dense MLPs, vocabulary; divides the
+            world size and those sizes), folded with ``ep_size`` over the same ranks (MoE parallel folding): the
+            ``tp`` ranks are consecutive (one node) and read the same batch.
+        sequence_parallel: with ``tp_size > 1``, split the residual stream, the norms and the MoE blocks' tokens
+            over ``tp`` along the sequence (Megatron's; the sequence length must divide by ``tp_size``). Without it,
+            MoE layers under TP route every token on each ``tp`` rank (correct, ``tp`` times the expert work):
+            turn it on for MoE models, as Megatron requires.
         sharded_optimizer: ``"ep_aware"`` (EPSO), ``"dp"`` (SO / ZeRO-1 over DP) or ``"none"`` (replicated).
         dispatcher: MoE token dispatch, ``"allgather"`` (Aurora) or ``"alltoall"``.
         reduce_dtype: dtype gradients are reduced in (``torch.float32``, or ``torch.bfloat16`` as in the paper).
@@ -192,11 +213,15 @@ class EPSOOptions(ShardingOptions):
         init_from_dense: str | None = None,
         upcycle: dict[str, Any] | None = None,
         async_save: bool = False,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
         self.settings = EPSOSettings(
             ep_size,
+            tp_size,
+            sequence_parallel,
             sharded_optimizer,
             dispatcher,
             reduce_dtype,
@@ -214,6 +239,18 @@ class EPSOOptions(ShardingOptions):
     @property
     def ep_size(self) -> int:
         return self.settings.ep_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.settings.tp_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """One replica per dense data-parallel group: the ``tp`` ranks of a group (consecutive ranks) read the
+        same batch; every other rank, expert-parallel peers included, reads its own."""
+        tp = self.settings.tp_size
+        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
 
     def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""

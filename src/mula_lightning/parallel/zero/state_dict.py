@@ -7,7 +7,7 @@ process:
 * model: the single-device ``state_dict`` keys and shapes, each parameter as the pieces of it in this rank's primary
   chunk (unquantized; :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces`, no gather): every weight group
   holds the whole model, DCP's planner writes each piece once; a load reads straight into the primary chunks;
-* optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` as 1-D tensors of the parameter's numel; each
+* optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` shaped like the parameter; each
   rank of the first optimizer group (``rank < o``) writes the ranges its optimizer chunk holds (DP-scattered: every
   writer writes ``1 / o`` of the states), and on load every rank reads its own ranges (no broadcast);
   ``step`` and the param groups' hyper-parameters as plain values.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mula_lightning.parallel.state_dict import vector_pieces
+from mula_lightning.parallel.state_dict import state_pieces
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.parallel.zero.collectives import all_gather_chunks
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
@@ -53,10 +53,11 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
             mine = [s for s in u.buf.segments if s.slot.name == slot.name] if writes else []
             for key, vec in vectors.items():
                 local = [(s.param_start, vec[s.local_start : s.local_start + s.numel]) for s in mine]
+                shape = tuple(slot.param.shape)
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = vector_pieces(local, slot.numel, vec)
-                else:
-                    out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]) if local else vec.new_zeros(0)
+                    out[f"state.{slot.name}.{key}"] = state_pieces(local, shape, (shape, (0,) * len(shape)), vec)
+                else:  # one process holds every element: the whole state, in the parameter's shape
+                    out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]).view(shape)
     return out
 
 
@@ -110,6 +111,7 @@ def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, A
                 for key, vec in vectors.items():
                     src = state.get(f"state.{seg.slot.name}.{key}")
                     if src is not None:
+                        src = src.reshape(-1)  # any saved shape
                         vec[seg.local_start : seg.local_start + seg.numel].copy_(
                             src[seg.param_start : seg.param_start + seg.numel]
                         )
