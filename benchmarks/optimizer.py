@@ -1,7 +1,8 @@
 """EPSO vs SO vs replicated AdamW: optimizer-state bytes per rank and shard-update time, side by side.
 
 Run: ``.venv/bin/python benchmarks/optimizer.py`` (CPU, gloo; 4 processes DP=2 x EP=2, then 8 processes
-DP=2 x EP=4). Add ``--total 24e6`` to change the model size (elements of the full model).
+DP=2 x EP=4, then the tensor-parallel layouts folded with EP: 4 processes TP=2 x DP=2 | EP=2 x EDP=2 and 8 processes
+TP=2 x DP=4 | EP=4 x EDP=2). Add ``--total 24e6`` to change the model size (elements of the full model).
 
 The model is synthetic on purpose: a non-expert family of P_ne elements (replicated on every rank) and an expert
 family of P_e elements (split over EP), in the proportions of Mula-20B-A2B (non-expert share f = 3.7%) and at
@@ -10,6 +11,9 @@ f = 0.25, scaled so that one update takes milliseconds. For each mode the benchm
 * optimizer-state bytes per rank, measured (``ShardedAdamW.state_bytes``) and from the closed form
   (8 bytes of AdamW moments per owned element, padding included; fp32 parameters, so no master copy):
   none: P_ne + P_e/EP; dp (SO): P_ne/DP + P_e/(DP*EP); ep_aware (EPSO): P_ne/(DP*EP) + P_e/(DP*EP);
+  with TP the non-expert family splits into tensor-parallel weights P_tp (99% of it here: attention, embeddings)
+  and replicated ones P_rep (norms, routers): none: P_rep + P_tp/TP + P_e/EP; ep_aware: P_rep/W + P_tp/W + P_e/W,
+  each family sharded over exactly its replicas (W = world; ``dp`` mode is the DP x EP baseline, not run with TP);
 * the time of the shard update alone (the AdamW arithmetic on the owned elements, between barriers; the
   slowest rank, best of the repetitions: the least-disturbed run, as ``timeit`` recommends), and the EPSO
   speed-up over SO next to the prediction
@@ -43,30 +47,42 @@ def non_expert_share(name: str) -> float:
 
 
 class Synthetic(nn.Module):
-    """One non-expert tensor and this rank's slice of one expert tensor (names as the optimizer classifies)."""
+    """One replicated tensor, this rank's slice of one expert tensor and, with a ``tp_mesh``, this rank's shard of
+    one tensor-parallel weight of ``p_tp`` elements (a DTensor; names as the optimizer classifies)."""
 
-    def __init__(self, p_ne: int, p_e_local: int) -> None:
+    def __init__(self, p_ne: int, p_e_local: int, p_tp: int = 0, tp_mesh: object = None) -> None:
         super().__init__()
-        self.attn = nn.Module()
-        self.attn.weight = nn.Parameter(torch.randn(p_ne) * 0.02)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.randn(p_ne) * 0.02)
         self.mlp = nn.Module()
         self.mlp.experts = nn.Module()
         self.mlp.experts.weight = nn.Parameter(torch.randn(p_e_local) * 0.02)
+        if p_tp:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            self.attn = nn.Module()
+            self.attn.weight = nn.Parameter(distribute_tensor(torch.randn(p_tp) * 0.02, tp_mesh, [Shard(0)]))
 
 
-def _measure(rank: int, world_size: int, ep: int, p_ne: int, p_e: int, reps: int) -> dict:
+def _modes(tp: int) -> tuple[str, ...]:
+    return tuple(m for m in MODES if tp == 1 or m != "dp")
+
+
+def _measure(rank: int, world_size: int, ep: int, p_ne: int, p_e: int, reps: int, tp: int = 1, p_tp: int = 0) -> dict:
     torch.set_num_threads(1)
-    topo = build_topology(ep)
+    topo = build_topology(ep, tp)
     optimizers = {}
-    for mode in MODES:
-        opt = ShardedAdamW(Synthetic(p_ne, p_e // ep), topo, mode, bucket_numel=None, lr=1e-4)
+    for mode in _modes(tp):
+        model = Synthetic(p_ne, p_e // ep, p_tp, topo.tp_mesh)
+        opt = ShardedAdamW(model, topo, mode, bucket_numel=None, lr=1e-4)
         for buf in opt.buffers.values():
             buf.grads.normal_()
         opt._step = 1  # as inside step(): the update uses the bias corrections of step 1
         optimizers[mode] = opt
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    modes = _modes(tp)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     for rep in range(reps + 1):  # repetition 0 warms up (first touch of the moment buffers) and is dropped
-        order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]  # interleaved, rotating order
+        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]  # interleaved, rotating order
         for mode in order:
             opt = optimizers[mode]
             elapsed = torch.zeros(1)
@@ -80,18 +96,22 @@ def _measure(rank: int, world_size: int, ep: int, p_ne: int, p_e: int, reps: int
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
             if rep:
                 times[mode].append(elapsed.item())
-    return {mode: (optimizers[mode].state_bytes(), min(times[mode])) for mode in MODES}
+    return {mode: (optimizers[mode].state_bytes(), min(times[mode])) for mode in modes}
 
 
-def closed_form_bytes(mode: str, p_ne: int, p_e: int, dp: int, ep: int) -> int:
+def closed_form_bytes(mode: str, p_ne: int, p_e: int, dp: int, ep: int, tp: int = 1, p_tp: int = 0) -> int:
+    """8 bytes of AdamW moments per owned element (each family padded to a multiple of its shard group); ``dp`` is
+    the experts' data-parallel degree (world / ep); the tensor-parallel family is replicated over world / tp."""
+
     def ceil(a: int, b: int) -> int:
         return -(-a // b)
 
-    p_e_local = p_e // ep
+    world = dp * ep
+    p_e_local, p_tp_local = p_e // ep, p_tp // tp
     owned = {
-        "none": p_ne + p_e_local,
+        "none": p_ne + p_e_local + p_tp_local,
         "dp": ceil(p_ne, dp) * 1 + ceil(p_e_local, dp),
-        "ep_aware": ceil(p_ne, dp * ep) + ceil(p_e_local, dp),
+        "ep_aware": ceil(p_ne, world) + ceil(p_e_local, dp) + (ceil(p_tp_local, world // tp) if p_tp else 0),
     }[mode]
     return 8 * owned
 
@@ -110,21 +130,27 @@ def main() -> None:
     )
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
-    for world, ep in ((4, 2), (8, 4)):
+    for world, ep, tp in ((4, 2, 1), (8, 4, 1), (4, 2, 2), (8, 4, 2)):
         dp = world // ep
+        layout = f"DP={dp} x EP={ep}" if tp == 1 else f"TP={tp} | EP={ep}"
         for label, f in cases:
-            p_ne = int(total * f)
-            p_e = (total - p_ne) // ep * ep
-            results = run_distributed_test(_measure, world, ep=ep, p_ne=p_ne, p_e=p_e, reps=args.reps, timeout=600)[0]
-            so, epso = results["dp"][1], results["ep_aware"][1]
-            for mode in MODES:
+            p_non_expert = int(total * f)
+            p_e = (total - p_non_expert) // ep * ep
+            # with TP the non-expert family is mostly tensor-parallel weights; norms and routers stay replicated
+            p_tp = (p_non_expert * 99 // 100) // tp * tp if tp > 1 else 0
+            p_ne = p_non_expert - p_tp
+            results = run_distributed_test(
+                _measure, world, ep=ep, p_ne=p_ne, p_e=p_e, reps=args.reps, tp=tp, p_tp=p_tp, timeout=600
+            )[0]
+            for mode in _modes(tp):
                 nbytes, seconds = results[mode]
-                expected = closed_form_bytes(mode, p_ne, p_e, dp, ep)
+                expected = closed_form_bytes(mode, p_ne, p_e, dp, ep, tp, p_tp)
                 mark = "=" if nbytes == expected else "!="
-                speed = f"{so / epso:.2f}x" if mode == "ep_aware" else ""
-                pred = f"{1 + (ep - 1) * f:.2f}x" if mode == "ep_aware" else ""
+                compare = mode == "ep_aware" and tp == 1
+                speed = f"{results['dp'][1] / seconds:.2f}x" if compare else ""
+                pred = f"{1 + (ep - 1) * f:.2f}x" if compare else ""
                 print(
-                    f"| DP={dp} x EP={ep:<3} | {label + f' (f={f:.3f})':<34} | {mode:<8} | {nbytes / 2**20:>14.2f} | "
+                    f"| {layout:<13} | {label + f' (f={f:.3f})':<34} | {mode:<8} | {nbytes / 2**20:>14.2f} | "
                     f"{mark} {expected / 2**20:>9.2f} | {seconds * 1e3:>9.2f} | {speed:>10} | {pred:>9} |"
                 )
 

@@ -44,7 +44,7 @@ from mula_lightning.checkpoint.init_source import InitWeights, init_source_confi
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.topology import check_divisible
-from mula_lightning.strategies.protocol import ShardingStrategy, strategy_ep_size
+from mula_lightning.strategies.protocol import ShardingStrategy, strategy_ep_size, strategy_tensor_parallel
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, minimum: float) -> float:
@@ -59,6 +59,32 @@ def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, m
         return minimum
     progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
     return minimum + 0.5 * (peak - minimum) * (1.0 + math.cos(math.pi * progress))
+
+
+def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int | None = None) -> None:
+    """Raise a ``ValueError`` naming the values when the strategy's layout does not fit the model or the processes:
+    ``ep_size`` (an MoE model, dividing its experts and the processes), ``tp_size`` (dividing the processes, the
+    attention and key/value heads, a dense MLP's intermediate size and the vocabulary; an untied LM head), both
+    folded over the same ranks, and under sequence parallelism the data's sequence length."""
+    ep_size = strategy_ep_size(strategy)
+    tp_size, sequence_parallel = strategy_tensor_parallel(strategy)
+    if ep_size > 1:
+        if not config.is_moe:
+            raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {config.name} is dense")
+        check_divisible(config.num_experts, ep_size, f"num_experts of {config.name}", "ep_size")
+        check_divisible(processes, ep_size, "the number of processes (devices x nodes)", "ep_size")
+    if tp_size > 1:
+        from mula_lightning.parallel.mesh import ParallelDims
+        from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
+
+        check_divisible(processes, tp_size, "the number of processes (devices x nodes)", "tp_size")
+        ParallelDims(processes, tp=tp_size, ep=ep_size)  # the folded sizes cover the ranks
+        check_tensor_parallel(config, tp_size)
+        if sequence_parallel and seq_len is not None and seq_len % tp_size:
+            raise ValueError(
+                f"sequence_parallel splits each sequence over tp_size ({tp_size}) ranks: the data's seq_len "
+                f"({seq_len}) must be divisible by it"
+            )
 
 
 class MulaLM(LightningModule):
@@ -167,12 +193,8 @@ class MulaLM(LightningModule):
             self.resolve_vocab(manifest)
         if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
             self._check_accumulation(datamodule)
-        ep_size = strategy_ep_size(self._strategy())
-        if ep_size > 1:
-            if not self.config.is_moe:
-                raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {self.config.name} is dense")
-            check_divisible(self.config.num_experts, ep_size, f"num_experts of {self.config.name}", "ep_size")
-            check_divisible(self.trainer.world_size, ep_size, "the number of processes (devices x nodes)", "ep_size")
+        seq_len = getattr(manifest, "seq_len", None) if manifest is not None else None
+        check_layout(self.config, self._strategy(), self.trainer.world_size, seq_len)
 
     def resolve_vocab(self, manifest: Any) -> int:
         """Fit the vocabulary to the data of ``manifest`` (a :class:`~mula_lightning.data.DataManifest`).

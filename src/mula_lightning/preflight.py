@@ -9,7 +9,9 @@ from every rank after the processes and process groups are up:
   configured ``seq_len`` and ``tokenizer`` (:attr:`MulaDataModule.manifest`);
 * the vocabulary: the model's embedding rows hold every id of the data (:meth:`MulaLM.resolve_vocab`);
 * the layout: ``ep_size`` divides the number of processes (``devices x num_nodes``) and the experts of the model;
-  ``data.global_batch_size`` is micro-batch x data-parallel ranks x ``accumulate_grad_batches``;
+  ``tp_size`` divides the processes, the heads, key/value heads, dense intermediate size and vocabulary, and under
+  sequence parallelism the data's ``seq_len``; ``data.global_batch_size`` is micro-batch x data-parallel ranks
+  (``processes / tp_size``: the ``tp`` ranks of a group read one batch) x ``accumulate_grad_batches``;
 * the starting weights: ``model.init_from`` exists, its config is readable (at construction) and, for a model-only
   checkpoint, every tensor has the shape of the model (file headers only).
 
@@ -22,9 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from mula_lightning.checkpoint.init_source import MODEL_ONLY, InitWeights
-from mula_lightning.lightning_module import MulaLM
-from mula_lightning.parallel.topology import check_divisible
-from mula_lightning.strategies.protocol import strategy_ep_size
+from mula_lightning.lightning_module import MulaLM, check_layout
+from mula_lightning.strategies.protocol import strategy_tensor_parallel
 
 __all__ = ["check_before_launch"]
 
@@ -44,15 +45,9 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, stage: str = 
         return
     if manifest is not None:
         model.resolve_vocab(manifest)
-    ep_size = strategy_ep_size(trainer.strategy)
-    if ep_size > 1:
-        config = model.config
-        if not config.is_moe:
-            raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {config.name} is dense")
-        check_divisible(config.num_experts, ep_size, f"num_experts of {config.name}", "ep_size")
-        check_divisible(processes, ep_size, "the number of processes (devices x nodes)", "ep_size")
+    check_layout(model.config, trainer.strategy, processes, getattr(manifest, "seq_len", None))
     if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
-        _check_global_batch(trainer, datamodule, processes)
+        _check_global_batch(trainer, datamodule, processes // strategy_tensor_parallel(trainer.strategy)[0])
     init_from = model.hparams.get("init_from")
     if init_from:
         weights = InitWeights(init_from)
@@ -60,10 +55,11 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, stage: str = 
             weights.check(model.config)
 
 
-def _check_global_batch(trainer: Any, datamodule: Any, processes: int) -> None:
-    """``global_batch_size`` = micro-batch x data-parallel ranks x accumulated micro-batches (every rank reads its own
-    micro-batches under every strategy here, so the data-parallel ranks are the processes unless set)."""
-    dp = datamodule.dp_size or processes
+def _check_global_batch(trainer: Any, datamodule: Any, batches: int) -> None:
+    """``global_batch_size`` = micro-batch x data-parallel ranks x accumulated micro-batches (``batches``: the ranks
+    that read distinct micro-batches, the processes over the tensor-parallel degree, unless the DataModule sets
+    ``dp_size``)."""
+    dp = datamodule.dp_size or batches
     per_step = datamodule.micro_batch_size * dp
     accumulate = trainer.accumulate_grad_batches
     if datamodule.global_batch_size != per_step * accumulate:

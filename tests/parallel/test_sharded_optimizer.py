@@ -199,3 +199,29 @@ def test_moments_are_allocated_at_first_use():
     assert all(sorted(s.allocated()) == ["exp_avg", "exp_avg_sq"] for s in opt.shards.values())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-12, atol=1e-12, msg=n)
+
+
+def _tensor_parallel_state(rank, world_size, mode):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    topo = build_topology(1, tp_size=2)  # 4 ranks: TP=2 x DP=2
+    model = nn.Module()
+    model.norm = nn.Parameter(torch.randn(10, dtype=DTYPE))
+    model.attn = nn.Parameter(distribute_tensor(torch.randn(7, 6, dtype=DTYPE), topo.tp_mesh, [Shard(1)]))
+    opt = ShardedAdamW(model, topo, mode, bucket_numel=None, **HP)
+    return {fam: buf.numel for fam, buf in opt.buffers.items()}, opt.state_bytes()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["ep_aware", "none"])
+def test_tensor_parallel_weights_take_their_local_shard_in_the_buffers(mode):
+    """TP=2 x DP=2: a DTensor weight of 7 x 6 sharded over tp holds its 7 x 3 local shard in the flat buffer (21
+    elements, padded to the 2 dense data-parallel ranks under ep_aware), a replicated one its 10 elements (padded to
+    the 4 ranks); the moments are 2 x 8 bytes per owned element: nothing of the other tp rank's shard is kept."""
+    for numels, nbytes in run_pooled_test(_tensor_parallel_state, 4, mode=mode):
+        if mode == "ep_aware":
+            assert numels == {"non_expert": 12, "tensor_parallel": 22}
+            assert nbytes == 2 * 8 * (12 // 4 + 22 // 2)
+        else:
+            assert numels == {"non_expert": 10, "tensor_parallel": 21}
+            assert nbytes == 2 * 8 * (10 + 21)

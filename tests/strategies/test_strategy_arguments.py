@@ -10,6 +10,7 @@ import inspect
 from datetime import timedelta
 
 import pytest
+import torch
 from jsonargparse import ArgumentParser
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
@@ -97,3 +98,29 @@ def test_every_overridden_lightning_hook_is_marked(cls):
             if not getattr(func, "__override__", False):
                 unmarked.append(f"{klass.__name__}.{name}")
     assert not unmarked, unmarked
+
+
+@pytest.mark.parametrize(
+    "options,fragment",
+    [
+        (dict(tp_size=0), r"tp_size \(0\) must be an integer >= 1"),
+        (dict(tp_size=True), r"tp_size \(True\) must be an integer >= 1"),
+        (dict(sequence_parallel=True), r"sequence_parallel=True .* set tp_size > 1"),
+        (dict(tp_size=2, sharded_optimizer="dp"), r"sharded_optimizer='dp' with tp_size \(2\) > 1 is not supported"),
+    ],
+)
+def test_tensor_parallel_options_that_cannot_work_are_refused_at_construction(options, fragment):
+    """A tensor-parallel degree below 1 (or a bool), sequence parallelism without tensor parallelism, and the DP-only
+    optimizer baseline with tensor parallelism each raise one ValueError naming the value, before any process."""
+    for cls in (FabricEPSOStrategy, EPSOStrategy):
+        with pytest.raises(ValueError, match=fragment):
+            cls(**options)
+
+
+def test_a_sequence_sequence_parallelism_cannot_split_is_named():
+    """Under sequence parallelism a batch whose sequence length tp does not divide is refused naming both."""
+    from mula_lightning.parallel.tensor_parallel import _check_sequence_split
+
+    _check_sequence_split(None, (torch.zeros(2, 12, dtype=torch.long),), tp=4)
+    with pytest.raises(ValueError, match=r"tp_size \(4\) ranks: the sequence length \(13\) must be divisible"):
+        _check_sequence_split(None, (torch.zeros(2, 13, dtype=torch.long),), tp=4)

@@ -28,18 +28,20 @@ def _write(config: dict, path: Path) -> str:
 
 
 def test_examples_ship_every_preset():
-    """One YAML per paper preset, the CPU ones (the demo's MoE, its dense counterpart and its upcycled continuation),
-    and the upcycling recipe."""
+    """One YAML per paper preset, the CPU ones (the demo's MoE, its dense counterpart, its upcycled continuation and
+    its MoE-parallel-folding layout), and the upcycling recipe."""
     names = {p.stem for p in CONFIGS}
     presets = {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
-    assert names == presets | {"mula-tiny-dense", "mula-tiny-upcycled", "upcycle-llama3-8b-e8t2"}
+    cpu = {"mula-tiny-dense", "mula-tiny-upcycled", "mula-tiny-moe-folded"}
+    assert names == presets | cpu | {"upcycle-llama3-8b-e8t2"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_yaml_parses_and_fits_its_model(path):
-    """jsonargparse accepts every key of the YAML; its ep_size divides the preset's experts and devices x nodes,
-    the paper presets keep context 2048 and a 6.3M-token global batch, and every recipe (the CPU ones included)
-    trains with the paper's reliability callbacks (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
+    """jsonargparse accepts every key of the YAML; its ep_size divides the preset's experts and devices x nodes, its
+    tp_size the processes and the model's heads and vocabulary, the paper presets keep context 2048 and a 6.3M-token
+    global batch, and every recipe (the CPU ones included) trains with the paper's reliability callbacks
+    (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
     import mula_lightning.strategies  # noqa: F401
 
     cli = _ParseOnly(run=False, args=["--config", str(path)], **_cli_classes())
@@ -51,6 +53,13 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
     world = config.trainer.devices * config.trainer.num_nodes
     assert world % ep_size == 0
     assert model.num_experts % ep_size == 0 if model.is_moe else ep_size == 1
+    tp_size = strategy.init_args.get("tp_size", 1)
+    if tp_size > 1:
+        from mula_lightning.parallel.mesh import ParallelDims
+        from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
+
+        ParallelDims(world, tp=tp_size, ep=ep_size)
+        check_tensor_parallel(MulaConfig(**{**model.to_dict(), "vocab_size": 4096}), tp_size)  # the demo's data
     if path.stem.startswith("upcycle"):  # the Llama-3 upcycling recipe: CF 4, 3e-5 -> 3e-7, 100 warm-up steps
         assert (
             model.capacity_factor == 4.0

@@ -54,6 +54,36 @@ def test_processes_that_ep_size_does_not_divide_are_named(tiny_config, tmp_path,
     assert "the number of processes (devices x nodes) (2)" in err and "ep_size (4)" in err
 
 
+def test_tp_size_that_does_not_divide_the_heads_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """tp_size 4 over 4 processes and a model of 2 heads (and 2 key/value heads): every size it does not divide is
+    named in one line before 4 processes start."""
+    err = _run(_epso(tiny_config, 4, tp_size=4), tmp_path, capsys, monkeypatch)
+    assert "tp_size (4) must divide num_heads (2), num_kv_heads (2)" in err
+
+
+def test_processes_that_tp_size_does_not_divide_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """tp_size 2 over 3 processes: the number of processes is named."""
+    err = _run(_epso(tiny_config, 3, tp_size=2), tmp_path, capsys, monkeypatch)
+    assert "the number of processes (devices x nodes) (3) must be divisible by tp_size (2)" in err
+
+
+def test_sequence_length_sequence_parallelism_cannot_split_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """Sequence parallelism over 3 ranks with data of 32-token sequences (a model that 3 divides otherwise): the
+    data's seq_len and tp_size are named."""
+    tiny_config["model"]["model_overrides"].update(hidden_size=48, num_heads=3, num_kv_heads=3)
+    tiny_config["model"]["vocab_size"] = 513
+    err = _run(_epso(tiny_config, 3, tp_size=3, sequence_parallel=True), tmp_path, capsys, monkeypatch)
+    assert "tp_size (3)" in err and "seq_len (32) must be divisible" in err
+
+
+def test_global_batch_counts_one_batch_per_tensor_parallel_group(tiny_config, tmp_path, capsys, monkeypatch):
+    """2 processes at tp_size 2 read one batch between them: global_batch_size 16 of micro-batches of 4 needs 4
+    accumulated micro-batches (not 2, as 2 data-parallel ranks would)."""
+    tiny_config["data"]["global_batch_size"] = 16
+    err = _run(_epso(tiny_config, 2, tp_size=2), tmp_path, capsys, monkeypatch)
+    assert "data-parallel ranks (1)" in err and "set trainer.accumulate_grad_batches to 4" in err
+
+
 def test_vocabulary_smaller_than_the_data_is_named(tiny_config, tmp_path, capsys, monkeypatch):
     """A fixed vocab_size of 256 under data of 512 ids: both sizes and the fix, never a silent resize."""
     tiny_config["model"]["vocab_size"] = 256

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from mula_lightning.parallel.params import local_tensor
 from mula_lightning.utils.dist import all_gather_object, flag_device, is_distributed
 from mula_lightning.utils.io import atomic_write_text
 from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EXIT_CODE, NanRecord, host_name
@@ -114,7 +115,7 @@ class NaNDetector(Callback):
         self._first[index] = torch.where(~torch.isfinite(value).all() & (first == 0), self._seq, first)
 
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
-        self._mark(index, grad.detach())
+        self._mark(index, local_tensor(grad.detach()))  # a tensor-parallel gradient: this rank's part of it
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._loss = loss.detach()

@@ -143,7 +143,7 @@ class FlatBuffer:
             for name, p, g in current:
                 slot = ParamSlot(name, p, g, offset, local_tensor(p).numel(), len(self.buckets))
                 self.slots.append(slot)
-                offset += p.numel()
+                offset += slot.numel
             multiple = shard_count * align
             padded = -(-(offset - start) // multiple) * multiple
             bucket = Bucket(len(self.buckets), start, padded, shard_count, self.slots[-len(current) :])

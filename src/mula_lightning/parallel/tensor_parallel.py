@@ -168,6 +168,16 @@ def _shared_input(sequence_parallel: bool, extra: int = 0) -> Any:
     )
 
 
+def _check_sequence_split(module: nn.Module, args: tuple[Any, ...], tp: int) -> None:
+    """Sequence parallelism cuts each sequence into ``tp`` equal parts: name a length that does not divide."""
+    seq_len = args[0].shape[1] if args and args[0].dim() == 2 else None
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(
+            f"sequence parallelism splits each sequence over tp_size ({tp}) ranks: the sequence length ({seq_len}) "
+            "must be divisible by it"
+        )
+
+
 def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_parallel: bool = False) -> MulaForCausalLM:
     """Shard ``model``'s attention, dense MLPs, embedding and LM head over ``tp_mesh`` in place (see the module
     docstring); returns ``model``. Call before expert parallelism's dispatchers, on a materialised model or on the
@@ -212,6 +222,8 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
             if isinstance(module, Router):
                 module.sequence_reduce = reduce
     parallelize_module(model, tp_mesh, plan)
+    if sp:
+        model.model.register_forward_pre_hook(partial(_check_sequence_split, tp=tp))
     vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)
     model.loss_function = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=tp_mesh.get_group())
     return model

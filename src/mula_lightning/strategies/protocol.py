@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ShardingStrategy", "strategy_ep_size"]
+__all__ = ["ShardingStrategy", "strategy_ep_size", "strategy_tensor_parallel"]
 
 
 @runtime_checkable
@@ -53,3 +53,9 @@ class ShardingStrategy(Protocol):
 def strategy_ep_size(strategy: Any) -> int:
     """The expert-parallel degree of any strategy (1 unless it implements :class:`ShardingStrategy`)."""
     return strategy.ep_size if isinstance(strategy, ShardingStrategy) else 1
+
+
+def strategy_tensor_parallel(strategy: Any) -> tuple[int, bool]:
+    """``(tp_size, sequence_parallel)`` of any strategy (``(1, False)`` unless it has tensor parallelism)."""
+    settings = getattr(strategy, "settings", None) if isinstance(strategy, ShardingStrategy) else None
+    return int(getattr(settings, "tp_size", 1)), bool(getattr(settings, "sequence_parallel", False))
