@@ -25,27 +25,40 @@ from mula_lightning.moe.reference import ReferenceMoEBlock
 from mula_lightning.parallel.collectives import all_gather_into_tensor
 from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.token_dispatchers import DISPATCHERS, ExpertParallelDispatcher, make_dispatcher
+from mula_lightning.parallel.topology import check_divisible
 
-__all__ = ["DISPATCHERS", "apply_expert_parallel", "gather_expert_parallel_state_dict"]
+__all__ = ["DISPATCHERS", "apply_expert_parallel", "expert_tensor_parallel_slice", "gather_expert_parallel_state_dict"]
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: Any, dispatcher: str = "allgather") -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, ep_group: Any, dispatcher: str = "allgather", etp_size: int = 1
+) -> nn.Module:
     """Make every MoE block of ``model`` (or ``model`` itself, a bare block) expert parallel over ``ep_group``.
 
     In place: each block keeps only this rank's experts ``[r*E/EP, (r+1)*E/EP)`` and gets the dispatcher called
     ``dispatcher``. Works on the meta device too. Applying it again over the same group only swaps the
     transport (the experts are already cut).
 
+    With expert tensor parallelism (``etp_size > 1``, Megatron's ETP) ``ep_group`` holds EP x ETP ranks, ``etp_size``
+    consecutive ones sharing an expert slice, and each keeps part ``t`` of every expert's intermediate dimension:
+    rows ``[t*I/ETP, (t+1)*I/ETP)`` of both the gate and the up halves of ``gate_up_proj`` (kept as ``[gate part;
+    up part]``, so the SwiGLU stays local) and those columns of ``down_proj``, whose partial outputs the all-gather
+    dispatcher's reduce-scatter sums. It pays when experts are wide (few coarse experts, as the Llama-3 upcycling
+    paper's 8 of Llama-3 8B's MLP size); fine-grained experts are too thin to split further (why torchtitan dropped
+    it): ``etp_size = 1`` there.
+
     Args:
         model: a model containing :class:`FastSparseMoEBlock` modules, or such a block.
-        ep_group: the expert-parallel process group.
-        dispatcher: ``"allgather"`` (Algorithm 1) or ``"alltoall"``.
+        ep_group: the process group of the ranks that split the experts (EP x ETP ranks).
+        dispatcher: ``"allgather"`` (Algorithm 1) or ``"alltoall"`` (not with ``etp_size > 1``).
+        etp_size: the expert-tensor-parallel degree; divides the group's size and the experts' intermediate size.
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: when ``ep_size`` does not divide ``num_experts``, the dispatcher is unknown, a block is a
+        ValueError: when ``ep_size`` does not divide ``num_experts`` or ``etp_size`` the intermediate size or the
+            group, the dispatcher is unknown (or all-to-all with ``etp_size > 1``), a block is a
             :class:`ReferenceMoEBlock`, or a block is already expert parallel over another group.
     """
     if dispatcher not in DISPATCHERS:
@@ -53,25 +66,50 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, dispatcher: str = "al
     for name, module in model.named_modules():
         where = name or type(model).__name__
         if isinstance(module, ReferenceMoEBlock):
-            raise ValueError(
-                f"{where}: expert parallelism needs FastSparseMoEBlock (moe_impl='fast'), not ReferenceMoEBlock"
-            )
+            what = "expert tensor parallelism" if etp_size > 1 else "expert parallelism"
+            raise ValueError(f"{where}: {what} needs FastSparseMoEBlock (moe_impl='fast'), not ReferenceMoEBlock")
         if isinstance(module, FastSparseMoEBlock):
-            _make_block_expert_parallel(module, ep_group, dispatcher, where)
+            _make_block_expert_parallel(module, ep_group, dispatcher, where, etp_size)
     return model
 
 
-def _make_block_expert_parallel(block: FastSparseMoEBlock, ep_group: Any, dispatcher: str, where: str) -> None:
+def expert_tensor_parallel_slice(
+    gate_up: torch.Tensor, down: torch.Tensor, etp_rank: int, etp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part ``etp_rank`` of ``etp_size`` of experts' intermediate dimension: ``gate_up`` (N, 2I, H) -> (N, 2I/ETP, H)
+    as ``[gate part; up part]``, ``down`` (N, H, I) -> (N, H, I/ETP)."""
+    intermediate = down.shape[-1]
+    check_divisible(intermediate, etp_size, "the experts' intermediate size", "etp_size")
+    part = intermediate // etp_size
+    lo, hi = etp_rank * part, (etp_rank + 1) * part
+    gate_up = torch.cat([gate_up[:, lo:hi], gate_up[:, intermediate + lo : intermediate + hi]], dim=1)
+    return gate_up, down[:, :, lo:hi]
+
+
+def _make_block_expert_parallel(
+    block: FastSparseMoEBlock, ep_group: Any, dispatcher: str, where: str, etp_size: int = 1
+) -> None:
     current = block.dispatcher
     if isinstance(current, ExpertParallelDispatcher):
-        if current.ep_group is not ep_group:
+        if current.ep_group is not ep_group or current.etp_size != etp_size:
             raise ValueError(f"{where} is already expert parallel over another process group ({current!r})")
         if current.name != dispatcher:
-            block.dispatcher = make_dispatcher(dispatcher, block.num_experts, ep_group)
+            block.dispatcher = make_dispatcher(dispatcher, block.num_experts, ep_group, etp_size)
         return
-    new = make_dispatcher(dispatcher, block.num_experts, ep_group)
+    new = make_dispatcher(dispatcher, block.num_experts, ep_group, etp_size)
     experts = block.experts
     local = (new.n_start, new.n_end + 1)
+    if etp_size > 1:
+        if experts.gate_up_proj.shape[0] != block.num_experts:
+            raise ValueError(f"{where}: expert tensor parallelism cuts the full layer's experts; they are already cut")
+        gate_up, down = expert_tensor_parallel_slice(
+            experts.gate_up_proj.data[local[0] : local[1]], experts.down_proj.data[local[0] : local[1]],
+            new.etp_rank, etp_size,
+        )  # fmt: skip
+        experts.gate_up_proj.data, experts.down_proj.data = gate_up.clone(), down.clone()
+        experts.num_experts = new.num_local_experts
+        block.dispatcher = new
+        return
     for param in (experts.gate_up_proj, experts.down_proj):
         if param.shape[0] == block.num_experts:  # the full layer: keep this rank's slice
             param.data = param.data[local[0] : local[1]].clone()
@@ -86,17 +124,35 @@ def _make_block_expert_parallel(block: FastSparseMoEBlock, ep_group: Any, dispat
     block.dispatcher = new
 
 
-def gather_expert_parallel_state_dict(model: nn.Module, ep_group: Any) -> dict[str, torch.Tensor]:
+def gather_expert_parallel_state_dict(model: nn.Module, ep_group: Any, etp_size: int = 1) -> dict[str, torch.Tensor]:
     """The full (single-device) state dict of an expert-parallel model, on every rank of ``ep_group`` (None: one
     EP rank, nothing to gather).
 
-    Expert tensors are all-gathered along dim 0 over the group (in EP-rank order, i.e. expert order); the
-    others are returned as they are. The inverse of :func:`apply_expert_parallel` for saving full weights.
+    Expert tensors are all-gathered along dim 0 over the group (in EP-rank order, i.e. expert order); with
+    ``etp_size > 1`` the intermediate parts of each expert slice are joined back (gate parts, then up parts, of
+    ``gate_up_proj``; columns of ``down_proj``). The others are returned as they are. The inverse of
+    :func:`apply_expert_parallel` for saving full weights.
     """
     out = {}
     for name, tensor in model.state_dict().items():
         if ep_group is not None and is_expert_param(name) and dist.get_world_size(ep_group) > 1:
-            out[name] = all_gather_into_tensor(tensor.contiguous(), ep_group, level="ep", tag="ep.gather_state")
+            full = all_gather_into_tensor(tensor.contiguous(), ep_group, level="ep", tag="ep.gather_state")
+            out[name] = _join_intermediate(name, full.chunk(dist.get_world_size(ep_group)), etp_size)
         else:
             out[name] = tensor
     return out
+
+
+def _join_intermediate(name: str, parts: tuple[torch.Tensor, ...], etp_size: int) -> torch.Tensor:
+    """Group-rank-ordered local expert tensors back into the full one (inverse of the ETP and EP cuts)."""
+    if etp_size == 1:
+        return torch.cat(parts)
+    slices = []
+    for first in range(0, len(parts), etp_size):  # one EP rank's etp_size parts
+        mine = parts[first : first + etp_size]
+        if name.endswith("down_proj"):
+            slices.append(torch.cat(mine, dim=2))
+        else:
+            half = mine[0].shape[1] // 2
+            slices.append(torch.cat([p[:, :half] for p in mine] + [p[:, half:] for p in mine], dim=1))
+    return torch.cat(slices)

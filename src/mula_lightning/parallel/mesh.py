@@ -122,6 +122,7 @@ class ParallelMesh:
     rank: int = 0
     dense: Any = field(default=None, repr=False)
     moe: Any = field(default=None, repr=False)
+    expert: Any = field(default=None, repr=False)  # the ep x etp group when both exceed 1 (see expert_group)
 
     def size(self, name: str) -> int:
         return getattr(self.dims, name)
@@ -138,6 +139,15 @@ class ParallelMesh:
         """The process group of this rank along ``name``, or None when that dimension has size 1."""
         mesh = self.submesh(name)
         return None if mesh is None else mesh.get_group()
+
+    def expert_group(self) -> Any:
+        """The process group of the ``ep x etp`` ranks that split the experts between them (this rank's, consecutive
+        ranks), which the expert dispatchers gather over; None when both are 1."""
+        if self.dims.ep * self.dims.etp == 1:
+            return None
+        if self.dims.etp == 1:
+            return self.group("ep")
+        return self.group("etp") if self.dims.ep == 1 else self.expert
 
     def submesh(self, name: str) -> Any:
         """The one-dimensional DeviceMesh along ``name`` (for DTensor placements), or None at size 1."""
@@ -178,4 +188,8 @@ def build_parallel_mesh(dims: ParallelDims, device_type: str | None = None) -> P
     mesh = ParallelMesh(dims, rank=dist.get_rank())
     mesh.dense = _side_mesh(device_type, dims, DENSE_DIMS)
     mesh.moe = _side_mesh(device_type, dims, MOE_DIMS)
+    if dims.ep > 1 and dims.etp > 1:  # every rank creates every block's group, in one order
+        size = dims.ep * dims.etp
+        blocks = [list(range(first, first + size)) for first in range(0, dims.world_size, size)]
+        mesh.expert, _ = dist.new_subgroups_by_enumeration(blocks)
     return mesh

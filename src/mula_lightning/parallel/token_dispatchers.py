@@ -11,8 +11,10 @@ single-device block).
 
 ``AllGatherDispatcher`` (the Aurora paper, lines 11-13 and 116): all-gather the input (S, H), the router
 weights (S, K) and indices (S, K) over the EP group; run stages 2-5 for the local experts on all EP*S tokens;
-reduce-scatter the (EP*S, H) partial outputs back to their source ranks. Backward: reduce-scatter of the input
-and weight gradients, all-gather of the output gradient. Per rank and layer this sends
+reduce-scatter the (EP*S, H) partial outputs back to their source ranks. With expert tensor parallelism (Megatron's
+ETP) the group is the EP x ETP ranks and each computes its part of its experts' intermediate dimension: the same
+reduce-scatter also sums those partial down projections (one transport, ETP times the tokens per rank). Backward:
+reduce-scatter of the input and weight gradients, all-gather of the output gradient. Per rank and layer this sends
 ``(EP-1)*S*(H*b + 4K + 8K)`` bytes forward for the gathers plus ``(EP-1)*S*H*b`` for the reduce-scatter
 (b = activation bytes), and the same volume backward without the indices. Needs the same S on every EP rank.
 
@@ -54,26 +56,35 @@ __all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPa
 
 
 class ExpertParallelDispatcher(TokenDispatcher):
-    """A dispatcher over an EP process group: this rank holds experts ``[r*E/EP, (r+1)*E/EP)``.
+    """A dispatcher over an expert process group: this rank holds experts ``[r*E/EP, (r+1)*E/EP)``.
+
+    With expert tensor parallelism (``etp_size > 1``) the group holds ``EP x ETP`` ranks, ``etp_size`` consecutive
+    ones sharing an expert slice (each with ``1/ETP`` of every expert's intermediate dimension): group rank
+    ``g = r * ETP + t`` holds experts of EP rank ``r``, intermediate part ``t``.
 
     Args:
         num_experts: E.
-        ep_group: the expert-parallel process group (its size must divide E).
+        ep_group: the process group of the ranks that split the experts (EP x ETP of them).
+        etp_size: the expert-tensor-parallel degree (divides the group's size).
     """
 
-    def __init__(self, num_experts: int, ep_group: Any) -> None:
-        ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    def __init__(self, num_experts: int, ep_group: Any, etp_size: int = 1) -> None:
+        group_size, group_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        check_divisible(group_size, etp_size, "the expert group's size", "etp_size")
+        ep_size, ep_rank = group_size // etp_size, group_rank // etp_size
         check_divisible(num_experts, ep_size, "num_experts", "ep_size")
         per = num_experts // ep_size
         super().__init__(num_experts, ep_rank * per, (ep_rank + 1) * per - 1)
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
+        self.etp_size, self.etp_rank = etp_size, group_rank % etp_size
 
     def local_plan(self, indices_SK: torch.Tensor):
         """Stages 2-3 for this rank's experts on the tokens it holds (gathered or received)."""
         return build_dispatch_plan(indices_SK, self.num_experts, self.n_start, self.n_end)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, ep_rank={self.ep_rank}/{self.ep_size}"
+        etp = f", etp_rank={self.etp_rank}/{self.etp_size}" if self.etp_size > 1 else ""
+        return f"{super().extra_repr()}, ep_rank={self.ep_rank}/{self.ep_size}{etp}"
 
 
 class AllGatherDispatcher(ExpertParallelDispatcher):
@@ -88,8 +99,8 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
 
     name = "allgather"
 
-    def __init__(self, num_experts: int, ep_group: Any, check_token_counts: bool = True) -> None:
-        super().__init__(num_experts, ep_group)
+    def __init__(self, num_experts: int, ep_group: Any, etp_size: int = 1, check_token_counts: bool = True) -> None:
+        super().__init__(num_experts, ep_group, etp_size)
         self.check_token_counts = check_token_counts
 
     def dispatch(self, x_SH: torch.Tensor, routed: RouterOutput, dropless: bool = False) -> DispatchedTokens:
@@ -121,6 +132,14 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     """Variable-size all-to-all: each (token, k) pair travels to its expert's rank and its output comes back."""
 
     name = "alltoall"
+
+    def __init__(self, num_experts: int, ep_group: Any, etp_size: int = 1) -> None:
+        if etp_size > 1:
+            raise ValueError(
+                f"dispatcher='alltoall' with etp_size ({etp_size}) > 1 is not supported: each pair would go to every "
+                "expert-tensor-parallel rank of its expert; use dispatcher='allgather'"
+            )
+        super().__init__(num_experts, ep_group)
 
     def dispatch(self, x_SH: torch.Tensor, routed: RouterOutput, dropless: bool = False) -> DispatchedTokens:
         group, ep = self.ep_group, self.ep_size
@@ -164,8 +183,9 @@ DISPATCHERS: dict[str, type[ExpertParallelDispatcher]] = {
 }
 
 
-def make_dispatcher(name: str, num_experts: int, ep_group: Any) -> ExpertParallelDispatcher:
-    """The dispatcher called ``name`` (``"allgather"`` or ``"alltoall"``) for ``num_experts`` over ``ep_group``."""
+def make_dispatcher(name: str, num_experts: int, ep_group: Any, etp_size: int = 1) -> ExpertParallelDispatcher:
+    """The dispatcher called ``name`` (``"allgather"`` or ``"alltoall"``) for ``num_experts`` over ``ep_group``
+    (``etp_size`` consecutive ranks of it sharing each expert slice)."""
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher ({name!r}) must be one of {tuple(DISPATCHERS)}")
-    return DISPATCHERS[name](num_experts, ep_group)
+    return DISPATCHERS[name](num_experts, ep_group, etp_size)
