@@ -67,18 +67,28 @@ def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int
     attention and key/value heads, a dense MLP's intermediate size and the vocabulary; an untied LM head), both
     folded over the same ranks, and under sequence parallelism the data's sequence length."""
     ep_size = strategy_ep_size(strategy)
-    tp_size, sequence_parallel = strategy_tensor_parallel(strategy)
+    tp_size, sequence_parallel, etp_size = strategy_tensor_parallel(strategy)
     if ep_size > 1:
         if not config.is_moe:
             raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {config.name} is dense")
         check_divisible(config.num_experts, ep_size, f"num_experts of {config.name}", "ep_size")
         check_divisible(processes, ep_size, "the number of processes (devices x nodes)", "ep_size")
-    if tp_size > 1:
+    if etp_size > 1:
+        if not config.is_moe:
+            raise ValueError(f"etp_size ({etp_size}) > 1 needs an MoE model; {config.name} is dense")
+        if config.moe_impl != "fast":
+            raise ValueError(
+                f"etp_size ({etp_size}) > 1 needs moe_impl='fast' (FastSparseMoEBlock), not {config.moe_impl!r}"
+            )
+        check_divisible(
+            config.intermediate_size, etp_size, f"the experts' intermediate_size of {config.name}", "etp_size"
+        )
+    if tp_size > 1 or etp_size > 1:
         from mula_lightning.parallel.mesh import ParallelDims
         from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
 
         check_divisible(processes, tp_size, "the number of processes (devices x nodes)", "tp_size")
-        ParallelDims(processes, tp=tp_size, ep=ep_size)  # the folded sizes cover the ranks
+        ParallelDims(processes, tp=tp_size, ep=ep_size, etp=etp_size)  # the folded sizes cover the ranks
         check_tensor_parallel(config, tp_size)
         if sequence_parallel and seq_len is not None and seq_len % tp_size:
             raise ValueError(

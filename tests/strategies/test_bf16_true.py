@@ -1,6 +1,6 @@
 """bf16-true against float32 under ``epso`` and ``zero_topo``: 20 optimizer steps of the same model, data and layout
 (4 ranks: DP 2 x EP 2 for epso, and its tensor-parallel layouts: TP 2 x DP 2, TP 2 folded with EP 2, with and
-without sequence parallelism; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2
+without sequence parallelism, ETP 2 x EP 2; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2
 micro-batches per step), the relative loss difference printed and bounded.
 
 How tight the bound is: on learnable data (arithmetic sequences) at lr 1e-3 a correct bf16-true run stays within
@@ -27,6 +27,7 @@ EPSO_LAYOUTS = {
     "epso tp2": dict(tp_size=2),
     "epso tp2 ep2": dict(tp_size=2, ep_size=2),
     "epso tp2+sp ep2": dict(tp_size=2, sequence_parallel=True, ep_size=2),
+    "epso etp2 ep2": dict(etp_size=2, ep_size=2),
 }
 V, T, B = 128, 32, 4
 

@@ -1,7 +1,8 @@
 """The epso strategy with tensor parallelism (and MoE parallel folding) against one process, in real processes.
 
 Layouts over 4 gloo ranks: TP=2 x DP=2 (dense and MoE models), TP=2 folded with EP=2 (attention tp2 x dp2, MoE ep2 x
-edp2 on the same ranks), and each with sequence parallelism; every one with the ``ep_aware`` optimizer, 5 AdamW steps
+edp2 on the same ranks), and each with sequence parallelism; expert tensor parallelism ETP=2 x EP=2, and TP=2 with
+sequence parallelism folded with ETP=2; every one with the ``ep_aware`` optimizer, 5 AdamW steps
 clipped by the global norm (max_norm small enough that clipping fires on every step). The reference is one process
 that runs each data-parallel batch (``world / tp`` of them: the ``tp`` ranks of a group read the same one) through
 the unsharded model, averages the losses and steps torch's AdamW after torch's ``clip_grad_norm_``. Both sides run
@@ -39,27 +40,15 @@ def _batch(step, dp_rank):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _full_state(model, topology):
-    """Every parameter whole: DTensors gathered over tp, expert slices over ep (collective)."""
-    import torch.distributed as dist
+def _full_state(model, strategy):
+    """Every parameter whole: DTensors gathered over tp, expert parts over ep x etp (collective)."""
+    from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
 
-    from mula_lightning.parallel.params import is_expert_param
-
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            out[name] = tensor.full_tensor().clone()
-        elif is_expert_param(name) and topology.ep_size > 1:
-            parts = [torch.empty_like(tensor) for _ in range(topology.ep_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=topology.ep_group)
-            out[name] = torch.cat(parts)
-        else:
-            out[name] = tensor.clone()
-    return out
+    return {k: v.clone() for k, v in full_state_dict(model, strategy).items()}
 
 
-def _setup(world_size, kind, tp, ep, sp, precision="64-true"):
-    strategy = FabricEPSOStrategy(ep_size=ep, tp_size=tp, sequence_parallel=sp, bucket_numel=3000)
+def _setup(world_size, kind, tp, ep, sp, precision="64-true", etp=1):
+    strategy = FabricEPSOStrategy(ep_size=ep, tp_size=tp, sequence_parallel=sp, etp_size=etp, bucket_numel=3000)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -85,7 +74,7 @@ def _steps(fabric, model, optimizer, steps):
     return losses, norms
 
 
-def _train(rank, world_size, kind, tp, ep, sp, precision="64-true", bug=None):
+def _train(rank, world_size, kind, tp, ep, sp, precision="64-true", bug=None, etp=1):
     import mula_lightning.parallel.sharded_optimizer as so
 
     init = so.ShardedAdamW.__init__
@@ -97,19 +86,24 @@ def _train(rank, world_size, kind, tp, ep, sp, precision="64-true", bug=None):
 
         so.ShardedAdamW.__init__ = init_with_world_divisor
     try:
-        fabric, model, optimizer = _setup(world_size, kind, tp, ep, sp, precision)
+        fabric, model, optimizer = _setup(world_size, kind, tp, ep, sp, precision, etp)
     finally:
         so.ShardedAdamW.__init__ = init
     strategy = fabric.strategy
-    attn = model.module.model.layers[0].self_attn
+    from mula_lightning.parallel.params import local_tensor
+
+    layer = model.module.model.layers[0]
     local_shapes = {
-        "q_proj": tuple(attn.q_proj.weight.to_local().shape),
-        "o_proj": tuple(attn.o_proj.weight.to_local().shape),
-        "embed": tuple(model.module.model.embed_tokens.weight.to_local().shape),
-        "lm_head": tuple(model.module.lm_head.weight.to_local().shape),
+        "q_proj": tuple(local_tensor(layer.self_attn.q_proj.weight).shape),
+        "o_proj": tuple(local_tensor(layer.self_attn.o_proj.weight).shape),
+        "embed": tuple(local_tensor(model.module.model.embed_tokens.weight).shape),
+        "lm_head": tuple(local_tensor(model.module.lm_head.weight).shape),
     }
+    if kind == "moe":
+        local_shapes["gate_up"] = tuple(layer.mlp.experts.gate_up_proj.shape)
+        local_shapes["down"] = tuple(layer.mlp.experts.down_proj.shape)
     losses, norms = _steps(fabric, model, optimizer, range(STEPS))
-    state = _full_state(model.module, strategy.topology)
+    state = _full_state(model.module, strategy)
     return losses, norms, state, local_shapes, strategy.distributed_sampler_kwargs
 
 
@@ -135,12 +129,15 @@ def _reference(kind, dp, dtype=torch.float64, steps=STEPS, with_optimizer=False)
     return losses, norms, model.state_dict()
 
 
-def _compare(results, reference, tp):
+def _compare(results, reference, tp, ep=1, etp=1):
     ref_losses, ref_norms, ref_state = reference
     for rank, (losses, norms, state, local_shapes, sampler) in enumerate(results):
         assert sampler == {"num_replicas": len(results) // tp, "rank": rank // tp}
-        assert local_shapes == {"q_proj": (H // tp, H), "o_proj": (H, H // tp), "embed": (V // tp, H),
-                                "lm_head": (V // tp, H)}  # fmt: skip
+        expected_shapes = {"q_proj": (H // tp, H), "o_proj": (H, H // tp), "embed": (V // tp, H),
+                           "lm_head": (V // tp, H)}  # fmt: skip
+        if "gate_up" in local_shapes:  # E / ep experts, FF / etp of their intermediate size
+            expected_shapes.update(gate_up=(E // ep, 2 * FF // etp, H), down=(E // ep, H, FF // etp))
+        assert local_shapes == expected_shapes
         expected = torch.tensor([step[sampler["rank"]] for step in ref_losses], dtype=torch.float64)
         # Fabric's 64-true hands outputs back in float32: the loss and the aux loss each rounded, then added
         assert_parity(torch.tensor(losses, dtype=torch.float64), expected, reduction_len=3, dtype=torch.float32)
@@ -159,6 +156,8 @@ LAYOUTS = {
     "moe tp2 x dp2": dict(kind="moe", tp=2, ep=1, sp=False),
     "moe tp2 folded with ep2": dict(kind="moe", tp=2, ep=2, sp=False),
     "moe tp2 + sp folded with ep2": dict(kind="moe", tp=2, ep=2, sp=True),
+    "moe etp2 x ep2": dict(kind="moe", tp=1, ep=2, sp=False, etp=2),
+    "moe tp2 + sp folded with etp2": dict(kind="moe", tp=2, ep=1, sp=True, etp=2),
 }
 
 
@@ -170,7 +169,7 @@ def test_tensor_parallel_epso_matches_one_process(layout):
     weight and reads the batch of its dense data-parallel group."""
     spec = LAYOUTS[layout]
     results = run_pooled_test(_train, 4, **spec, timeout=300)
-    _compare(results, _reference(spec["kind"], 4 // spec["tp"]), spec["tp"])
+    _compare(results, _reference(spec["kind"], 4 // spec["tp"]), spec["tp"], spec["ep"], spec.get("etp", 1))
 
 
 @pytest.mark.distributed
@@ -182,19 +181,19 @@ def test_parity_check_catches_a_wrong_gradient_divisor():
         _compare(results, _reference("moe", 2), 2)
 
 
-def _save_at(rank, world_size, path, tp, ep, sp, steps):
-    fabric, model, optimizer = _setup(world_size, "moe", tp, ep, sp)
+def _save_at(rank, world_size, path, tp, ep, sp, steps, etp=1):
+    fabric, model, optimizer = _setup(world_size, "moe", tp, ep, sp, etp=etp)
     _steps(fabric, model, optimizer, range(steps))
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
-    return _full_state(model.module, fabric.strategy.topology)
+    return _full_state(model.module, fabric.strategy)
 
 
-def _load_and_save_at(rank, world_size, path, again, tp, ep, sp):
-    fabric, model, optimizer = _setup(world_size, "moe", tp, ep, sp)
+def _load_and_save_at(rank, world_size, path, again, tp, ep, sp, etp=1):
+    fabric, model, optimizer = _setup(world_size, "moe", tp, ep, sp, etp=etp)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     fabric.load(path, state)
     fabric.save(again, state)
-    return state["step"], _full_state(model.module, fabric.strategy.topology)
+    return state["step"], _full_state(model.module, fabric.strategy)
 
 
 def _one_process_load(path):
@@ -213,14 +212,18 @@ def _one_process_load(path):
     return model.state_dict(), moments
 
 
+SAVED_AT = {"tp2+sp x ep2": dict(tp=2, ep=2, sp=True), "etp2 x ep2": dict(tp=1, ep=2, sp=False, etp=2)}
+
+
 @pytest.mark.distributed
-def test_checkpoint_saved_at_tp2_ep2_loads_at_tp1_ep4_and_in_one_process(tmp_path):
-    """Saved after 2 steps at TP=2 x EP=2 with sequence parallelism (4 ranks): loaded at TP=1 x EP=4 every weight is
-    the saved one; loaded into one process the weights are the saved ones and the AdamW moments (parameter-shaped)
-    equal those of torch's AdamW after the same 2 steps; saved again at TP=1 x EP=4, it loads into one process to
-    exactly the same weights and moments."""
-    steps, path, again = 2, tmp_path / "tp2ep2", tmp_path / "tp1ep4"
-    saved = run_pooled_test(_save_at, 4, path=str(path), tp=2, ep=2, sp=True, steps=steps, timeout=300)[0]
+@pytest.mark.parametrize("saved_at", list(SAVED_AT))
+def test_checkpoint_saved_folded_loads_at_tp1_ep4_and_in_one_process(tmp_path, saved_at):
+    """Saved after 2 steps at TP=2 x EP=2 with sequence parallelism, or at ETP=2 x EP=2 (4 ranks): loaded at
+    TP=1 x EP=4 every weight is the saved one; loaded into one process the weights are the saved ones and the AdamW
+    moments (parameter-shaped) equal those of torch's AdamW after the same 2 steps; saved again at TP=1 x EP=4, it
+    loads into one process to exactly the same weights and moments."""
+    steps, path, again = 2, tmp_path / "folded", tmp_path / "tp1ep4"
+    saved = run_pooled_test(_save_at, 4, path=str(path), steps=steps, **SAVED_AT[saved_at], timeout=300)[0]
     for step, state in run_pooled_test(
         _load_and_save_at, 4, path=str(path), again=str(again), tp=1, ep=4, sp=False, timeout=300
     ):
@@ -228,7 +231,8 @@ def test_checkpoint_saved_at_tp2_ep2_loads_at_tp1_ep4_and_in_one_process(tmp_pat
         assert state.keys() == saved.keys() and all(torch.equal(state[k], v) for k, v in saved.items())
     weights, moments = _one_process_load(path)
     assert all(torch.equal(weights[k], v) for k, v in saved.items())
-    _, ref_moments = _reference("moe", 2, steps=steps, with_optimizer=True)
+    dp = 4 // SAVED_AT[saved_at]["tp"]  # the batches of a step: one per dense data-parallel rank
+    _, ref_moments = _reference("moe", dp, steps=steps, with_optimizer=True)
     assert moments.keys() == ref_moments.keys()
     for name, value in ref_moments.items():
         assert moments[name].shape == value.shape, name

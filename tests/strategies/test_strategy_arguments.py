@@ -107,11 +107,18 @@ def test_every_overridden_lightning_hook_is_marked(cls):
         (dict(tp_size=True), r"tp_size \(True\) must be an integer >= 1"),
         (dict(sequence_parallel=True), r"sequence_parallel=True .* set tp_size > 1"),
         (dict(tp_size=2, sharded_optimizer="dp"), r"sharded_optimizer='dp' with tp_size \(2\) > 1 is not supported"),
+        (dict(etp_size=0), r"etp_size \(0\) must be an integer >= 1"),
+        (
+            dict(etp_size=2, dispatcher="alltoall"),
+            r"etp_size \(2\) > 1 needs dispatcher='allgather' \(got 'alltoall'\)",
+        ),
+        (dict(etp_size=2, sharded_optimizer="dp"), r"sharded_optimizer='dp' with etp_size \(2\) > 1 is not supported"),
     ],
 )
 def test_tensor_parallel_options_that_cannot_work_are_refused_at_construction(options, fragment):
-    """A tensor-parallel degree below 1 (or a bool), sequence parallelism without tensor parallelism, and the DP-only
-    optimizer baseline with tensor parallelism each raise one ValueError naming the value, before any process."""
+    """A tensor-parallel degree below 1 (or a bool), sequence parallelism without tensor parallelism, the DP-only
+    optimizer baseline with tensor or expert tensor parallelism, and expert tensor parallelism with the all-to-all
+    dispatcher each raise one ValueError naming the value, before any process."""
     for cls in (FabricEPSOStrategy, EPSOStrategy):
         with pytest.raises(ValueError, match=fragment):
             cls(**options)

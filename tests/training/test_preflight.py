@@ -76,6 +76,19 @@ def test_sequence_length_sequence_parallelism_cannot_split_is_named(tiny_config,
     assert "tp_size (3)" in err and "seq_len (32) must be divisible" in err
 
 
+def test_etp_size_that_does_not_divide_the_experts_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """etp_size 3 over 3 processes and experts of intermediate size 32: the size and etp_size are named."""
+    err = _run(_epso(tiny_config, 3, etp_size=3), tmp_path, capsys, monkeypatch)
+    assert "the experts' intermediate_size of" in err and "(32) must be divisible by etp_size (3)" in err
+
+
+def test_etp_size_with_the_reference_block_is_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """Expert tensor parallelism of a model built with the reference MoE block: the block kind is named."""
+    tiny_config["model"]["moe_impl"] = "reference"
+    err = _run(_epso(tiny_config, 2, etp_size=2), tmp_path, capsys, monkeypatch)
+    assert "etp_size (2) > 1 needs moe_impl='fast' (FastSparseMoEBlock), not 'reference'" in err
+
+
 def test_global_batch_counts_one_batch_per_tensor_parallel_group(tiny_config, tmp_path, capsys, monkeypatch):
     """2 processes at tp_size 2 read one batch between them: global_batch_size 16 of micro-batches of 4 needs 4
     accumulated micro-batches (not 2, as 2 data-parallel ranks would)."""

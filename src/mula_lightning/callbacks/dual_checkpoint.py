@@ -82,7 +82,9 @@ def _layout(strategy: Any) -> dict[str, Any]:
     }
     topology = getattr(strategy, "topology", None)
     if topology is not None:
-        layout.update(dp_size=topology.dp_size, ep_size=topology.ep_size, tp_size=topology.tp_size)
+        layout.update(
+            dp_size=topology.dp_size, ep_size=topology.ep_size, tp_size=topology.tp_size, etp_size=topology.etp_size
+        )
     return layout
 
 

@@ -61,10 +61,10 @@ def full_state_dict(module: nn.Module, strategy: Any = None) -> dict[str, torch.
 
         return full_model_state_dict(engine, target)
     topology = getattr(strategy, "topology", None)
-    if topology is not None and topology.ep_size > 1:
+    if topology is not None and topology.ep_size * topology.etp_size > 1:
         from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
 
-        state = gather_expert_parallel_state_dict(target, topology.ep_group)
+        state = gather_expert_parallel_state_dict(target, topology.expert_group, topology.etp_size)
     else:
         state = dict(target.state_dict())
     # tensor-parallel weights (DTensors) gathered over their tp group, in state-dict order on every rank

@@ -78,12 +78,38 @@ def expert_tensor_parallel_slice(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Part ``etp_rank`` of ``etp_size`` of experts' intermediate dimension: ``gate_up`` (N, 2I, H) -> (N, 2I/ETP, H)
     as ``[gate part; up part]``, ``down`` (N, H, I) -> (N, H, I/ETP)."""
-    intermediate = down.shape[-1]
-    check_divisible(intermediate, etp_size, "the experts' intermediate size", "etp_size")
+    check_divisible(down.shape[-1], etp_size, "the experts' intermediate size", "etp_size")
+    return expert_part("gate_up_proj", gate_up, etp_rank, etp_size), expert_part("down_proj", down, etp_rank, etp_size)
+
+
+def expert_part(name: str, tensor: torch.Tensor, etp_rank: int, etp_size: int) -> torch.Tensor:
+    """Part ``etp_rank`` of ``etp_size`` of one fused expert tensor named ``name`` (``...gate_up_proj``: rows of
+    both halves of dim 1; ``...down_proj``: columns of dim 2); the tensor itself when ``etp_size`` is 1."""
+    if etp_size == 1:
+        return tensor
+    if name.endswith("down_proj"):
+        part = tensor.shape[2] // etp_size
+        return tensor[:, :, etp_rank * part : (etp_rank + 1) * part]
+    intermediate = tensor.shape[1] // 2
     part = intermediate // etp_size
     lo, hi = etp_rank * part, (etp_rank + 1) * part
-    gate_up = torch.cat([gate_up[:, lo:hi], gate_up[:, intermediate + lo : intermediate + hi]], dim=1)
-    return gate_up, down[:, :, lo:hi]
+    return torch.cat([tensor[:, lo:hi], tensor[:, intermediate + lo : intermediate + hi]], dim=1)
+
+
+def expert_part_boxes(name: str, local_shape: tuple[int, ...], etp_rank: int, etp_size: int) -> list[tuple]:
+    """Where this rank's part of an expert tensor sits in the EP slice it comes from: ``(local index, offsets in the
+    slice)`` for each contiguous block of the part (its gate and up halves for ``gate_up_proj``)."""
+    whole = tuple(slice(None) for _ in local_shape)
+    if etp_size == 1:
+        return [(whole, (0,) * len(local_shape))]
+    if name.endswith("down_proj"):
+        return [(whole, (0, 0, etp_rank * local_shape[2]))]
+    part = local_shape[1] // 2
+    intermediate = part * etp_size
+    return [
+        ((slice(None), slice(0, part), slice(None)), (0, etp_rank * part, 0)),
+        ((slice(None), slice(part, 2 * part), slice(None)), (0, intermediate + etp_rank * part, 0)),
+    ]
 
 
 def _make_block_expert_parallel(

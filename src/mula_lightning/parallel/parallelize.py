@@ -35,7 +35,7 @@ from mula_lightning.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     parse_activation_checkpointing,
 )
-from mula_lightning.parallel.expert_parallel import apply_expert_parallel
+from mula_lightning.parallel.expert_parallel import apply_expert_parallel, expert_part
 from mula_lightning.parallel.params import (
     is_dtensor,
     is_expert_param,
@@ -69,8 +69,8 @@ def parallelize(
             raise ValueError(f"tp_size ({topology.tp_size}) > 1 needs a MulaForCausalLM inside the module")
         for _, mula in mulas:
             apply_tensor_parallel(mula, topology.tp_mesh, sequence_parallel=topology.sequence_parallel)
-    if topology.ep_size > 1:  # 1. expert parallelism
-        apply_expert_parallel(model, topology.ep_group, dispatcher=dispatcher)
+    if topology.ep_size * topology.etp_size > 1:  # 1. expert (tensor) parallelism
+        apply_expert_parallel(model, topology.expert_group, dispatcher=dispatcher, etp_size=topology.etp_size)
     if parse_activation_checkpointing(activation_checkpointing):  # 2. activation checkpointing
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:  # 3. regional compile (MoE blocks stay eager)
@@ -142,7 +142,7 @@ def reads_shard(name: str, tensor: Any, topology: MoETopology) -> bool:
     """Whether this rank is the one that reads (or draws) model tensor ``name`` for its replicas: global rank 0 for a
     replicated tensor, the ``dp_rank == 0`` rank of each EP group for an expert slice, the ``dense_dp_rank == 0`` rank
     of each ``tp`` group for a tensor-parallel slice; the others receive it from :func:`broadcast_from_readers`."""
-    if is_expert_param(name) and topology.ep_size > 1:
+    if is_expert_param(name) and topology.ep_size * topology.etp_size > 1:
         return topology.dp_rank == 0
     if is_tensor_parallel(tensor):
         return topology.dense_dp_rank == 0
@@ -154,9 +154,9 @@ def broadcast_from_readers(model: nn.Module, topology: MoETopology) -> None:
     if not is_distributed() or topology.world_size == 1:
         return
     for name, tensor in model.state_dict().items():
-        if is_expert_param(name) and topology.ep_size > 1:
-            if topology.dp_size > 1:  # the dp_rank == 0 member of the group is global rank ep_rank
-                dist.broadcast(tensor, src=topology.ep_rank, group=topology.dp_group)
+        if is_expert_param(name) and topology.ep_size * topology.etp_size > 1:
+            if topology.dp_size > 1:  # the dp_rank == 0 member of the group
+                dist.broadcast(tensor, src=topology.expert_root, group=topology.dp_group)
         elif is_tensor_parallel(tensor):
             if topology.dense_dp_size > 1:  # the dense_dp_rank == 0 member of the group is global rank tp_rank
                 dist.broadcast(local_tensor(tensor), src=topology.tp_rank, group=topology.dense_dp_group)
@@ -247,6 +247,14 @@ def _to_empty_meta_only(model: nn.Module, device: torch.device) -> None:
     model.to(device)  # everything is real now: this moves the rest, values kept (torchmetrics handles its states)
 
 
+def expert_full_shape(name: str, local_shape: Any, num_experts: int, etp_size: int) -> tuple[int, ...]:
+    """The single-device shape of a fused expert tensor whose local part (experts of one EP rank, ``1/etp_size`` of
+    their intermediate dimension) has ``local_shape``."""
+    shape = [num_experts, *local_shape[1:]]
+    shape[2 if name.endswith("down_proj") else 1] *= etp_size
+    return tuple(shape)
+
+
 def local_part(param: Any, full: torch.Tensor) -> torch.Tensor:
     """The part of the full value ``full`` that this rank holds of the DTensor ``param`` (its ``Shard(d)``
     placements cut ``full`` into even chunks, as ``distribute_tensor`` does; ``Replicate`` keeps it whole)."""
@@ -265,9 +273,15 @@ def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any
             name = logical_name(wrapped_name)  # the single-device name, whatever wraps the layers
             covered.add(id(param))
             shape = param.shape
-            sliced = is_expert_param(name) and topology.ep_size > 1
+            sliced = is_expert_param(name) and topology.ep_size * topology.etp_size > 1
             rows = slice(topology.ep_rank * shape[0], (topology.ep_rank + 1) * shape[0]) if sliced else None
-            if is_dtensor(param):  # a tensor-parallel slice: this rank's part of the full value
+            if sliced and topology.etp_size > 1:  # this rank's intermediate part of its experts
+                full_shape = expert_full_shape(name, shape, config.num_experts, topology.etp_size)
+                full = weights.read(config, name, rows) if weights is not None else None
+                if full is None:
+                    full = init_parameter(name, full_shape, config, seed)[rows]
+                param.copy_(expert_part(name, full, topology.etp_rank, topology.etp_size).to(param.dtype))
+            elif is_dtensor(param):  # a tensor-parallel slice: this rank's part of the full value
                 full = weights.read(config, name) if weights is not None else init_parameter(name, shape, config, seed)
                 local_tensor(param).copy_(local_part(param, full))
             elif weights is not None:

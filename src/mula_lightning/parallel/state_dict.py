@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mula_lightning.parallel.expert_parallel import expert_part_boxes
+from mula_lightning.parallel.parallelize import expert_full_shape
 from mula_lightning.parallel.params import is_dtensor, is_expert_param, local_tensor
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
@@ -44,7 +46,14 @@ def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:
     sharded = topology.ep_size > 1
     mesh = topology.device_mesh if sharded else None
     for name, tensor in model.state_dict().items():
-        if sharded and is_expert_param(name):
+        if is_expert_param(name) and topology.etp_size > 1:  # an expert part: its blocks, placed
+            full, blocks = local_boxes(name, tensor, topology)
+            whole = (
+                flat_range_pieces(tensor.reshape(-1), tuple(tensor.shape), 0, tensor.numel()) if tensor.numel() else []
+            )
+            out[name] = TensorPieces(full, placed_pieces(whole, tuple(tensor.shape), blocks), dtype=tensor.dtype,
+                                     device=tensor.device)  # fmt: skip
+        elif sharded and is_expert_param(name):
             from torch.distributed.tensor import DTensor, Replicate, Shard
 
             placements = [Replicate() if dim == "edp" else Shard(0) for dim in mesh.mesh_dim_names]
@@ -54,11 +63,13 @@ def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:
     return out
 
 
-def local_box(name: str, param: Any, topology: MoETopology) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(full shape, offsets of this rank's local part in it) of a parameter: a DTensor's chunk along each sharded
-    dimension (``torch.chunk``'s even cut, as tensor parallelism distributes), an expert slice along dim 0, or the
-    whole tensor."""
+def local_boxes(name: str, param: Any, topology: MoETopology) -> tuple[tuple[int, ...], list[tuple[Any, tuple]]]:
+    """(full shape, ``[(index into this rank's local tensor, offsets of that block in the full tensor)]``) of a
+    parameter: a DTensor's chunk along each sharded dimension (``torch.chunk``'s even cut, as tensor parallelism
+    distributes), an expert slice along dim 0 (and, with expert tensor parallelism, its intermediate part: the
+    gate and up halves of ``gate_up_proj`` are two blocks), or the whole tensor."""
     local = tuple(local_tensor(param).shape)
+    whole = tuple(slice(None) for _ in local)
     if is_dtensor(param):
         full, offsets = tuple(param.shape), [0] * len(local)
         coordinate = param.device_mesh.get_coordinate()
@@ -66,28 +77,67 @@ def local_box(name: str, param: Any, topology: MoETopology) -> tuple[tuple[int, 
             if placement.is_shard():
                 size = param.device_mesh.size(mesh_dim)
                 offsets[placement.dim] += coordinate[mesh_dim] * -(-full[placement.dim] // size)
-        return full, tuple(offsets)
-    if is_expert_param(name) and topology.ep_size > 1:
-        return (local[0] * topology.ep_size, *local[1:]), (topology.ep_rank * local[0], *[0] * (len(local) - 1))
-    return local, (0,) * len(local)
+        return full, [(whole, tuple(offsets))]
+    if is_expert_param(name) and topology.ep_size * topology.etp_size > 1:
+        full = expert_full_shape(name, local, local[0] * topology.ep_size, topology.etp_size)
+        rows = topology.ep_rank * local[0]
+        blocks = expert_part_boxes(name, local, topology.etp_rank, topology.etp_size)
+        return full, [(index, (rows + off[0], *off[1:])) for index, off in blocks]
+    return whole_layout(local)
+
+
+def whole_layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[Any, tuple]]]:
+    """The layout of a tensor this rank holds whole (see :func:`local_boxes`)."""
+    return tuple(shape), [(tuple(slice(None) for _ in shape), (0,) * len(shape))]
+
+
+def _contiguous_pieces(offsets: tuple[int, ...], piece: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``piece`` at ``offsets`` as contiguous views (split along its first dimension until each is): DCP writes a
+    view's bytes only when it is contiguous."""
+    if piece.is_contiguous() or piece.dim() == 0:
+        return [(offsets, piece)]
+    return [
+        p for i in range(piece.shape[0]) for p in _contiguous_pieces((offsets[0] + i, *offsets[1:]), piece[i : i + 1])
+    ]
+
+
+def placed_pieces(
+    boxes: list[tuple[tuple[int, ...], torch.Tensor]], local_shape: tuple[int, ...], blocks: list[tuple[Any, tuple]]
+) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Boxes of a rank's local tensor (``(local offsets, view)``) placed in the full tensor through ``blocks`` (see
+    :func:`local_boxes`): each box is cut where blocks meet and moved to its block's place."""
+    out = []
+    for box_offsets, view in boxes:
+        for index, block_offsets in blocks:
+            lo_hi = [sl.indices(n)[:2] for sl, n in zip(index, local_shape)]
+            cut = []
+            for d, (lo, hi) in enumerate(lo_hi):
+                a, b = max(lo, box_offsets[d]), min(hi, box_offsets[d] + view.shape[d])
+                if a >= b:
+                    break
+                cut.append((a, b))
+            else:
+                sub = view[tuple(slice(a - box_offsets[d], b - box_offsets[d]) for d, (a, b) in enumerate(cut))]
+                placed = tuple(block_offsets[d] + a - lo_hi[d][0] for d, (a, _) in enumerate(cut))
+                out.extend(_contiguous_pieces(placed, sub))
+    return out
 
 
 def state_pieces(
     local: list[tuple[int, torch.Tensor]],
     local_shape: tuple[int, ...],
-    box: tuple[tuple[int, ...], tuple[int, ...]],
+    layout: tuple[tuple[int, ...], list[tuple[Any, tuple]]],
     like: torch.Tensor,
 ) -> Any:
-    """A parameter-shaped optimizer state of which this rank holds ``local`` ``(flat offset in the local shard,
-    values)`` ranges, its local shard sitting at ``box = (full shape, offsets)``: a
-    :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` for DCP (an empty one on a rank that writes none)."""
-    full, offsets = box
-    pieces = [
-        (tuple(o + b for o, b in zip(inner, offsets)), piece)
-        for start, values in local
-        for inner, piece in flat_range_pieces(values, local_shape, start, start + values.numel())
+    """A parameter-shaped optimizer state of which this rank holds ``local`` ``(flat offset in the local tensor,
+    values)`` ranges, its local tensor laid out in the full one as ``layout = (full shape, blocks)``
+    (:func:`local_boxes`): a :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces` for DCP (an empty one on
+    a rank that writes none)."""
+    full, blocks = layout
+    boxes = [
+        b for start, values in local for b in flat_range_pieces(values, local_shape, start, start + values.numel())
     ]
-    return TensorPieces(full, pieces, dtype=like.dtype, device=like.device)
+    return TensorPieces(full, placed_pieces(boxes, local_shape, blocks), dtype=like.dtype, device=like.device)
 
 
 def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
@@ -102,7 +152,7 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
         plan = optimizer.plans[fam]
         state = optimizer.shards[fam]
         for slot in buf.slots:
-            box = local_box(slot.name, slot.param, topo)
+            layout = local_boxes(slot.name, slot.param, topo)
             local_shape = tuple(local_tensor(slot.param).shape)
             mine = [seg for seg in buf.segments if seg.slot.name == slot.name] if plan.cross_rank == 0 else []
             for key in _STATE_KEYS:
@@ -111,7 +161,7 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
                 vec = state[key]
                 local = [(seg.param_start, vec[seg.local_start : seg.local_start + seg.numel]) for seg in mine]
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = state_pieces(local, local_shape, box, vec)
+                    out[f"state.{slot.name}.{key}"] = state_pieces(local, local_shape, layout, vec)
                 else:  # one process holds every element: the whole state, in the parameter's shape
                     out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]).view(local_shape)
     return out

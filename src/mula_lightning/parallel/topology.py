@@ -21,6 +21,11 @@ MoE parallel folding: the mesh's ``dp`` and ``tp``), and a third family appears:
 * tensor-parallel parameters (DTensors sharded over ``tp``: attention, dense MLPs, embedding, LM head): rank r holds
   its ``1/tp`` slice -> replicated over its ``dense_dp`` group of ``world / tp`` ranks.
 
+With expert tensor parallelism (``etp_size > 1``) the MoE side is ``dp x ep x etp`` (etp innermost): each expert
+slice is further cut along its intermediate dimension over ``etp`` consecutive ranks, the ``ep x etp`` ranks of
+one block form the ``expert_group`` the token dispatcher gathers over, and an expert part is replicated over ``dp``
+(``world / (ep x etp)`` ranks).
+
 The groups come from one :class:`~mula_lightning.parallel.mesh.ParallelMesh` (``dp_size`` / ``dp_group`` here are
 the mesh's ``edp``, the replicas of an expert slice; ``dense_dp_*`` and ``tp_*`` its dense side), built once by
 every rank; a dimension of size 1 has no group (``None``), and every caller skips collectives over one rank.
@@ -45,10 +50,12 @@ class MoETopology:
         dp_size: data-parallel degree of the experts (replicas of each expert slice; the mesh's ``edp``).
         ep_size: expert-parallel degree (ways the experts are split).
         rank: this process's global rank.
+        etp_size: expert-tensor-parallel degree (ways each expert's intermediate dimension is split).
         tp_size: tensor-parallel degree of the dense layers (1: none).
         sequence_parallel: the residual stream is split over ``tp`` along the sequence (Megatron's SP).
-        ep_group / dp_group / world_group / tp_group / dense_dp_group: process groups (``None`` when not
-            distributed or of size 1; ``world_group`` is the default group).
+        ep_group / dp_group / world_group / tp_group / dense_dp_group / expert_group: process groups (``None`` when
+            not distributed or of size 1; ``world_group`` is the default group; ``expert_group`` is the ep x etp
+            ranks the experts are split over, the ``ep_group`` itself without expert tensor parallelism).
         mesh: the :class:`ParallelMesh` the groups come from.
     """
 
@@ -63,10 +70,12 @@ class MoETopology:
     sequence_parallel: bool = False
     tp_group: Any = field(default=None, repr=False)
     dense_dp_group: Any = field(default=None, repr=False)
+    etp_size: int = 1
+    expert_group: Any = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.ep_size
+        return self.dp_size * self.ep_size * self.etp_size
 
     @property
     def dense_dp_size(self) -> int:
@@ -89,19 +98,28 @@ class MoETopology:
 
     @property
     def ep_rank(self) -> int:
-        return self.rank % self.ep_size
+        return self.rank // self.etp_size % self.ep_size
+
+    @property
+    def etp_rank(self) -> int:
+        return self.rank % self.etp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.ep_size
+        return self.rank // (self.ep_size * self.etp_size)
+
+    @property
+    def expert_root(self) -> int:
+        """Global rank of the ``dp_rank == 0`` replica of this rank's expert part (the one that reads it)."""
+        return self.rank % (self.ep_size * self.etp_size)
 
     def ep_ranks(self, dp_rank: int | None = None) -> list[int]:
-        """Global ranks of the EP group of ``dp_rank`` (default: this rank's)."""
+        """Global ranks of the EP group of ``dp_rank`` (default: this rank's; without expert tensor parallelism)."""
         d = self.dp_rank if dp_rank is None else dp_rank
         return [d * self.ep_size + e for e in range(self.ep_size)]
 
     def dp_ranks(self, ep_rank: int | None = None) -> list[int]:
-        """Global ranks of the DP group of ``ep_rank`` (default: this rank's)."""
+        """Global ranks of the DP group of ``ep_rank`` (default: this rank's; without expert tensor parallelism)."""
         e = self.ep_rank if ep_rank is None else ep_rank
         return [d * self.ep_size + e for d in range(self.dp_size)]
 
@@ -123,26 +141,27 @@ def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str
         raise ValueError(f"{value_name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
-def build_topology(ep_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> MoETopology:
+def build_topology(ep_size: int, tp_size: int = 1, sequence_parallel: bool = False, etp_size: int = 1) -> MoETopology:
     """The DP x EP (x TP) layout of the default process group, its groups taken from one ParallelMesh (collective).
 
     Every rank must call this with the same sizes. Without an initialised process group (one process) the layout
     is DP = EP = TP = 1 and no group is created.
 
     Raises:
-        ValueError: when ``ep_size`` or ``tp_size`` does not divide the world size (naming both).
+        ValueError: when ``ep_size``, ``tp_size`` or ``ep_size x etp_size`` does not divide the world size (naming
+            them).
     """
     if not is_distributed():
-        for name, size in (("ep_size", ep_size), ("tp_size", tp_size)):
+        for name, size in (("ep_size", ep_size), ("tp_size", tp_size), ("etp_size", etp_size)):
             if size != 1:
                 raise ValueError(f"{name} ({size}) > 1 needs an initialised process group of {name} ranks or more")
         return MoETopology(dp_size=1, ep_size=1, rank=0)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     check_divisible(world_size, ep_size, "world size", "ep_size")
     check_divisible(world_size, tp_size, "world size", "tp_size")
-    mesh = build_parallel_mesh(ParallelDims(world_size, tp=tp_size, ep=ep_size))
+    mesh = build_parallel_mesh(ParallelDims(world_size, tp=tp_size, ep=ep_size, etp=etp_size))
     return MoETopology(
-        dp_size=world_size // ep_size,
+        dp_size=world_size // (ep_size * etp_size),
         ep_size=ep_size,
         rank=rank,
         ep_group=mesh.group("ep"),
@@ -153,4 +172,6 @@ def build_topology(ep_size: int, tp_size: int = 1, sequence_parallel: bool = Fal
         sequence_parallel=bool(sequence_parallel and tp_size > 1),
         tp_group=mesh.group("tp"),
         dense_dp_group=mesh.group("dp"),
+        etp_size=etp_size,
+        expert_group=mesh.expert_group(),
     )

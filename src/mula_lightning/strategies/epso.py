@@ -38,7 +38,9 @@ from typing_extensions import override
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, sharded_checkpoint_parts
 from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
+from mula_lightning.parallel.expert_parallel import expert_part
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
+from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
 from mula_lightning.parallel.state_dict import model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.token_dispatchers import DISPATCHERS
@@ -62,6 +64,7 @@ class EPSOSettings:
     ep_size: int = 1
     tp_size: int = 1
     sequence_parallel: bool = False
+    etp_size: int = 1
     sharded_optimizer: str = "ep_aware"
     dispatcher: str = "allgather"
     reduce_dtype: torch.dtype = torch.float32
@@ -73,7 +76,7 @@ class EPSOSettings:
     upcycle: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ep_size", "tp_size"):
+        for name in ("ep_size", "tp_size", "etp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
@@ -83,6 +86,16 @@ class EPSOSettings:
             raise ValueError(
                 f"sharded_optimizer='dp' with tp_size ({self.tp_size}) > 1 is not supported: it is the DP-only "
                 "baseline of DP x EP; use 'ep_aware' (each family sharded over exactly its replicas) or 'none'"
+            )
+        if self.etp_size > 1 and self.dispatcher != "allgather":
+            raise ValueError(
+                f"etp_size ({self.etp_size}) > 1 needs dispatcher='allgather' (got {self.dispatcher!r}): the "
+                "all-gather dispatcher's reduce-scatter sums the experts' partial down projections"
+            )
+        if self.etp_size > 1 and self.sharded_optimizer == "dp":
+            raise ValueError(
+                f"sharded_optimizer='dp' with etp_size ({self.etp_size}) > 1 is not supported: it is the DP-only "
+                "baseline of DP x EP; use 'ep_aware' or 'none'"
             )
         if self.sharded_optimizer not in MODES:
             raise ValueError(f"sharded_optimizer ({self.sharded_optimizer!r}) must be one of {MODES}")
@@ -112,7 +125,9 @@ def setup_epso_module(
             f"init_from ({weights.path}) and init_from_dense ({settings.init_from_dense}) both give the initial "
             "weights; keep one"
         )
-    topology = topology or build_topology(settings.ep_size, settings.tp_size, settings.sequence_parallel)
+    topology = topology or build_topology(
+        settings.ep_size, settings.tp_size, settings.sequence_parallel, settings.etp_size
+    )
     parallelize(
         module,
         topology,
@@ -156,7 +171,11 @@ def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, o
             ep_size=topology.ep_size,
             dtype=next(target.parameters()).dtype,
         )
-        have, got = target.state_dict(), local.state_dict()
+        got = {  # with expert tensor parallelism: this rank's part of its experts' intermediate dimension
+            k: expert_part(k, v, topology.etp_rank, topology.etp_size) if is_expert_param(k) else v
+            for k, v in local.state_dict().items()
+        }
+        have = target.state_dict()
         wrong = [
             f"{k}: model {tuple(have[k].shape) if k in have else None} vs upcycled {tuple(v.shape)}"
             for k, v in got.items()
@@ -177,6 +196,10 @@ class EPSOOptions(ShardingOptions):
         tp_size: tensor-parallel degree of the dense layers (attention heads, dense MLPs, vocabulary; divides the
             world size and those sizes), folded with ``ep_size`` over the same ranks (MoE parallel folding): the
             ``tp`` ranks are consecutive (one node) and read the same batch.
+        etp_size: expert tensor parallelism (Megatron's ETP): each expert's intermediate dimension split over
+            ``etp_size`` consecutive ranks, which share an expert slice (``ep_size x etp_size`` ranks split the
+            experts; the all-gather dispatcher only). Pays for wide experts (coarse upcycled MoEs), not for
+            fine-grained ones, whose experts are already thin.
         sequence_parallel: with ``tp_size > 1``, split the residual stream, the norms and the MoE blocks' tokens
             over ``tp`` along the sequence (Megatron's; the sequence length must divide by ``tp_size``). Without it,
             MoE layers under TP route every token on each ``tp`` rank (correct, ``tp`` times the expert work):
@@ -215,6 +238,7 @@ class EPSOOptions(ShardingOptions):
         async_save: bool = False,
         tp_size: int = 1,
         sequence_parallel: bool = False,
+        etp_size: int = 1,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
@@ -222,6 +246,7 @@ class EPSOOptions(ShardingOptions):
             ep_size,
             tp_size,
             sequence_parallel,
+            etp_size,
             sharded_optimizer,
             dispatcher,
             reduce_dtype,

@@ -55,7 +55,12 @@ def strategy_ep_size(strategy: Any) -> int:
     return strategy.ep_size if isinstance(strategy, ShardingStrategy) else 1
 
 
-def strategy_tensor_parallel(strategy: Any) -> tuple[int, bool]:
-    """``(tp_size, sequence_parallel)`` of any strategy (``(1, False)`` unless it has tensor parallelism)."""
+def strategy_tensor_parallel(strategy: Any) -> tuple[int, bool, int]:
+    """``(tp_size, sequence_parallel, etp_size)`` of any strategy (``(1, False, 1)`` unless it has tensor or expert
+    tensor parallelism)."""
     settings = getattr(strategy, "settings", None) if isinstance(strategy, ShardingStrategy) else None
-    return int(getattr(settings, "tp_size", 1)), bool(getattr(settings, "sequence_parallel", False))
+    return (
+        int(getattr(settings, "tp_size", 1)),
+        bool(getattr(settings, "sequence_parallel", False)),
+        int(getattr(settings, "etp_size", 1)),
+    )

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mula_lightning.parallel.state_dict import state_pieces
+from mula_lightning.parallel.state_dict import state_pieces, whole_layout
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.parallel.zero.collectives import all_gather_chunks
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
@@ -55,7 +55,7 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
                 local = [(s.param_start, vec[s.local_start : s.local_start + s.numel]) for s in mine]
                 shape = tuple(slot.param.shape)
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = state_pieces(local, shape, (shape, (0,) * len(shape)), vec)
+                    out[f"state.{slot.name}.{key}"] = state_pieces(local, shape, whole_layout(shape), vec)
                 else:  # one process holds every element: the whole state, in the parameter's shape
                     out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]).view(shape)
     return out
