@@ -1,0 +1,165 @@
+"""Pipeline parallelism of a Mula model: stages by layers, MoE losses in each stage's own backward, torch schedules.
+
+A :class:`~mula_lightning.models.transformer.MulaForCausalLM` is cut into ``pp x virtual`` stages of consecutive
+decoder layers (:func:`stage_layer_ranges`: equal counts, or the boundaries given): the first stage also holds the
+embedding, the last the final norm and the LM head (the loss is the schedule's ``loss_fn`` on the last stage). Each
+:class:`PipelineStageModule` shares its parameters with the model it was cut from and runs under
+``torch.distributed.pipelining`` (:func:`build_schedule`: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` with several
+stages per rank), which moves activations between stages with point-to-point sends and scales the gradients by
+``1 / microbatches``.
+
+MoE auxiliary losses (load balancing, z) are computed in every stage and must reach that stage's backward: a stage
+only hands activations to the next, and the schedules (interleaved and zero-bubble ones above all) backpropagate
+each stage separately, so a loss returned alongside the activations would be dropped or double counted (torchtitan's
+lesson). :class:`_StageAuxLoss` is an identity on the stage's output whose backward also feeds a gradient of one into
+the stage's summed auxiliary loss, so each micro-batch's auxiliary losses enter exactly one backward, with the same
+``1 / microbatches`` scale as its cross-entropy: the total equals one process averaging the micro-batches' losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mula_lightning.models.transformer import MulaForCausalLM, rotary_cos_sin
+from mula_lightning.moe.reference import MoEAux
+
+__all__ = ["SCHEDULES", "PipelineStageModule", "build_schedule", "stage_layer_ranges", "split_into_stages"]
+
+#: ``pp_schedule`` name -> whether it runs several stages per rank
+SCHEDULES = {"gpipe": False, "1f1b": False, "interleaved_1f1b": True}
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int, boundaries: list[int] | None = None) -> list[range]:
+    """The decoder layers of each of ``num_stages`` stages: equal counts, or cut at ``boundaries`` (the first layer
+    of every stage but the first, increasing).
+
+    Raises:
+        ValueError: naming the values when the stages do not divide the layers, or the boundaries do not cut
+            ``num_layers`` layers into ``num_stages`` non-empty stages.
+    """
+    if boundaries is None:
+        if num_stages < 1 or num_layers % num_stages:
+            raise ValueError(
+                f"num_layers ({num_layers}) must be divisible by the pipeline stages ({num_stages} = pp_size x "
+                "virtual stages), or give the stage boundaries"
+            )
+        per = num_layers // num_stages
+        return [range(s * per, (s + 1) * per) for s in range(num_stages)]
+    cuts = [0, *boundaries, num_layers]
+    if len(boundaries) != num_stages - 1 or any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(
+            f"stage boundaries {boundaries} must be {num_stages - 1} increasing layer indices inside (0, {num_layers})"
+        )
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+class _StageAuxLoss(torch.autograd.Function):
+    """Identity on a stage's output; its backward also gives the stage's auxiliary loss a gradient of one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+class PipelineStageModule(nn.Module):
+    """The part of a Mula model one pipeline stage runs: decoder layers ``layers`` (their parameters shared with
+    ``model``), with the embedding on the first stage and the final norm and LM head on the last.
+
+    ``forward`` takes token ids (first stage) or hidden states (the others) and returns hidden states, or logits on
+    the last stage. The MoE side outputs of its last forward are in :attr:`last_aux` (detached, for statistics).
+    """
+
+    def __init__(self, model: MulaForCausalLM, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.layer_ids = list(layers)
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})  # single-device indices
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.last_aux: list[MoEAux] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            if x.dim() != 2:
+                raise ValueError(f"the first stage takes input_ids (batch, seq_len), got shape {tuple(x.shape)}")
+            x = self.embed_tokens(x)
+        cos, sin = rotary_cos_sin(self.config, x.shape[1], x.device, x.dtype)
+        aux = []
+        for layer in self.layers.values():
+            x, layer_aux = layer(x, cos, sin)
+            if layer_aux is not None:
+                aux.append(layer_aux)
+        self.last_aux = [a.detach() for a in aux]
+        if aux:  # this stage's auxiliary losses enter this stage's backward
+            x = _StageAuxLoss.apply(x, torch.stack([a.aux_loss for a in aux]).sum())
+        if self.norm is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def split_into_stages(
+    model: MulaForCausalLM, pp_rank: int, pp_size: int, virtual_stages: int = 1, boundaries: list[int] | None = None
+) -> list[tuple[int, PipelineStageModule]]:
+    """This rank's stages of ``model`` as ``(stage index, module)``: stage ``pp_rank + v * pp_size`` for each virtual
+    stage ``v`` (the interleaved schedules' loop order), ``pp_size * virtual_stages`` stages in all.
+
+    Raises:
+        ValueError: for a module that is not a ``MulaForCausalLM``, or stages that do not fit its layers.
+    """
+    if not isinstance(model, MulaForCausalLM):
+        raise ValueError(f"pipeline parallelism splits a MulaForCausalLM by layers; got {type(model).__name__}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank ({pp_rank}) must be in [0, pp_size ({pp_size}))")
+    total = pp_size * virtual_stages
+    ranges = stage_layer_ranges(model.config.num_layers, total, boundaries)
+    stages = []
+    for v in range(virtual_stages):
+        index = pp_rank + v * pp_size
+        stages.append((index, PipelineStageModule(model, ranges[index], index == 0, index == total - 1)))
+    return stages
+
+
+def build_schedule(
+    name: str,
+    stages: list[tuple[int, PipelineStageModule]],
+    num_stages: int,
+    microbatches: int,
+    device: torch.device,
+    loss_fn: Any,
+    group: Any = None,
+) -> Any:
+    """A ``torch.distributed.pipelining`` schedule ``name`` over this rank's ``stages`` (:func:`split_into_stages`).
+
+    ``schedule.step(input_ids)`` on the first stage's rank, ``schedule.step(target=labels, losses=[])`` on the last
+    stage's, ``schedule.step()`` elsewhere (the interleaved schedules take all three on every rank that holds those
+    stages) runs forward and backward of every micro-batch; gradients are scaled by ``1 / microbatches``.
+
+    Raises:
+        ValueError: an unknown schedule, several stages per rank for a single-stage schedule, or fewer micro-batches
+            than pipeline ranks for 1F1B.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name not in SCHEDULES:
+        raise ValueError(f"pp_schedule ({name!r}) must be one of {tuple(SCHEDULES)}")
+    if not SCHEDULES[name] and len(stages) != 1:
+        raise ValueError(f"pp_schedule {name!r} runs one stage per rank; got {len(stages)} (use interleaved_1f1b)")
+    pp_size = num_stages // len(stages)
+    if name != "gpipe" and microbatches < pp_size:
+        raise ValueError(f"pp_microbatches ({microbatches}) must be at least pp_size ({pp_size}) for {name}")
+    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
+    if name == "gpipe":
+        return ScheduleGPipe(pipeline_stages[0], microbatches, loss_fn=loss_fn)
+    if name == "1f1b":
+        return Schedule1F1B(pipeline_stages[0], microbatches, loss_fn=loss_fn)
+    return ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=loss_fn)
