@@ -66,6 +66,13 @@ def test_options_are_visible_to_the_cli_parser(cls):
     assert parser.parse_args([f"--strategy.{first}=4"]).strategy[first] == 4
     with pytest.raises(Exception, match=MISSPELLED[cls]):
         parser.parse_args([f"--strategy.{MISSPELLED[cls]}=4"])
+    if options is EPSOOptions:  # the tensor-parallel options are typed too (what `mula fit --help` lists)
+        parsed = parser.parse_args(
+            ["--strategy.tp_size=2", "--strategy.etp_size=2", "--strategy.sequence_parallel=true"]
+        )
+        assert (parsed.strategy.tp_size, parsed.strategy.etp_size, parsed.strategy.sequence_parallel) == (2, 2, True)
+        with pytest.raises(Exception, match="tp_size"):
+            parser.parse_args(["--strategy.tp_size=two"])
 
 
 @pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)

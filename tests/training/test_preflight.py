@@ -82,6 +82,13 @@ def test_etp_size_that_does_not_divide_the_experts_is_named(tiny_config, tmp_pat
     assert "the experts' intermediate_size of" in err and "(32) must be divisible by etp_size (3)" in err
 
 
+def test_folded_sizes_that_do_not_cover_the_ranks_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """ep_size 2 x etp_size 2 folded over 2 processes: the MoE layout needs 4 ranks; both sizes and the ranks are
+    named."""
+    err = _run(_epso(tiny_config, 2, ep_size=2, etp_size=2), tmp_path, capsys, monkeypatch)
+    assert "ep x etp (2 x 2 = 4) must divide the ranks of a pipeline stage (2" in err
+
+
 def test_etp_size_with_the_reference_block_is_named(tiny_config, tmp_path, capsys, monkeypatch):
     """Expert tensor parallelism of a model built with the reference MoE block: the block kind is named."""
     tiny_config["model"]["moe_impl"] = "reference"
