@@ -37,6 +37,7 @@ from mula_lightning.parallel.activation_checkpointing import (
 )
 from mula_lightning.parallel.expert_parallel import apply_expert_parallel, expert_part
 from mula_lightning.parallel.params import (
+    dtensor_local_box,
     is_dtensor,
     is_expert_param,
     is_tensor_parallel,
@@ -256,13 +257,9 @@ def expert_full_shape(name: str, local_shape: Any, num_experts: int, etp_size: i
 
 
 def local_part(param: Any, full: torch.Tensor) -> torch.Tensor:
-    """The part of the full value ``full`` that this rank holds of the DTensor ``param`` (its ``Shard(d)``
-    placements cut ``full`` into even chunks, as ``distribute_tensor`` does; ``Replicate`` keeps it whole)."""
-    coordinate = param.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard():
-            full = full.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)[coordinate[mesh_dim]]
-    return full.to(param.dtype)
+    """The part of the full value ``full`` that this rank holds of the DTensor ``param`` (where DTensor puts it)."""
+    shape, offsets = dtensor_local_box(param)
+    return full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].to(param.dtype)
 
 
 def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any = None) -> None:

@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "is_expert_param", "is_tensor_parallel", "local_tensor", "logical_name", "set_local_storage"]
+__all__ = [
+    "dtensor_local_box",
+    "is_dtensor",
+    "is_expert_param",
+    "is_tensor_parallel",
+    "local_tensor",
+    "logical_name",
+    "set_local_storage",
+]
 
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -43,6 +51,14 @@ def is_tensor_parallel(param: Any) -> bool:
 def local_tensor(param: Any) -> torch.Tensor:
     """The part of ``param`` this rank holds: the local shard of a DTensor, the tensor itself otherwise."""
     return param._local_tensor if is_dtensor(param) else param
+
+
+def dtensor_local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, offsets in the full tensor) of what this rank holds of a DTensor, as DTensor itself cuts it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offsets)
 
 
 def set_local_storage(param: Any, view: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from mula_lightning.parallel.expert_parallel import expert_part_boxes
 from mula_lightning.parallel.parallelize import expert_full_shape
-from mula_lightning.parallel.params import is_dtensor, is_expert_param, local_tensor
+from mula_lightning.parallel.params import dtensor_local_box, is_dtensor, is_expert_param, local_tensor
 from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.parallel.topology import MoETopology
@@ -65,19 +65,13 @@ def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:
 
 def local_boxes(name: str, param: Any, topology: MoETopology) -> tuple[tuple[int, ...], list[tuple[Any, tuple]]]:
     """(full shape, ``[(index into this rank's local tensor, offsets of that block in the full tensor)]``) of a
-    parameter: a DTensor's chunk along each sharded dimension (``torch.chunk``'s even cut, as tensor parallelism
-    distributes), an expert slice along dim 0 (and, with expert tensor parallelism, its intermediate part: the
-    gate and up halves of ``gate_up_proj`` are two blocks), or the whole tensor."""
+    parameter: a DTensor's local shard where DTensor puts it, an expert slice along dim 0 (and, with expert tensor
+    parallelism, its intermediate part: the gate and up halves of ``gate_up_proj`` are two blocks), or the whole
+    tensor."""
     local = tuple(local_tensor(param).shape)
     whole = tuple(slice(None) for _ in local)
     if is_dtensor(param):
-        full, offsets = tuple(param.shape), [0] * len(local)
-        coordinate = param.device_mesh.get_coordinate()
-        for mesh_dim, placement in enumerate(param.placements):
-            if placement.is_shard():
-                size = param.device_mesh.size(mesh_dim)
-                offsets[placement.dim] += coordinate[mesh_dim] * -(-full[placement.dim] // size)
-        return full, [(whole, tuple(offsets))]
+        return tuple(param.shape), [(whole, dtensor_local_box(param)[1])]
     if is_expert_param(name) and topology.ep_size * topology.etp_size > 1:
         full = expert_full_shape(name, local, local[0] * topology.ep_size, topology.etp_size)
         rows = topology.ep_rank * local[0]

@@ -224,10 +224,9 @@ def map_held(value: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) ->
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from mula_lightning.parallel.params import dtensor_local_box
 
-        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        held = [(tuple(offsets), value.to_local())]
+        held = [(dtensor_local_box(value)[1], value.to_local())]
     elif isinstance(value, TensorPieces):
         held = value.pieces
     else:
