@@ -62,6 +62,10 @@ def test_methods_presets_registrations_and_commands():
     from mula_lightning.lightning_module import MulaLM
 
     assert "init_from" in inspect.signature(MulaLM).parameters
+    from mula_lightning.strategies.epso import EPSOOptions
+
+    parallel = {"tp_size", "etp_size", "sequence_parallel", "pp_size", "pp_schedule", "pp_microbatches"}
+    assert parallel <= set(inspect.signature(EPSOOptions).parameters)
     from mula_lightning.moe import MoEConfig
 
     assert MoEConfig.__dataclass_fields__.keys() >= {"norm_topk_prob", "capacity_factor", "aux_loss_coef"}
@@ -73,12 +77,6 @@ def _pending_commands():
     assert "plan" in CLI_COMMANDS
 
 
-def _pending_tensor_parallel_arguments():
-    from mula_lightning.strategies.epso import EPSOOptions
-
-    assert {"tp_size", "etp_size", "pp_size"} <= set(inspect.signature(EPSOOptions).parameters)
-
-
 def _pending_router_families():
     from mula_lightning.moe import MoEConfig
 
@@ -88,8 +86,8 @@ def _pending_router_families():
 @pytest.mark.xfail(strict=True, reason="promised by DESIGN.md, not landed yet (issue 15 and later)")
 @pytest.mark.parametrize(
     "check",
-    [_pending_commands, _pending_tensor_parallel_arguments],
-    ids=["mula-plan", "epso-tp-pp"],
+    [_pending_commands],
+    ids=["mula-plan"],
 )
 def test_pending_public_names(check):
     """Not there yet; a strict xfail, so that the day it lands the name moves to the landed lists above."""

@@ -37,7 +37,7 @@ def _pipeline_rank(rank, world_size, schedule, inject=True):
 
     apply = pipeline._StageAuxLoss.apply
     if not inject:  # the stage's auxiliary losses left out of its backward (put back below: the worker is pooled)
-        pipeline._StageAuxLoss.apply = staticmethod(lambda x, aux: x)
+        pipeline._StageAuxLoss.apply = staticmethod(lambda x, aux, scale=1.0: x)
     try:
         return _run_schedule(rank, world_size, schedule)
     finally:
@@ -64,7 +64,7 @@ def _run_schedule(rank, world_size, schedule):
         kwargs = {"target": x, "losses": out} if last else {}
         sched.step(*((x,) if first else ()), **kwargs)
         grads.append({n: p.grad.clone() for n, p in params.items()})
-        losses.append([loss.item() for loss in out])
+        losses.append([loss.item() * M for loss in out])  # the schedule holds each loss / M
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in params.items()}, grads, losses, [i for i, _ in stages]

@@ -84,7 +84,9 @@ def _sharded_state(strategy: Any, mula: nn.Module) -> tuple[dict[str, Any], Any]
         from mula_lightning.checkpoint.scattered import DPScatteredSavePlanner
         from mula_lightning.parallel.state_dict import model_state_dict as epso_state_dict
 
-        return epso_state_dict(mula, topology), DPScatteredSavePlanner(topology.dp_size, topology.ep_size)
+        return epso_state_dict(mula, topology), DPScatteredSavePlanner(
+            topology.dp_size, topology.ep_size, topology.stage_size
+        )
     return None
 
 

@@ -49,19 +49,23 @@ class DPScatteredSavePlanner(NoCopySavePlanner):
 
     Args:
         dp_size: data-parallel degree.
-        ep_size: expert-parallel (model-parallel) degree; ranks are ``dp_rank * ep_size + ep_rank``.
+        ep_size: expert-parallel (model-parallel) degree; ranks are ``dp_rank * ep_size + ep_rank`` within a
+            pipeline stage.
+        stage_size: ranks of one pipeline stage (consecutive; the world without pipeline parallelism): an item is
+            held by the ranks of one stage only, and its writer is chosen among them as above.
     """
 
-    def __init__(self, dp_size: int, ep_size: int, **kwargs: Any) -> None:
+    def __init__(self, dp_size: int, ep_size: int, stage_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dp_size, self.ep_size = int(dp_size), int(ep_size)
+        self.stage_size = int(stage_size) if stage_size else self.dp_size * self.ep_size
 
     def writer_of(self, fqn: str, holders: list[int], offsets: Any = None, sizes: Any = None) -> int:
         """The rank (among ``holders``) that writes an item replicated on ``holders``."""
         if len(holders) == 1:
             return holders[0]
         m = _shard_index(fqn, offsets, sizes, self.ep_size)
-        rank = (m % self.dp_size) * self.ep_size + m
+        rank = min(holders) // self.stage_size * self.stage_size + (m % self.dp_size) * self.ep_size + m
         if rank in holders:
             return rank
         return holders[zlib.crc32(fqn.encode()) % len(holders)]

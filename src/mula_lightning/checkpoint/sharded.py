@@ -54,7 +54,7 @@ def sharded_checkpoint_parts(
         else:
             extra[key] = value.state_dict() if hasattr(value, "state_dict") else value
     # replicated items are written from DP index m % DP for model-parallel shard m (spread over nodes)
-    return tensors, extra, DPScatteredSavePlanner(topology.dp_size, topology.ep_size)
+    return tensors, extra, DPScatteredSavePlanner(topology.dp_size, topology.ep_size, topology.stage_size)
 
 
 def save_sharded_checkpoint(

@@ -123,6 +123,7 @@ class ParallelMesh:
     dense: Any = field(default=None, repr=False)
     moe: Any = field(default=None, repr=False)
     expert: Any = field(default=None, repr=False)  # the ep x etp group when both exceed 1 (see expert_group)
+    stage: Any = field(default=None, repr=False)  # this rank's pipeline stage when pp > 1 (see stage_group)
 
     def size(self, name: str) -> int:
         return getattr(self.dims, name)
@@ -148,6 +149,14 @@ class ParallelMesh:
         if self.dims.etp == 1:
             return self.group("ep")
         return self.group("etp") if self.dims.ep == 1 else self.expert
+
+    def stage_group(self) -> Any:
+        """The process group of this rank's pipeline stage (``world / pp`` consecutive ranks, every dimension but
+        ``pp``); None when a stage is one rank. Without pipeline parallelism the stage is the world: use the default
+        group."""
+        if self.dims.pp == 1:
+            raise ValueError("stage_group() is for pipeline-parallel layouts (pp > 1); the stage is the world")
+        return self.stage
 
     def submesh(self, name: str) -> Any:
         """The one-dimensional DeviceMesh along ``name`` (for DTensor placements), or None at size 1."""
@@ -192,4 +201,7 @@ def build_parallel_mesh(dims: ParallelDims, device_type: str | None = None) -> P
         size = dims.ep * dims.etp
         blocks = [list(range(first, first + size)) for first in range(0, dims.world_size, size)]
         mesh.expert, _ = dist.new_subgroups_by_enumeration(blocks)
+    if dims.pp > 1 and dims.stage_size > 1:  # the stages: pp consecutive blocks (pp is the outermost dimension)
+        blocks = [list(range(first, first + dims.stage_size)) for first in range(0, dims.world_size, dims.stage_size)]
+        mesh.stage, _ = dist.new_subgroups_by_enumeration(blocks)
     return mesh

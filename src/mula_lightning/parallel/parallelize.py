@@ -147,7 +147,7 @@ def reads_shard(name: str, tensor: Any, topology: MoETopology) -> bool:
         return topology.dp_rank == 0
     if is_tensor_parallel(tensor):
         return topology.dense_dp_rank == 0
-    return topology.rank == 0
+    return topology.stage_rank == 0  # each pipeline stage reads its own layers
 
 
 def broadcast_from_readers(model: nn.Module, topology: MoETopology) -> None:
@@ -159,10 +159,11 @@ def broadcast_from_readers(model: nn.Module, topology: MoETopology) -> None:
             if topology.dp_size > 1:  # the dp_rank == 0 member of the group
                 dist.broadcast(tensor, src=topology.expert_root, group=topology.dp_group)
         elif is_tensor_parallel(tensor):
-            if topology.dense_dp_size > 1:  # the dense_dp_rank == 0 member of the group is global rank tp_rank
-                dist.broadcast(local_tensor(tensor), src=topology.tp_rank, group=topology.dense_dp_group)
-        else:
-            dist.broadcast(local_tensor(tensor), src=0)
+            if topology.dense_dp_size > 1:  # the dense_dp_rank == 0 member of the group: the stage's tp_rank
+                src = topology.stage_root + topology.tp_rank
+                dist.broadcast(local_tensor(tensor), src=src, group=topology.dense_dp_group)
+        elif topology.stage_size > 1:  # a replicated tensor: from the stage's first rank to the stage
+            dist.broadcast(local_tensor(tensor), src=topology.stage_root, group=topology.stage_group)
 
 
 def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]] | None:

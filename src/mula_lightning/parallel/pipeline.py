@@ -5,15 +5,23 @@ decoder layers (:func:`stage_layer_ranges`: equal counts, or the boundaries give
 embedding, the last the final norm and the LM head (the loss is the schedule's ``loss_fn`` on the last stage). Each
 :class:`PipelineStageModule` shares its parameters with the model it was cut from and runs under
 ``torch.distributed.pipelining`` (:func:`build_schedule`: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` with several
-stages per rank), which moves activations between stages with point-to-point sends and scales the gradients by
-``1 / microbatches``.
+stages per rank), which moves activations between stages with point-to-point sends; gradients are those of the mean
+over the micro-batches (the loss is scaled by ``1 / microbatches`` before its backward rather than the gradients
+after it, so that a sharded optimizer whose hooks take each gradient as it is produced sees them scaled).
+
+Under a strategy, :func:`prune_to_stages` first removes from the (meta-device) model everything this rank's stages
+do not hold, so nothing else is ever materialised, and the parameters keep their single-device names (checkpoint
+keys, optimizer state keys); the zero-bubble schedules of ``torch.distributed.pipelining`` split each backward into
+input and weight parts, which the MoE blocks' grouped GEMM and the stages' auxiliary-loss injection are not built
+for: they are not offered.
 
 MoE auxiliary losses (load balancing, z) are computed in every stage and must reach that stage's backward: a stage
 only hands activations to the next, and the schedules (interleaved and zero-bubble ones above all) backpropagate
 each stage separately, so a loss returned alongside the activations would be dropped or double counted (torchtitan's
 lesson). :class:`_StageAuxLoss` is an identity on the stage's output whose backward also feeds a gradient of one into
-the stage's summed auxiliary loss, so each micro-batch's auxiliary losses enter exactly one backward, with the same
-``1 / microbatches`` scale as its cross-entropy: the total equals one process averaging the micro-batches' losses.
+the stage's summed auxiliary loss (scaled by :attr:`PipelineStageModule.aux_grad_scale`, the cross-entropy's own
+``1 / microbatches``), so each micro-batch's auxiliary losses enter exactly one backward: the total equals one
+process averaging the micro-batches' losses.
 """
 
 from __future__ import annotations
@@ -26,7 +34,15 @@ from torch import nn
 from mula_lightning.models.transformer import MulaForCausalLM, rotary_cos_sin
 from mula_lightning.moe.reference import MoEAux
 
-__all__ = ["SCHEDULES", "PipelineStageModule", "build_schedule", "stage_layer_ranges", "split_into_stages"]
+__all__ = [
+    "SCHEDULES",
+    "PipelineStageModule",
+    "build_schedule",
+    "prune_to_stages",
+    "split_into_stages",
+    "stage_layer_ranges",
+    "stages_of_rank",
+]
 
 #: ``pp_schedule`` name -> whether it runs several stages per rank
 SCHEDULES = {"gpipe": False, "1f1b": False, "interleaved_1f1b": True}
@@ -56,18 +72,88 @@ def stage_layer_ranges(num_layers: int, num_stages: int, boundaries: list[int] |
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+def stages_of_rank(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` runs: ``pp_rank + v * pp_size`` for each virtual stage ``v`` (the
+    interleaved schedules' loop order; one stage per rank without virtual stages)."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank ({pp_rank}) must be in [0, pp_size ({pp_size}))")
+    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+
+
+class _LayerOnAnotherStage(nn.Module):
+    """What is left of a decoder layer another pipeline rank holds: no parameters, and a forward that says so."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"decoder layer {self.index} lives on another pipeline stage: run a pipeline-parallel model with the "
+            "strategy's pipeline_step (or MulaLM, which does)"
+        )
+
+
+def _refuse_whole_forward(module: nn.Module, args: Any) -> None:
+    raise RuntimeError(
+        f"this rank holds pipeline stages {module.pipeline_stages} of the model (layers {module.pipeline_layers}), "
+        "not the whole model: run it with the strategy's pipeline_step (MulaLM does)"
+    )
+
+
+def prune_to_stages(
+    model: MulaForCausalLM,
+    pp_rank: int,
+    pp_size: int,
+    virtual_stages: int = 1,
+    boundaries: list[int] | None = None,
+) -> list[int]:
+    """Remove from ``model`` (in place, on the meta device before materialisation) every part this rank's stages do
+    not hold: the other stages' decoder layers (each left as a parameterless placeholder, so the kept layers keep
+    their single-device indices and names), the embedding unless it holds stage 0, the final norm and LM head unless
+    it holds the last stage. Returns the decoder layers kept. The pruned model's own forward refuses to run.
+
+    Raises:
+        ValueError: a module that is not a ``MulaForCausalLM``, stages that do not fit its layers, or tied word
+            embeddings (the embedding and the LM head live on different stages).
+    """
+    if not isinstance(model, MulaForCausalLM):
+        raise ValueError(f"pipeline parallelism splits a MulaForCausalLM by layers; got {type(model).__name__}")
+    total = pp_size * virtual_stages
+    ranges = stage_layer_ranges(model.config.num_layers, total, boundaries)
+    mine = stages_of_rank(pp_rank, pp_size, virtual_stages)
+    if pp_size > 1 and model.config.tie_word_embeddings:
+        raise ValueError(
+            f"pipeline parallelism (pp_size {pp_size}) puts the embedding on the first stage and the LM head on the "
+            f"last: {model.config.name} ties them (tie_word_embeddings=True)"
+        )
+    kept = sorted(i for s in mine for i in ranges[s])
+    for i in range(model.config.num_layers):
+        if i not in kept:
+            model.model.layers[i] = _LayerOnAnotherStage(i)
+    if 0 not in mine:
+        model.model.embed_tokens = None
+    if total - 1 not in mine:
+        model.model.norm = None
+        model.lm_head = None
+    model.pipeline_stages, model.pipeline_layers = mine, kept
+    model.register_forward_pre_hook(_refuse_whole_forward)
+    return kept
+
+
 class _StageAuxLoss(torch.autograd.Function):
-    """Identity on a stage's output; its backward also gives the stage's auxiliary loss a gradient of one."""
+    """Identity on a stage's output; its backward also gives the stage's auxiliary loss the gradient ``scale`` (the
+    micro-batch's weight in the step's loss)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+    def forward(ctx: Any, x: torch.Tensor, aux_loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device, scale)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape, dtype, device = ctx.aux_meta
-        return grad, torch.ones(shape, dtype=dtype, device=device)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device, scale = ctx.aux_meta
+        return grad, torch.full(shape, scale, dtype=dtype, device=device), None
 
 
 class PipelineStageModule(nn.Module):
@@ -75,8 +161,13 @@ class PipelineStageModule(nn.Module):
     ``model``), with the embedding on the first stage and the final norm and LM head on the last.
 
     ``forward`` takes token ids (first stage) or hidden states (the others) and returns hidden states, or logits on
-    the last stage. The MoE side outputs of its last forward are in :attr:`last_aux` (detached, for statistics).
+    the last stage. The MoE side outputs of its last forward are in :attr:`last_aux` (detached, for statistics), and
+    :attr:`aux_history` holds the weighted auxiliary loss of every forward since it was last emptied (for logging).
     """
+
+    #: the gradient each micro-batch's auxiliary loss gets in its backward (set by :func:`build_schedule`: the
+    #: micro-batch's weight in the step's loss)
+    aux_grad_scale: float = 1.0
 
     def __init__(self, model: MulaForCausalLM, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -87,6 +178,7 @@ class PipelineStageModule(nn.Module):
         self.norm = model.model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.last_aux: list[MoEAux] = []
+        self.aux_history: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -101,7 +193,9 @@ class PipelineStageModule(nn.Module):
                 aux.append(layer_aux)
         self.last_aux = [a.detach() for a in aux]
         if aux:  # this stage's auxiliary losses enter this stage's backward
-            x = _StageAuxLoss.apply(x, torch.stack([a.aux_loss for a in aux]).sum())
+            total = torch.stack([a.aux_loss for a in aux]).sum()
+            self.aux_history.append(total.detach())
+            x = _StageAuxLoss.apply(x, total, self.aux_grad_scale)
         if self.norm is not None:
             x = self.lm_head(self.norm(x))
         return x
@@ -118,15 +212,12 @@ def split_into_stages(
     """
     if not isinstance(model, MulaForCausalLM):
         raise ValueError(f"pipeline parallelism splits a MulaForCausalLM by layers; got {type(model).__name__}")
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank ({pp_rank}) must be in [0, pp_size ({pp_size}))")
     total = pp_size * virtual_stages
     ranges = stage_layer_ranges(model.config.num_layers, total, boundaries)
-    stages = []
-    for v in range(virtual_stages):
-        index = pp_rank + v * pp_size
-        stages.append((index, PipelineStageModule(model, ranges[index], index == 0, index == total - 1)))
-    return stages
+    return [
+        (index, PipelineStageModule(model, ranges[index], index == 0, index == total - 1))
+        for index in stages_of_rank(pp_rank, pp_size, virtual_stages)
+    ]
 
 
 def build_schedule(
@@ -142,7 +233,9 @@ def build_schedule(
 
     ``schedule.step(input_ids)`` on the first stage's rank, ``schedule.step(target=labels, losses=[])`` on the last
     stage's, ``schedule.step()`` elsewhere (the interleaved schedules take all three on every rank that holds those
-    stages) runs forward and backward of every micro-batch; gradients are scaled by ``1 / microbatches``.
+    stages) runs forward and backward of every micro-batch. ``loss_fn(output, target)`` is one micro-batch's loss;
+    the schedule backpropagates it scaled by ``1 / microbatches`` (and each stage's auxiliary losses with it), so the
+    gradients are the mean's (``losses`` holds the scaled values).
 
     Raises:
         ValueError: an unknown schedule, several stages per rank for a single-stage schedule, or fewer micro-batches
@@ -157,9 +250,16 @@ def build_schedule(
     pp_size = num_stages // len(stages)
     if name != "gpipe" and microbatches < pp_size:
         raise ValueError(f"pp_microbatches ({microbatches}) must be at least pp_size ({pp_size}) for {name}")
+    for _, module in stages:
+        module.aux_grad_scale = 1.0 / microbatches
+
+    def mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / microbatches
+
     pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
+    kwargs = dict(loss_fn=mean_loss, scale_grads=False)
     if name == "gpipe":
-        return ScheduleGPipe(pipeline_stages[0], microbatches, loss_fn=loss_fn)
+        return ScheduleGPipe(pipeline_stages[0], microbatches, **kwargs)
     if name == "1f1b":
-        return Schedule1F1B(pipeline_stages[0], microbatches, loss_fn=loss_fn)
-    return ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=loss_fn)
+        return Schedule1F1B(pipeline_stages[0], microbatches, **kwargs)
+    return ScheduleInterleaved1F1B(pipeline_stages, microbatches, **kwargs)

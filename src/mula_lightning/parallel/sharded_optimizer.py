@@ -138,12 +138,13 @@ def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
             f"sharded_optimizer='dp' with tp_size ({topo.tp_size}) > 1 is not supported: it is the DP-only baseline "
             "of DP x EP; use 'ep_aware' (each family sharded over exactly its replicas) or 'none'"
         )
-    w, dp, ep = topo.world_size, topo.dp_size, topo.ep_size
-    world, dpg, epg = topo.world_group, topo.dp_group, topo.ep_group
+    # under pipeline parallelism every family lives in one stage: the non-expert one is replicated over its ranks
+    w, dp, ep = topo.stage_size, topo.dp_size, topo.ep_size
+    stage, dpg, epg = topo.stage_group, topo.dp_group, topo.ep_group
     ddp, ddpg = topo.dense_dp_size, topo.dense_dp_group
     if mode == "none":
         return {
-            "non_expert": FamilyPlan("non_expert", None, 1, 0, world if w > 1 else None, w, topo.rank),
+            "non_expert": FamilyPlan("non_expert", None, 1, 0, stage if w > 1 else None, w, topo.stage_rank),
             "tensor_parallel": FamilyPlan(
                 "tensor_parallel", None, 1, 0, ddpg if ddp > 1 else None, ddp, topo.dense_dp_rank
             ),
@@ -156,7 +157,7 @@ def family_plans(mode: str, topo: MoETopology) -> dict[str, FamilyPlan]:
             "non_expert", dpg if dp > 1 else None, dp, topo.dp_rank, epg if ep > 1 else None, ep, topo.ep_rank
         )
     else:
-        non_expert = FamilyPlan("non_expert", world if w > 1 else None, w, topo.rank, None, 1)
+        non_expert = FamilyPlan("non_expert", stage if w > 1 else None, w, topo.stage_rank, None, 1)
     return {"non_expert": non_expert, "tensor_parallel": tensor_parallel, "expert": expert}
 
 
@@ -402,7 +403,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for fam, buf in self.buffers.items():
             owned = buf.gather_owned(buf.grads).to(dtype)
             total += owned.pow(2).sum() / self.plans[fam].cross_size
-        if self.world_size > 1:
+        if self.world_size > 1:  # every stage's elements (pipeline parallelism: each stage holds other layers)
             dist.all_reduce(total, group=self.topology.world_group)
         return total.sqrt()
 

@@ -194,5 +194,7 @@ def apply_optimizer_state_dict(optimizer: ShardedAdamW, state: dict[str, Any]) -
 def _cross_root(fam: str, mode: str, topo: MoETopology) -> int:
     """Global rank of the ``cross_rank == 0`` replica of this rank's shard."""
     if mode == "none":
-        return {"non_expert": 0, "tensor_parallel": topo.tp_rank}.get(fam, topo.ep_rank)
-    return topo.dp_rank * topo.ep_size  # dp mode, non-expert: ep_rank 0 of the same dp_rank
+        return {"non_expert": topo.stage_root, "tensor_parallel": topo.stage_root + topo.tp_rank}.get(
+            fam, topo.expert_root
+        )
+    return topo.stage_root + topo.dp_rank * topo.ep_size  # dp mode, non-expert: ep_rank 0 of the same dp_rank

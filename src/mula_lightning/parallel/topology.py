@@ -26,6 +26,13 @@ slice is further cut along its intermediate dimension over ``etp`` consecutive r
 one block form the ``expert_group`` the token dispatcher gathers over, and an expert part is replicated over ``dp``
 (``world / (ep x etp)`` ranks).
 
+With pipeline parallelism (``pp_size > 1``) all of the above describes one pipeline *stage*: the world is
+``pp`` consecutive blocks of ``stage_size`` ranks (pp outermost: stages cross nodes, the groups above stay inside
+one), every stage holds different layers, so each family is replicated, sharded and broadcast within its stage
+(``stage_group`` replaces the world for the non-expert family; ``stage_root`` is the stage's first rank). Only the
+global gradient norm spans every stage (``world_group``), and the ``pp`` group links the ranks of equal
+``stage_rank`` that pass activations to each other.
+
 The groups come from one :class:`~mula_lightning.parallel.mesh.ParallelMesh` (``dp_size`` / ``dp_group`` here are
 the mesh's ``edp``, the replicas of an expert slice; ``dense_dp_*`` and ``tp_*`` its dense side), built once by
 every rank; a dimension of size 1 has no group (``None``), and every caller skips collectives over one rank.
@@ -53,9 +60,12 @@ class MoETopology:
         etp_size: expert-tensor-parallel degree (ways each expert's intermediate dimension is split).
         tp_size: tensor-parallel degree of the dense layers (1: none).
         sequence_parallel: the residual stream is split over ``tp`` along the sequence (Megatron's SP).
-        ep_group / dp_group / world_group / tp_group / dense_dp_group / expert_group: process groups (``None`` when
-            not distributed or of size 1; ``world_group`` is the default group; ``expert_group`` is the ep x etp
-            ranks the experts are split over, the ``ep_group`` itself without expert tensor parallelism).
+        pp_size: pipeline stages the world is cut into (every size above is per stage).
+        ep_group / dp_group / world_group / tp_group / dense_dp_group / expert_group / stage_group / pp_group: process
+            groups (``None`` when not distributed or of size 1; ``world_group`` is the default group, every stage;
+            ``stage_group`` this rank's stage, the default group without pipeline parallelism; ``expert_group`` is
+            the ep x etp ranks the experts are split over, the ``ep_group`` itself without expert tensor
+            parallelism).
         mesh: the :class:`ParallelMesh` the groups come from.
     """
 
@@ -72,15 +82,38 @@ class MoETopology:
     dense_dp_group: Any = field(default=None, repr=False)
     etp_size: int = 1
     expert_group: Any = field(default=None, repr=False)
+    pp_size: int = 1
+    stage_group: Any = field(default=None, repr=False)
+    pp_group: Any = field(default=None, repr=False)
 
     @property
-    def world_size(self) -> int:
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (every rank without pipeline parallelism)."""
         return self.dp_size * self.ep_size * self.etp_size
 
     @property
+    def world_size(self) -> int:
+        return self.stage_size * self.pp_size
+
+    @property
+    def stage_rank(self) -> int:
+        """This rank's index inside its pipeline stage."""
+        return self.rank % self.stage_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (of ``pp_size``; with virtual stages, the first of its stages)."""
+        return self.rank // self.stage_size
+
+    @property
+    def stage_root(self) -> int:
+        """Global rank of this stage's first rank (the reader of its replicated tensors)."""
+        return self.pp_rank * self.stage_size
+
+    @property
     def dense_dp_size(self) -> int:
-        """Data-parallel degree of the dense layers: the number of distinct batches per step (``world / tp``)."""
-        return self.world_size // self.tp_size
+        """Data-parallel degree of the dense layers: the number of distinct batches per step (``stage / tp``)."""
+        return self.stage_size // self.tp_size
 
     @property
     def tp_rank(self) -> int:
@@ -88,8 +121,8 @@ class MoETopology:
 
     @property
     def dense_dp_rank(self) -> int:
-        """Index of this rank's batch: the ranks of one ``tp`` group read the same one."""
-        return self.rank // self.tp_size
+        """Index of this rank's batch: the ranks of one ``tp`` group (and of one ``pp`` group) read the same one."""
+        return self.stage_rank // self.tp_size
 
     @property
     def tp_mesh(self) -> Any:
@@ -106,22 +139,24 @@ class MoETopology:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.ep_size * self.etp_size)
+        return self.stage_rank // (self.ep_size * self.etp_size)
 
     @property
     def expert_root(self) -> int:
         """Global rank of the ``dp_rank == 0`` replica of this rank's expert part (the one that reads it)."""
-        return self.rank % (self.ep_size * self.etp_size)
+        return self.stage_root + self.stage_rank % (self.ep_size * self.etp_size)
 
     def ep_ranks(self, dp_rank: int | None = None) -> list[int]:
-        """Global ranks of the EP group of ``dp_rank`` (default: this rank's; without expert tensor parallelism)."""
+        """Global ranks of the EP group of ``dp_rank`` in this stage (default: this rank's; without expert tensor
+        parallelism)."""
         d = self.dp_rank if dp_rank is None else dp_rank
-        return [d * self.ep_size + e for e in range(self.ep_size)]
+        return [self.stage_root + d * self.ep_size + e for e in range(self.ep_size)]
 
     def dp_ranks(self, ep_rank: int | None = None) -> list[int]:
-        """Global ranks of the DP group of ``ep_rank`` (default: this rank's; without expert tensor parallelism)."""
+        """Global ranks of the DP group of ``ep_rank`` in this stage (default: this rank's; without expert tensor
+        parallelism)."""
         e = self.ep_rank if ep_rank is None else ep_rank
-        return [d * self.ep_size + e for d in range(self.dp_size)]
+        return [self.stage_root + d * self.ep_size + e for d in range(self.dp_size)]
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """Half-open range of global expert ids owned by this rank."""
@@ -131,8 +166,14 @@ class MoETopology:
 
     @property
     def device_mesh(self) -> Any:
-        """The MoE side's ``DeviceMesh``: dims ``("edp", "ep")``, less those of size 1 (None for one rank)."""
-        return self.mesh.moe if self.mesh is not None else None
+        """The MoE side's ``DeviceMesh`` of this stage: dims ``("edp", "ep")``, less those of size 1 (None for one
+        rank or when both are 1)."""
+        if self.mesh is None or self.mesh.moe is None:
+            return None
+        names = tuple(n for n in self.mesh.moe.mesh_dim_names if n != "pp")
+        if not names:
+            return None
+        return self.mesh.moe if len(names) == len(self.mesh.moe.mesh_dim_names) else self.mesh.moe[names]
 
 
 def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str) -> None:
@@ -141,27 +182,33 @@ def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str
         raise ValueError(f"{value_name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
-def build_topology(ep_size: int, tp_size: int = 1, sequence_parallel: bool = False, etp_size: int = 1) -> MoETopology:
-    """The DP x EP (x TP) layout of the default process group, its groups taken from one ParallelMesh (collective).
+def build_topology(
+    ep_size: int, tp_size: int = 1, sequence_parallel: bool = False, etp_size: int = 1, pp_size: int = 1
+) -> MoETopology:
+    """The (PP x) DP x EP (x TP) layout of the default process group, its groups taken from one ParallelMesh
+    (collective).
 
     Every rank must call this with the same sizes. Without an initialised process group (one process) the layout
-    is DP = EP = TP = 1 and no group is created.
+    is DP = EP = TP = PP = 1 and no group is created.
 
     Raises:
-        ValueError: when ``ep_size``, ``tp_size`` or ``ep_size x etp_size`` does not divide the world size (naming
-            them).
+        ValueError: when ``pp_size`` does not divide the world size, or ``ep_size``, ``tp_size`` or ``ep_size x
+            etp_size`` does not divide a stage's ranks (naming them).
     """
     if not is_distributed():
-        for name, size in (("ep_size", ep_size), ("tp_size", tp_size), ("etp_size", etp_size)):
+        sizes = (("ep_size", ep_size), ("tp_size", tp_size), ("etp_size", etp_size), ("pp_size", pp_size))
+        for name, size in sizes:
             if size != 1:
                 raise ValueError(f"{name} ({size}) > 1 needs an initialised process group of {name} ranks or more")
         return MoETopology(dp_size=1, ep_size=1, rank=0)
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    check_divisible(world_size, ep_size, "world size", "ep_size")
-    check_divisible(world_size, tp_size, "world size", "tp_size")
-    mesh = build_parallel_mesh(ParallelDims(world_size, tp=tp_size, ep=ep_size, etp=etp_size))
+    check_divisible(world_size, pp_size, "world size", "pp_size")
+    stage = world_size // pp_size
+    check_divisible(stage, ep_size, "the ranks of a pipeline stage" if pp_size > 1 else "world size", "ep_size")
+    check_divisible(stage, tp_size, "the ranks of a pipeline stage" if pp_size > 1 else "world size", "tp_size")
+    mesh = build_parallel_mesh(ParallelDims(world_size, pp=pp_size, tp=tp_size, ep=ep_size, etp=etp_size))
     return MoETopology(
-        dp_size=world_size // (ep_size * etp_size),
+        dp_size=stage // (ep_size * etp_size),
         ep_size=ep_size,
         rank=rank,
         ep_group=mesh.group("ep"),
@@ -174,4 +221,7 @@ def build_topology(ep_size: int, tp_size: int = 1, sequence_parallel: bool = Fal
         dense_dp_group=mesh.group("dp"),
         etp_size=etp_size,
         expert_group=mesh.expert_group(),
+        pp_size=pp_size,
+        stage_group=mesh.stage_group() if pp_size > 1 else dist.group.WORLD,
+        pp_group=mesh.group("pp"),
     )

@@ -37,10 +37,12 @@ from typing_extensions import override
 
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, sharded_checkpoint_parts
+from mula_lightning.models.transformer import MulaForCausalLM
 from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
 from mula_lightning.parallel.expert_parallel import expert_part
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.params import is_expert_param
+from mula_lightning.parallel.pipeline import prune_to_stages
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
 from mula_lightning.parallel.state_dict import model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.token_dispatchers import DISPATCHERS
@@ -74,12 +76,18 @@ class EPSOSettings:
     compile: bool | dict[str, Any] = False
     init_from_dense: str | None = None
     upcycle: dict[str, Any] | None = None
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_virtual_stages: int = 1
+    pp_boundaries: list[int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ep_size", "tp_size", "etp_size"):
+        for name in ("ep_size", "tp_size", "etp_size", "pp_size", "pp_virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
+        self._check_pipeline()
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("sequence_parallel=True splits the sequence over tensor-parallel ranks: set tp_size > 1")
         if self.tp_size > 1 and self.sharded_optimizer == "dp":
@@ -107,6 +115,27 @@ class EPSOSettings:
             raise ValueError(f"reduce_dtype ({self.reduce_dtype}) must be torch.float32 or torch.bfloat16")
         parse_activation_checkpointing(self.activation_checkpointing)  # an unknown part is named at construction
 
+    def _check_pipeline(self) -> None:
+        from mula_lightning.parallel.pipeline import SCHEDULES
+
+        m = self.pp_microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"pp_microbatches ({m!r}) must be an integer >= 1, or None (one sequence each)")
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule ({self.pp_schedule!r}) must be one of {tuple(SCHEDULES)}")
+        if self.pp_virtual_stages > 1 and not SCHEDULES[self.pp_schedule]:
+            raise ValueError(
+                f"pp_virtual_stages ({self.pp_virtual_stages}) > 1 needs pp_schedule='interleaved_1f1b'; "
+                f"{self.pp_schedule!r} runs one stage per rank"
+            )
+        if self.pp_size > 1 and self.pp_schedule != "gpipe" and m is not None and m < self.pp_size:
+            raise ValueError(f"pp_microbatches ({m}) must be at least pp_size ({self.pp_size}) for {self.pp_schedule}")
+        if self.pp_size > 1 and self.tp_size > 1:
+            raise ValueError(
+                f"pp_size ({self.pp_size}) with tp_size ({self.tp_size}) > 1 is not supported yet: fold the stage's "
+                "ranks with ep_size (and data parallelism) instead"
+            )
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
 
@@ -126,8 +155,13 @@ def setup_epso_module(
             "weights; keep one"
         )
     topology = topology or build_topology(
-        settings.ep_size, settings.tp_size, settings.sequence_parallel, settings.etp_size
+        settings.ep_size, settings.tp_size, settings.sequence_parallel, settings.etp_size, settings.pp_size
     )
+    if settings.pp_size > 1:  # on the meta device: this rank never materialises another stage's layers
+        prune_to_stages(
+            pipeline_model(module, settings.pp_size), topology.pp_rank, settings.pp_size,
+            settings.pp_virtual_stages, settings.pp_boundaries,
+        )  # fmt: skip
     parallelize(
         module,
         topology,
@@ -139,6 +173,33 @@ def setup_epso_module(
     if settings.init_from_dense:
         initialise_from_dense(module, settings.init_from_dense, topology, settings.upcycle or {})
     return topology
+
+
+def pipeline_model(module: nn.Module, pp_size: int) -> MulaForCausalLM:
+    """The one ``MulaForCausalLM`` inside ``module`` that pipeline parallelism cuts into stages.
+
+    Raises:
+        ValueError: naming the module when it holds none, or several.
+    """
+    found = [m for m in module.modules() if isinstance(m, MulaForCausalLM)]
+    if len(found) != 1:
+        raise ValueError(
+            f"pp_size ({pp_size}) > 1 splits one MulaForCausalLM by layers; {type(module).__name__} holds {len(found)}"
+        )
+    return found[0]
+
+
+def build_pipeline(module: nn.Module, settings: EPSOSettings, topology: MoETopology, device: Any) -> Any:
+    """The :class:`~mula_lightning.parallel.pipeline_runner.PipelineRunner` of a set-up module (None without
+    pipeline parallelism)."""
+    if settings.pp_size == 1:
+        return None
+    from mula_lightning.parallel.pipeline_runner import PipelineRunner
+
+    return PipelineRunner(
+        pipeline_model(module, settings.pp_size), topology, settings.pp_schedule, settings.pp_microbatches,
+        settings.pp_virtual_stages, settings.pp_boundaries, device,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -154,7 +215,6 @@ def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, o
         ValueError: when the upcycled tensors do not have the shapes of the model being trained (the dense
             checkpoint does not fit the model config), naming the first offending tensors.
     """
-    from mula_lightning.models.transformer import MulaForCausalLM
     from mula_lightning.models.upcycle import UpcycleSpec, build_upcycled
 
     targets = [m for m in module.modules() if isinstance(m, MulaForCausalLM)]
@@ -171,11 +231,12 @@ def initialise_from_dense(module: nn.Module, path: str, topology: MoETopology, o
             ep_size=topology.ep_size,
             dtype=next(target.parameters()).dtype,
         )
+        have = target.state_dict()
         got = {  # with expert tensor parallelism: this rank's part of its experts' intermediate dimension
             k: expert_part(k, v, topology.etp_rank, topology.etp_size) if is_expert_param(k) else v
             for k, v in local.state_dict().items()
+            if topology.pp_size == 1 or k in have  # under pipeline parallelism: this rank's stages only
         }
-        have = target.state_dict()
         wrong = [
             f"{k}: model {tuple(have[k].shape) if k in have else None} vs upcycled {tuple(v.shape)}"
             for k, v in got.items()
@@ -218,6 +279,18 @@ class EPSOOptions(ShardingOptions):
         upcycle: options of that upcycling: ``granularity``, ``noise``, ``seed``, ``layers``.
         async_save: ``save_checkpoint`` stages the state to host memory and writes it in the background while
             training goes on (at most one save in flight); every save replaces its directory whole.
+        pp_size: pipeline stages (consecutive blocks of ``world / pp_size`` ranks; every size above is per stage):
+            each rank builds and trains only its stages' layers (embedding on the first, final norm and LM head on
+            the last). A step is :meth:`pipeline_step` (``MulaLM`` calls it; a Fabric loop calls it instead of
+            ``model(...)`` + ``fabric.backward``); every rank of a pipeline reads the same batch.
+        pp_schedule: ``"1f1b"`` (the paper's), ``"gpipe"`` or ``"interleaved_1f1b"`` (with
+            ``pp_virtual_stages > 1``), from ``torch.distributed.pipelining``.
+        pp_microbatches: micro-batches each rank's batch is cut into (the schedule's; they replace gradient
+            accumulation inside a step); None: one sequence each. At least ``pp_size`` for the 1F1B schedules.
+        pp_virtual_stages: stages per rank (interleaved 1F1B: rank r runs stages ``r, r + pp, ...``); the layers
+            must divide by ``pp_size x pp_virtual_stages``.
+        pp_boundaries: the first layer of every stage but the first, to balance stages by hand (None: equal layer
+            counts).
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
@@ -239,6 +312,11 @@ class EPSOOptions(ShardingOptions):
         tp_size: int = 1,
         sequence_parallel: bool = False,
         etp_size: int = 1,
+        pp_size: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_virtual_stages: int = 1,
+        pp_boundaries: list[int] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
@@ -256,8 +334,15 @@ class EPSOOptions(ShardingOptions):
             compile,
             init_from_dense,
             upcycle,
+            pp_size,
+            pp_schedule,
+            pp_microbatches,
+            pp_virtual_stages,
+            list(pp_boundaries) if pp_boundaries is not None else None,
         )
         self.topology: MoETopology | None = None
+        self.pipeline: Any = None  # the PipelineRunner once set up (pp_size > 1)
+        self._pipeline_backward_done = False
         self.async_save = bool(async_save)
         self._init_flavour()
 
@@ -270,12 +355,51 @@ class EPSOOptions(ShardingOptions):
         return self.settings.tp_size
 
     @property
+    def pp_size(self) -> int:
+        return self.settings.pp_size
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """One replica per dense data-parallel group: the ``tp`` ranks of a group (consecutive ranks) read the
-        same batch; every other rank, expert-parallel peers included, reads its own."""
-        tp = self.settings.tp_size
-        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
+        """One replica per dense data-parallel group of a pipeline stage: the ``tp`` ranks of a group (consecutive
+        ranks) and the ``pp`` ranks of a pipeline read the same batch; every other rank, expert-parallel peers
+        included, reads its own."""
+        tp, pp = self.settings.tp_size, self.settings.pp_size
+        stage = self.num_nodes * self.num_processes // pp
+        return {"num_replicas": stage // tp, "rank": self.global_rank % stage // tp}
+
+    def pipeline_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, loss_scale: float = 1.0):
+        """Forward and backward of one batch through the pipeline (``pp_size > 1``): every micro-batch through this
+        rank's stages with the configured schedule; returns a
+        :class:`~mula_lightning.parallel.pipeline_runner.PipelineLoss`, equal on every rank of the pipeline (the
+        mean over micro-batches of cross-entropy plus MoE auxiliary losses). Gradients go to the sharded optimizer,
+        reduced at its next ``clip_grad_norm_`` / ``step`` (inside ``no_backward_sync`` they accumulate): call it in
+        place of ``model(...)`` and ``backward``. ``labels`` default to ``input_ids``; ``loss_scale`` weights this
+        batch's gradients (``1 / accumulated batches``). Collective over the pipeline and its stages.
+
+        Raises:
+            RuntimeError: without pipeline parallelism, or before the module is set up.
+        """
+        runner = self._runner()
+        optimizer = self.sharded_optimizer
+        with _sync_disabled(optimizer) if optimizer is not None else nullcontext():
+            result = runner.train_step(input_ids, input_ids if labels is None else labels, loss_scale)
+        self._pipeline_backward_done = True
+        return result
+
+    def pipeline_eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The summed next-token cross-entropy of one batch through the pipeline (forward only), on every rank of
+        the pipeline. Collective over the pipeline and its stages."""
+        return self._runner().eval_step(input_ids, input_ids if labels is None else labels)
+
+    def _runner(self) -> Any:
+        if self.pipeline is None:
+            raise RuntimeError(
+                "pipeline_step needs pp_size > 1 and a set-up module"
+                if self.settings.pp_size > 1
+                else f"pipeline_step is for pipeline parallelism; this strategy has pp_size {self.settings.pp_size}"
+            )
+        return self.pipeline
 
     def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""
@@ -340,6 +464,7 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDCPSaves, Fabric
         self._names_by_id = {id(p): n for n, p in module.named_parameters()}  # before materialising replaces them
         weights = self.init_weights()
         self.topology = setup_epso_module(module, self.settings, self.root_device, self.topology, weights)
+        self.pipeline = build_pipeline(module, self.settings, self.topology, self.root_device)
         self._module = module
         return module
 
@@ -401,6 +526,7 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, Train
         self.precision_plugin.convert_module(self.model)
         weights = self.init_weights()
         self.topology = setup_epso_module(self.model, self.settings, self.root_device, self.topology, weights)
+        self.pipeline = build_pipeline(self.model, self.settings, self.topology, self.root_device)
         self.barrier()
         from lightning.pytorch.trainer.states import TrainerFn
 
@@ -434,6 +560,18 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, Train
         opt = self.sharded_optimizer
         with _sync_disabled(opt) if opt is not None else nullcontext():
             yield
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """After :meth:`pipeline_step` the schedule already ran the backward: only the hooks around it run here."""
+        if not self._pipeline_backward_done:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._pipeline_backward_done = False
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ShardingStrategy", "strategy_ep_size", "strategy_tensor_parallel"]
+__all__ = ["ShardingStrategy", "strategy_ep_size", "strategy_pipeline", "strategy_tensor_parallel"]
 
 
 @runtime_checkable
@@ -64,3 +64,16 @@ def strategy_tensor_parallel(strategy: Any) -> tuple[int, bool, int]:
         bool(getattr(settings, "sequence_parallel", False)),
         int(getattr(settings, "etp_size", 1)),
     )
+
+
+def strategy_pipeline(strategy: Any) -> dict[str, Any]:
+    """The pipeline-parallel settings of any strategy: ``pp_size``, ``pp_schedule``, ``pp_microbatches``,
+    ``pp_virtual_stages``, ``pp_boundaries`` (``pp_size`` 1 unless it has pipeline parallelism)."""
+    settings = getattr(strategy, "settings", None) if isinstance(strategy, ShardingStrategy) else None
+    return {
+        "pp_size": int(getattr(settings, "pp_size", 1)),
+        "pp_schedule": getattr(settings, "pp_schedule", "1f1b"),
+        "pp_microbatches": getattr(settings, "pp_microbatches", None),
+        "pp_virtual_stages": int(getattr(settings, "pp_virtual_stages", 1)),
+        "pp_boundaries": getattr(settings, "pp_boundaries", None),
+    }

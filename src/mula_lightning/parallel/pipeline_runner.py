@@ -1,0 +1,160 @@
+"""Run one training or evaluation step of a pipeline-parallel Mula model, inside a data / expert-parallel stage.
+
+:class:`PipelineRunner` is what the ``epso`` strategies call (Fabric: ``strategy.pipeline_step``; the Trainer:
+``MulaLM.training_step`` / ``validation_step`` through the same call). It owns this rank's stages of a model that
+:func:`~mula_lightning.parallel.pipeline.prune_to_stages` cut down, and the ``torch.distributed.pipelining``
+schedule over the topology's ``pp`` group, and answers the three things a training loop needs from a step that it
+cannot see whole:
+
+* **Gradients as one process would have them.** The schedule backpropagates every micro-batch's loss scaled by
+  ``loss_scale / microbatches`` (``loss_scale`` is the Trainer's ``1 / accumulate_grad_batches``), each stage's MoE
+  auxiliary losses with the same weight. A :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW` takes
+  gradients as they are produced: its reductions are held back during the schedule (every micro-batch adds into the
+  same buffers) and run once, at ``clip_grad_norm_`` / ``step``, like the last micro-batch of an accumulation window.
+* **The loss on every rank.** Only the last stage sees the cross-entropy and each stage only its own layers'
+  auxiliary losses: one all-reduce of two numbers over the ``pp`` group gives every rank of the pipeline the step's
+  loss (the mean over micro-batches of cross-entropy plus weighted auxiliary losses, what one process running the
+  micro-batches would report).
+* **Evaluation**: a forward-only pass of the schedule that returns the summed cross-entropy of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mula_lightning.models.transformer import MulaForCausalLM
+from mula_lightning.moe.reference import MoEAux
+from mula_lightning.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
+from mula_lightning.parallel.topology import MoETopology
+
+__all__ = ["PipelineLoss", "PipelineRunner"]
+
+
+@dataclass
+class PipelineLoss:
+    """One pipeline step's losses, equal on every rank of its pipeline (detached).
+
+    Attributes:
+        loss: ``lm_loss + aux_loss``.
+        lm_loss: the mean over micro-batches of each micro-batch's mean next-token cross-entropy.
+        aux_loss: the mean over micro-batches of the weighted MoE auxiliary losses of every stage.
+        moe_aux: the MoE side outputs of this rank's stages' last micro-batch (its layers only).
+    """
+
+    loss: torch.Tensor
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor
+    moe_aux: list[MoEAux]
+
+
+class PipelineRunner:
+    """This rank's stages of ``model`` and the schedule that runs them (see the module docstring).
+
+    Args:
+        model: a ``MulaForCausalLM`` pruned to this rank's stages (materialised, parallelised).
+        topology: the layout (``pp_size``, ``pp_rank``, ``pp_group``).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        microbatches: micro-batches per step; None: one sequence each (the batch size).
+        virtual_stages: stages per rank (``interleaved_1f1b``).
+        boundaries: the first layer of every stage but the first (None: equal layer counts).
+        device: where the activations live.
+    """
+
+    def __init__(
+        self,
+        model: MulaForCausalLM,
+        topology: MoETopology,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        virtual_stages: int = 1,
+        boundaries: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule ({schedule!r}) must be one of {tuple(SCHEDULES)}")
+        self.model = model
+        self.topology = topology
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.num_stages = topology.pp_size * virtual_stages
+        self.stages = split_into_stages(model, topology.pp_rank, topology.pp_size, virtual_stages, boundaries)
+        self.first = any(index == 0 for index, _ in self.stages)
+        self.last = any(index == self.num_stages - 1 for index, _ in self.stages)
+        self.device = torch.device(device)
+        self._schedules: dict[int, Any] = {}  # by micro-batch count (a last, shorter batch gets its own)
+        self._raw: list[torch.Tensor] = []
+        self._reduction = "mean"
+        self._scale = 1.0
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.model.loss_function(logits, labels, self._reduction)
+        self._raw.append(loss.detach())
+        return loss * self._scale
+
+    def _schedule(self, batch_size: int) -> tuple[Any, int]:
+        count = self.microbatches or batch_size
+        if batch_size % count:
+            raise ValueError(
+                f"the batch ({batch_size} sequences per rank) must be divisible by pp_microbatches ({count})"
+            )
+        if count not in self._schedules:
+            self._schedules[count] = build_schedule(
+                self.schedule_name, self.stages, self.num_stages, count, self.device, self._loss,
+                group=self.topology.pp_group,
+            )  # fmt: skip
+        return self._schedules[count], count
+
+    def _begin(self, reduction: str, scale: float, aux_scale: float) -> None:
+        self._raw, self._reduction, self._scale = [], reduction, scale
+        for _, module in self.stages:
+            module.aux_history = []
+            module.aux_grad_scale = aux_scale
+
+    def _pipeline_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """``values`` summed over this rank's part and then over the ``pp`` group (float64 on the wire)."""
+        total = torch.stack([v.to(self.device, torch.float64) for v in values])
+        if self.topology.pp_size > 1 and dist.is_initialized():
+            dist.all_reduce(total, group=self.topology.pp_group)
+        return total
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> PipelineLoss:
+        """Forward and backward of every micro-batch of ``(input_ids, labels)`` (the same batch on every rank of the
+        pipeline; only the first stage reads ``input_ids`` and the last ``labels``); the gradients are those of
+        ``loss_scale x`` the step's loss. Collective over the ``pp`` group (and the stage's EP / TP groups)."""
+        schedule, count = self._schedule(int(input_ids.shape[0]))
+        self._begin("mean", loss_scale, loss_scale / count)
+        args = (input_ids,) if self.first else ()
+        kwargs = {"target": labels, "losses": []} if self.last else {}
+        schedule.step(*args, **kwargs)
+        # the last ``count`` forwards of each stage are the micro-batches' (a schedule's first step runs one more,
+        # to infer the shapes it sends)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        lm = torch.stack(self._raw[-count:]).sum() if self.last else zero
+        aux = [a for _, m in self.stages for a in m.aux_history[-count:]]
+        lm, aux = self._pipeline_sum([lm, torch.stack(aux).sum() if aux else zero]) / count
+        moe_aux = [a for _, m in self.stages for a in m.last_aux]
+        return PipelineLoss(loss=lm + aux, lm_loss=lm, aux_loss=aux, moe_aux=moe_aux)
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed next-token cross-entropy of the batch (forward only), on every rank of the pipeline."""
+        schedule, _ = self._schedule(int(input_ids.shape[0]))
+        self._begin("sum", 1.0, 0.0)
+        args = (input_ids,) if self.first else ()
+        kwargs = {"target": labels, "losses": []} if self.last else {}
+        if hasattr(schedule, "eval"):
+            schedule.eval(*args, **kwargs)
+        else:  # torch before ``eval``: what it does, by hand
+            previous, schedule._has_backward = schedule._has_backward, False
+            try:
+                schedule.step(*args, **kwargs)
+            finally:
+                schedule._has_backward = previous
+        schedule_count = self.microbatches or int(input_ids.shape[0])
+        last = self._raw[-schedule_count:]
+        total = torch.stack(last).sum() if self.last else torch.zeros((), dtype=torch.float64)
+        return self._pipeline_sum([total])[0]

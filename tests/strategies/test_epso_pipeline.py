@@ -1,0 +1,167 @@
+"""The epso strategy with pipeline parallelism (Fabric, ``strategy.pipeline_step``) against one process, in real
+processes.
+
+Layouts: PP=2 with each schedule (gpipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank) on 2 gloo ranks;
+PP=2 x DP=2 and PP=2 x EP=2 on 4 (stages are consecutive blocks of ranks; inside a stage, data and expert
+parallelism as without pipelining). An MoE model of 4 layers with its load-balancing and z losses on, 4 micro-batches
+of one sequence per step, the ``ep_aware`` optimizer, 5 AdamW steps clipped by the global norm (small enough that
+clipping fires on every step), float64. The reference is one process that runs each data-parallel batch's 4
+micro-batches through the whole model, averages their losses (cross-entropy plus auxiliary losses) and the batches',
+and steps torch's AdamW after torch's ``clip_grad_norm_``. Every rank's step loss (the pipeline's, on every rank of
+it), the pre-clip global norms and every parameter a rank holds must match; each rank holds only its stages'.
+"""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.strategies import FabricEPSOStrategy
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
+
+HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+MAX_NORM = 0.05
+STEPS = 5
+H, FF, V, T, E, M, L = 16, 16, 64, 8, 4, 4, 4  # hidden, intermediate, vocabulary, sequence, experts, micro, layers
+# per layer, dots over H (q / k / v / o and the router), T (attention), 2 FF (experts), E (router softmax); the
+# vocabulary's softmax; a weight gradient sums over every batch's tokens (2 batches x M x T)
+GRAD_LEN = L * (5 * H + T + 2 * FF + E) + V + 2 * M * T
+ADAM_SCALE = adamw_parameter_scale(lr=HP["lr"], grad_bound=MAX_NORM, eps=HP["eps"])
+
+
+def _config():
+    return MulaConfig.from_name(
+        "mula-tiny-moe", vocab_size=V, hidden_size=H, num_layers=L, num_heads=2, num_kv_heads=2,
+        intermediate_size=FF, num_experts=E, top_k=2, moe_impl="fast", z_loss_coef=1e-3,
+    )  # fmt: skip
+
+
+def _batch(step, dp_rank):
+    return torch.randint(0, V, (M, T), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
+
+
+def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS):
+    strategy = FabricEPSOStrategy(
+        ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000
+    )
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MulaForCausalLM(_config())
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), **HP))
+    dp_rank = fabric.strategy.distributed_sampler_kwargs["rank"]
+    losses, norms = [], []
+    for step in range(steps):
+        x = _batch(step, dp_rank)
+        result = fabric.strategy.pipeline_step(x, x)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(result.loss.item())
+    topo = fabric.strategy.topology
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return losses, norms, state, (topo.ep_rank, topo.ep_size), fabric.strategy.distributed_sampler_kwargs
+
+
+def _reference(dp, steps=STEPS):
+    model = init_weights(MulaForCausalLM(_config()), seed=0).to(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses, norms = [], []
+    for step in range(steps):
+        per_batch = []
+        for b in range(dp):
+            x = _batch(step, b)
+            outs = [model(x[i : i + 1], labels=x[i : i + 1]) for i in range(M)]
+            per_batch.append(torch.stack([o.loss + o.aux_loss for o in outs]).mean())
+        torch.stack(per_batch).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append([p.item() for p in per_batch])
+    return losses, norms, model.state_dict()
+
+
+def _compare(results, reference, stage_size, dp):
+    ref_losses, ref_norms, ref_state = reference
+    seen = set()
+    for rank, (losses, norms, state, (ep_rank, ep_size), sampler) in enumerate(results):
+        assert sampler == {"num_replicas": dp, "rank": rank % stage_size}  # expert-parallel peers read their own
+        expected = torch.tensor([step[sampler["rank"]] for step in ref_losses], dtype=torch.float64)
+        assert_parity(torch.tensor(losses, dtype=torch.float64), expected, reduction_len=GRAD_LEN, msg="losses")
+        assert_parity(torch.tensor(norms), torch.tensor(ref_norms), reduction_len=STEPS * GRAD_LEN, msg="norms")
+        assert len(state) < len(ref_state)  # a stage's parameters only
+        for name, value in state.items():
+            ref = ref_state[name]
+            if ".experts." in name and ep_size > 1:
+                per = ref.shape[0] // ep_size
+                ref = ref[ep_rank * per : (ep_rank + 1) * per]
+            scale = ADAM_SCALE + ref.abs().max().item()
+            assert_parity(value, ref, reduction_len=STEPS * GRAD_LEN, scale=scale, msg=f"rank {rank} {name}")
+            seen.add(name)
+    assert seen == set(ref_state)  # the stages cover the model
+
+
+LAYOUTS = {
+    "pp2 gpipe": dict(world=2, pp=2, ep=1, schedule="gpipe"),
+    "pp2 1f1b": dict(world=2, pp=2, ep=1, schedule="1f1b"),
+    "pp2 interleaved 1f1b x2 virtual": dict(world=2, pp=2, ep=1, schedule="interleaved_1f1b", virtual=2),
+    "pp2 x dp2 1f1b": dict(world=4, pp=2, ep=1, schedule="1f1b"),
+    "pp2 x ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b"),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_parallel_epso_matches_one_process(layout):
+    """5 clipped AdamW steps with the MoE losses on, float64: every rank's step loss, the pre-clip global norms and
+    each parameter a rank holds equal one process; every rank of a pipeline reads the same batch and the stages
+    cover the model."""
+    spec = dict(LAYOUTS[layout])
+    world = spec.pop("world")
+    results = run_pooled_test(_train, world, **spec, timeout=300)
+    stage = world // spec["pp"]
+    _compare(results, _reference(stage), stage, stage)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(pp_size=2, pp_schedule="zb1p"), r"pp_schedule \('zb1p'\) must be one of \('gpipe', '1f1b'"),
+        (dict(pp_size=2, pp_virtual_stages=2), r"pp_virtual_stages \(2\) > 1 needs pp_schedule='interleaved_1f1b'"),
+        (dict(pp_size=4, pp_microbatches=2), r"pp_microbatches \(2\) must be at least pp_size \(4\) for 1f1b"),
+        (dict(pp_size=2, pp_microbatches=0), r"pp_microbatches \(0\) must be an integer >= 1"),
+        (dict(pp_size=0), r"pp_size \(0\) must be an integer >= 1"),
+        (dict(pp_size=2, tp_size=2), r"pp_size \(2\) with tp_size \(2\) > 1 is not supported yet"),
+    ],
+)
+def test_pipeline_options_that_cannot_work_are_named(kwargs, fragment):
+    """Unknown schedules, virtual stages on a one-stage schedule, too few micro-batches for 1F1B and sizes below 1
+    raise at construction, naming the values."""
+    with pytest.raises(ValueError, match=fragment):
+        FabricEPSOStrategy(**kwargs)
+
+
+def test_pipeline_step_without_pipeline_parallelism_is_refused():
+    """``pipeline_step`` on a strategy without pipeline stages says why instead of running a plain forward."""
+    with pytest.raises(RuntimeError, match=r"pipeline_step is for pipeline parallelism; .* pp_size 1"):
+        FabricEPSOStrategy(ep_size=1).pipeline_step(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_pruned_model_keeps_its_names_and_refuses_a_whole_forward():
+    """Pruning to stage 1 of 2 keeps the single-device names of the last two layers, the final norm and the LM head,
+    drops the embedding, and the pruned model's own forward names the stage instead of failing inside."""
+    from mula_lightning.parallel.pipeline import prune_to_stages
+
+    with torch.device("meta"):
+        model = MulaForCausalLM(_config())
+    assert prune_to_stages(model, 1, 2) == [2, 3]
+    names = {n.split(".")[0] + "." + n.split(".")[1] for n in dict(model.named_parameters())}
+    assert names == {"model.layers", "model.norm", "lm_head.weight"}
+    assert {int(n.split(".")[2]) for n in dict(model.named_parameters()) if ".layers." in n} == {2, 3}
+    with pytest.raises(RuntimeError, match=r"holds pipeline stages \[1\] of the model \(layers \[2, 3\]\)"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="ties them"):
+        with torch.device("meta"):
+            tied = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", tie_word_embeddings=True))
+        prune_to_stages(tied, 0, 2)
