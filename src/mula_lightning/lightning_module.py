@@ -44,7 +44,12 @@ from mula_lightning.checkpoint.init_source import InitWeights, init_source_confi
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.topology import check_divisible
-from mula_lightning.strategies.protocol import ShardingStrategy, strategy_ep_size, strategy_tensor_parallel
+from mula_lightning.strategies.protocol import (
+    ShardingStrategy,
+    strategy_ep_size,
+    strategy_pipeline,
+    strategy_tensor_parallel,
+)
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, minimum: float) -> float:
@@ -65,9 +70,26 @@ def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int
     """Raise a ``ValueError`` naming the values when the strategy's layout does not fit the model or the processes:
     ``ep_size`` (an MoE model, dividing its experts and the processes), ``tp_size`` (dividing the processes, the
     attention and key/value heads, a dense MLP's intermediate size and the vocabulary; an untied LM head), both
-    folded over the same ranks, and under sequence parallelism the data's sequence length."""
+    folded over the same ranks, under sequence parallelism the data's sequence length, and ``pp_size`` (dividing the
+    processes, its stages x virtual stages the layers; untied embeddings)."""
     ep_size = strategy_ep_size(strategy)
     tp_size, sequence_parallel, etp_size = strategy_tensor_parallel(strategy)
+    pipeline = strategy_pipeline(strategy)
+    pp_size = pipeline["pp_size"]
+    if pp_size > 1:
+        from mula_lightning.parallel.mesh import ParallelDims
+        from mula_lightning.parallel.pipeline import stage_layer_ranges
+
+        check_divisible(processes, pp_size, "the number of processes (devices x nodes)", "pp_size")
+        ParallelDims(processes, pp=pp_size, tp=tp_size, ep=ep_size, etp=etp_size)  # the stage's ranks fold ep x etp
+        stage_layer_ranges(
+            config.num_layers, pp_size * pipeline["pp_virtual_stages"], pipeline["pp_boundaries"]
+        )  # layers that do not cut into the stages are named here
+        if config.tie_word_embeddings:
+            raise ValueError(
+                f"pipeline parallelism (pp_size {pp_size}) puts the embedding on the first stage and the LM head on "
+                f"the last: {config.name} ties them (tie_word_embeddings=True)"
+            )
     if ep_size > 1:
         if not config.is_moe:
             raise ValueError(f"ep_size ({ep_size}) > 1 needs an MoE model; {config.name} is dense")
@@ -280,16 +302,27 @@ class MulaLM(LightningModule):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         return self.model(input_ids, labels=labels)
 
+    def _pipeline(self) -> Any:
+        """The strategy's pipeline (``epso`` with ``pp_size > 1``), else None."""
+        return getattr(self._strategy(), "pipeline", None)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         input_ids = batch["input_ids"]
-        out = self.model(input_ids, labels=batch["labels"])
-        loss = out.loss + out.aux_loss
-        world = self.trainer.world_size if self._trainer is not None else 1  # ThroughputMonitor wants all ranks'
-        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * world
-        self.last_moe_aux = [a.detach() for a in out.moe_aux]
+        if self._pipeline() is not None:  # the strategy runs forward and backward of every micro-batch
+            accumulate = self.trainer.accumulate_grad_batches
+            out = self._strategy().pipeline_step(input_ids, batch["labels"], loss_scale=1.0 / accumulate)
+            loss, lm_loss, aux_loss = out.loss, out.lm_loss, out.aux_loss
+        else:
+            out = self.model(input_ids, labels=batch["labels"])
+            loss, lm_loss, aux_loss = out.loss + out.aux_loss, out.loss, out.aux_loss
+        # ThroughputMonitor wants the step's FLOPs over all ranks: one per distinct batch (tp / pp ranks share one)
+        sampler = getattr(self.trainer, "distributed_sampler_kwargs", None) if self._trainer is not None else None
+        batches = int((sampler or {}).get("num_replicas", 1))
+        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * batches
+        self.last_moe_aux = [a.detach() if a is not None else None for a in out.moe_aux]
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/lm_loss", out.loss)
-        self.log("train/aux_loss", out.aux_loss)
+        self.log("train/lm_loss", lm_loss)
+        self.log("train/aux_loss", aux_loss)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"] if self._trainer is not None else 0.0)
         return loss
 
@@ -301,9 +334,12 @@ class MulaLM(LightningModule):
 
     def _eval_step(self, batch: dict[str, torch.Tensor], prefix: str) -> None:
         # Every rank runs the forward (expert-parallel layers need all EP ranks), padding rows included.
-        out = self.model(batch["input_ids"], labels=batch["labels"], loss_reduction="sum")
+        if self._pipeline() is not None:  # the last stage's summed loss, on every rank of the pipeline
+            loss_sum = self._strategy().pipeline_eval_step(batch["input_ids"], batch["labels"])
+        else:
+            loss_sum = self.model(batch["input_ids"], labels=batch["labels"], loss_reduction="sum").loss
         tokens = (batch["labels"][:, 1:] != -100).sum()  # MulaDataModule.real_token_count
-        self.val_loss.update(out.loss / tokens.clamp(min=1), weight=tokens)  # token-weighted, synced over ranks
+        self.val_loss.update(loss_sum / tokens.clamp(min=1), weight=tokens)  # token-weighted, synced over ranks
         self.log(f"{prefix}/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from mula_lightning.checkpoint.init_source import MODEL_ONLY, InitWeights
 from mula_lightning.lightning_module import MulaLM, check_layout
-from mula_lightning.strategies.protocol import strategy_tensor_parallel
+from mula_lightning.strategies.protocol import strategy_pipeline, strategy_tensor_parallel
 
 __all__ = ["check_before_launch"]
 
@@ -47,7 +47,8 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, stage: str = 
         model.resolve_vocab(manifest)
     check_layout(model.config, trainer.strategy, processes, getattr(manifest, "seq_len", None))
     if stage == "fit" and datamodule is not None and getattr(datamodule, "global_batch_size", None):
-        _check_global_batch(trainer, datamodule, processes // strategy_tensor_parallel(trainer.strategy)[0])
+        shared = strategy_tensor_parallel(trainer.strategy)[0] * strategy_pipeline(trainer.strategy)["pp_size"]
+        _check_global_batch(trainer, datamodule, processes // shared)  # tp and pp ranks of a group read one batch
     init_from = model.hparams.get("init_from")
     if init_from:
         weights = InitWeights(init_from)

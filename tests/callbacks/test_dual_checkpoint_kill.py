@@ -35,26 +35,45 @@ TRIALS = 20
 EVERY = 2
 
 
-def _build():
+def _build(pipeline=False):
+    """The model, topology, optimizer, scheduler and (``pipeline``: a tiny MoE Mula model cut into 2 stages, one
+    per rank, under 1F1B) the pipeline runner."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    topo = build_topology(1)
+    runner = None
+    if pipeline:
+        from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+        from mula_lightning.parallel.pipeline import prune_to_stages
+        from mula_lightning.parallel.pipeline_runner import PipelineRunner
+
+        config = MulaConfig.from_name(
+            "mula-tiny-moe", vocab_size=32, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=2,
+            intermediate_size=8, num_experts=2, top_k=1,
+        )  # fmt: skip
+        topo = build_topology(1, pp_size=2)
+        model = init_weights(MulaForCausalLM(config), seed=0)
+        prune_to_stages(model, topo.pp_rank, topo.pp_size)
+        runner = PipelineRunner(model, topo, "1f1b", microbatches=2)
+    else:
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        topo = build_topology(1)
     opt = ShardedAdamW(model, topo, mode="ep_aware", lr=1e-2, bucket_numel=None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
-    return model, topo, opt, sched
+    return model, topo, opt, sched, runner
 
 
 def _state(model, topo, opt, meta=b""):
     return {"model": model_state_dict(model, topo), "optimizer": optimizer_state_dict(opt), "meta": meta}
 
 
-def _train(rank, world_size, dirpath, log, steps, kill_after=None, sleep=0.0, checkpoint=True, async_save=False):
+def _train(
+    rank, world_size, dirpath, log, steps, kill_after=None, sleep=0.0, checkpoint=True, async_save=False, pipeline=False
+):
     """Resume (or start), train up to ``steps`` steps, logging ``step loss`` lines; die at ``kill_after`` s."""
-    model, topo, opt, sched = _build()
+    model, topo, opt, sched, runner = _build(pipeline)
     step = 0
     slot = resolve_last(dirpath) if checkpoint else None
-    if slot is None:
-        torch.manual_seed(100 + rank)  # the data stream: every rank draws its own batches from the global RNG
+    if slot is None:  # the data stream: every rank draws its own batches from the global RNG (a pipeline's the same)
+        torch.manual_seed(100 + (0 if pipeline else rank))
     else:
         state = _state(model, topo, opt)
         dcp.load(state, checkpoint_id=str(slot / "state.ckpt"))
@@ -67,8 +86,9 @@ def _train(rank, world_size, dirpath, log, steps, kill_after=None, sleep=0.0, ch
     with open(Path(log) / f"rank{rank}.log", "a", buffering=1) as out:
         saver = AsyncSlotSaver() if async_save else None
         _loop(
-            rank, world_size, dirpath, out, model, topo, opt, sched, step, steps, kill_after, sleep, checkpoint, saver
-        )
+            rank, world_size, dirpath, out, model, topo, opt, sched, step, steps, kill_after, sleep, checkpoint, saver,
+            runner,
+        )  # fmt: skip
 
 
 def _staged_dcp_write(state):
@@ -77,7 +97,24 @@ def _staged_dcp_write(state):
     return lambda path, group: dcp.save(staged, checkpoint_id=str(path), process_group=group)
 
 
-def _loop(rank, world_size, dirpath, out, model, topo, opt, sched, step, steps, kill_after, sleep, checkpoint, saver):
+def _loss(model, opt, runner):
+    """One step's loss, its gradients given to ``opt`` (through the pipeline schedule with a runner)."""
+    if runner is None:
+        x = torch.randn(4, 8)
+        loss = nn.functional.mse_loss(model(x), x.sum(-1, keepdim=True).sin())
+        loss.backward()
+        return loss
+    x = torch.randint(0, 32, (2, 6))
+    opt.require_grad_sync = False  # what the strategy's pipeline_step does: reduce once, at step
+    try:
+        return runner.train_step(x, x).loss
+    finally:
+        opt.require_grad_sync = True
+
+
+def _loop(
+    rank, world_size, dirpath, out, model, topo, opt, sched, step, steps, kill_after, sleep, checkpoint, saver, runner
+):
     out.write(f"resume {step}\n")
     if kill_after is not None:
         deadline = [time.time() + kill_after]
@@ -95,9 +132,7 @@ def _loop(rank, world_size, dirpath, out, model, topo, opt, sched, step, steps, 
             time.sleep(sleep)
 
     while step < steps:
-        x = torch.randn(4, 8)
-        loss = nn.functional.mse_loss(model(x), x.sum(-1, keepdim=True).sin())
-        loss.backward()
+        loss = _loss(model, opt, runner)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -175,16 +210,21 @@ def _parse(path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("async_save", [False, True])
-def test_sigkill_at_random_instants_always_resumes_from_a_complete_slot_with_identical_losses(tmp_path, async_save):
+@pytest.mark.parametrize("async_save,pipeline", [(False, False), (True, False), (False, True)],
+                         ids=["sync", "async", "pipeline"])  # fmt: skip
+def test_sigkill_at_random_instants_always_resumes_from_a_complete_slot_with_identical_losses(
+    tmp_path, async_save, pipeline
+):
     """20 SIGKILLs of a 2-process DCP run at random instants (most inside a save): after each, a complete slot is
     found and loads, training never goes backwards past it, and every loss logged after a resume equals the
     uninterrupted run's loss at that step (CPU fp32, within 1e-6; in practice bit-exact). With async_save the
-    writes, agreement and marker run in a background thread while training goes on."""
+    writes, agreement and marker run in a background thread while training goes on. With pipeline, a tiny MoE model
+    runs as 2 pipeline stages (1F1B), each rank saving and loading only its stage (10 kills)."""
     rng = random.Random(8)
     ckpt = tmp_path / "ckpt"
+    trials = TRIALS // 2 if pipeline else TRIALS
     logs, inside, resumes, start = [], 0, [], time.monotonic()
-    for trial in range(TRIALS):
+    for trial in range(trials):
         log = tmp_path / f"trial{trial}"
         log.mkdir()
         codes = _forked_run(
@@ -195,6 +235,7 @@ def test_sigkill_at_random_instants_always_resumes_from_a_complete_slot_with_ide
             kill_after=rng.uniform(0.1, 1.0),
             sleep=rng.choice([0.0, 0.02, 0.05]),
             async_save=async_save,
+            pipeline=pipeline,
         )
         assert codes == [-signal.SIGKILL] * 2, f"trial {trial}: exit codes {codes}"
         losses, resumed, open_save = _parse(log / "rank0.log")
@@ -208,7 +249,10 @@ def test_sigkill_at_random_instants_always_resumes_from_a_complete_slot_with_ide
     last = max(max(_parse(log / f"rank{r}.log")[0], default=0) for log in logs for r in range(2))
     ref = tmp_path / "reference"
     ref.mkdir()
-    assert _forked_run(_train, dirpath=str(tmp_path / "unused"), log=str(ref), steps=last, checkpoint=False) == [0, 0]
+    reference = _forked_run(
+        _train, dirpath=str(tmp_path / "unused"), log=str(ref), steps=last, checkpoint=False, pipeline=pipeline
+    )
+    assert reference == [0, 0]
     compared = 0
     for r in range(2):
         expected = _parse(ref / f"rank{r}.log")[0]
@@ -219,7 +263,7 @@ def test_sigkill_at_random_instants_always_resumes_from_a_complete_slot_with_ide
                 )
                 compared += 1
     print(
-        f"\nkill test: {TRIALS} SIGKILLs, {inside} inside a save, resumed at steps {resumes}, "
+        f"\nkill test: {trials} SIGKILLs, {inside} inside a save, resumed at steps {resumes}, "
         f"{compared} losses compared, {time.monotonic() - start:.1f} s"
     )
-    assert inside >= TRIALS // 4
+    assert inside >= trials // 4

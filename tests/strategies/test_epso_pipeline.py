@@ -40,7 +40,7 @@ def _batch(step, dp_rank):
     return torch.randint(0, V, (M, T), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS):
+def _setup(world_size, pp, ep, schedule="1f1b", virtual=1):
     strategy = FabricEPSOStrategy(
         ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000
     )
@@ -49,28 +49,44 @@ def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS):
     with fabric.init_module(empty_init=True):
         model = MulaForCausalLM(_config())
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), **HP))
+    return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), **HP))
+
+
+def _steps(fabric, model, optimizer, steps):
     dp_rank = fabric.strategy.distributed_sampler_kwargs["rank"]
     losses, norms = [], []
-    for step in range(steps):
+    for step in steps:
         x = _batch(step, dp_rank)
-        result = fabric.strategy.pipeline_step(x, x)
+        if fabric.strategy.pp_size > 1:
+            result = fabric.strategy.pipeline_step(x, x)
+        else:  # the same micro-batches through the whole model, accumulated
+            for i in range(M):
+                out = model(x[i : i + 1], labels=x[i : i + 1])
+                with fabric.no_backward_sync(model, enabled=i < M - 1):
+                    fabric.backward((out.loss + out.aux_loss) / M)
         norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(result.loss.item())
+        losses.append(result.loss.item() if fabric.strategy.pp_size > 1 else float("nan"))
+    return losses, norms
+
+
+def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS):
+    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual)
+    losses, norms = _steps(fabric, model, optimizer, range(steps))
     topo = fabric.strategy.topology
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     return losses, norms, state, (topo.ep_rank, topo.ep_size), fabric.strategy.distributed_sampler_kwargs
 
 
 def _reference(dp, steps=STEPS):
+    """One process; ``dp`` batches per step (a list: per step, for a run resumed at another layout)."""
     model = init_weights(MulaForCausalLM(_config()), seed=0).to(torch.float64)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     losses, norms = [], []
     for step in range(steps):
         per_batch = []
-        for b in range(dp):
+        for b in range(dp[step] if isinstance(dp, list) else dp):
             x = _batch(step, b)
             outs = [model(x[i : i + 1], labels=x[i : i + 1]) for i in range(M)]
             per_batch.append(torch.stack([o.loss + o.aux_loss for o in outs]).mean())
@@ -165,3 +181,66 @@ def test_a_pruned_model_keeps_its_names_and_refuses_a_whole_forward():
         with torch.device("meta"):
             tied = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", tie_word_embeddings=True))
         prune_to_stages(tied, 0, 2)
+
+
+def _whole(states):
+    """The model's weights from every rank's ``(state, (ep_rank, ep_size))``: expert slices put in place."""
+    out = {}
+    for state, (ep_rank, ep_size) in states:
+        for name, value in state.items():
+            if ".experts." in name and ep_size > 1:
+                full = out.setdefault(
+                    name, torch.zeros((value.shape[0] * ep_size, *value.shape[1:]), dtype=value.dtype)
+                )
+                full[ep_rank * value.shape[0] : (ep_rank + 1) * value.shape[0]] = value
+            else:
+                out[name] = value
+    return out
+
+
+def _save_at(rank, world_size, path, pp, ep, steps):
+    fabric, model, optimizer = _setup(world_size, pp, ep)
+    _steps(fabric, model, optimizer, range(steps))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
+    topo = fabric.strategy.topology
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, (topo.ep_rank, topo.ep_size)
+
+
+def _resume_at(rank, world_size, path, pp, ep, steps):
+    """Load the checkpoint at this layout, train ``steps`` more steps; the loaded weights and the norms."""
+    fabric, model, optimizer = _setup(world_size, pp, ep)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    topo = fabric.strategy.topology
+    loaded = {k: v.detach().clone() for k, v in model.module.state_dict().items()}, (topo.ep_rank, topo.ep_size)
+    _, norms = _steps(fabric, model, optimizer, range(state["step"], state["step"] + steps))
+    return state["step"], loaded, norms
+
+
+@pytest.mark.distributed
+def test_checkpoint_saved_at_pp2_ep2_resumes_at_pp1_ep4_and_loads_in_one_process(tmp_path):
+    """Saved after 2 steps at PP=2 x EP=2 (each stage writes its layers, logical keys): loaded at PP=1 x EP=4 every
+    weight is the saved one and 2 more steps there give the global norms of an uninterrupted PP=2 x EP=2 run (the
+    AdamW moments and step travelled too: the 2 steps after the resume, which read 4 batches where PP=2 x EP=2 read
+    2, give the global norms of one process that does the same); loaded into one process, the weights are the saved
+    ones."""
+    from mula_lightning.checkpoint.sharded import load_sharded_checkpoint
+    from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
+    from mula_lightning.parallel.topology import build_topology
+
+    path = str(tmp_path / "pp2ep2")
+    saved = _whole(run_pooled_test(_save_at, 4, path=path, pp=2, ep=2, steps=2, timeout=300))
+    resumed = run_pooled_test(_resume_at, 4, path=path, pp=1, ep=4, steps=2, timeout=300)
+    assert [r[0] for r in resumed] == [2] * 4  # the saved step
+    loaded = _whole([r[1] for r in resumed])
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+    ref_norms = _reference([2, 2, 4, 4], steps=4)[1]
+    for _, _, norms in resumed:
+        assert_parity(torch.tensor(norms), torch.tensor(ref_norms[2:]), reduction_len=4 * GRAD_LEN, msg="norms")
+
+    model = MulaForCausalLM(_config()).to(torch.float64)
+    topology = build_topology(1)
+    optimizer = ShardedAdamW(model, topology, "ep_aware", **HP)
+    load_sharded_checkpoint(tmp_path / "pp2ep2", {"model": model, "optimizer": optimizer}, topology)
+    assert optimizer._step == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())

@@ -28,11 +28,11 @@ def _write(config: dict, path: Path) -> str:
 
 
 def test_examples_ship_every_preset():
-    """One YAML per paper preset, the CPU ones (the demo's MoE, its dense counterpart, its upcycled continuation and
-    its MoE-parallel-folding layout), and the upcycling recipe."""
+    """One YAML per paper preset, the CPU ones (the demo's MoE, its dense counterpart, its upcycled continuation, its
+    MoE-parallel-folding and pipeline layouts), and the upcycling recipe."""
     names = {p.stem for p in CONFIGS}
     presets = {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
-    cpu = {"mula-tiny-dense", "mula-tiny-upcycled", "mula-tiny-moe-folded"}
+    cpu = {"mula-tiny-dense", "mula-tiny-upcycled", "mula-tiny-moe-folded", "mula-tiny-moe-pipeline"}
     assert names == presets | cpu | {"upcycle-llama3-8b-e8t2"}
 
 
@@ -40,8 +40,9 @@ def test_examples_ship_every_preset():
 def test_shipped_yaml_parses_and_fits_its_model(path):
     """jsonargparse accepts every key of the YAML; its ep_size divides the preset's experts and devices x nodes, its
     tp_size the processes and the model's heads and vocabulary, the paper presets keep context 2048 and a 6.3M-token
-    global batch, and every recipe (the CPU ones included) trains with the paper's reliability callbacks
-    (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
+    global batch (micro-batch x data-parallel ranks of a stage x accumulation), its pp_size x virtual stages divide
+    the layers and the processes, and every recipe (the CPU ones included) trains with the paper's reliability
+    callbacks (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
     import mula_lightning.strategies  # noqa: F401
 
     cli = _ParseOnly(run=False, args=["--config", str(path)], **_cli_classes())
@@ -60,6 +61,18 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
 
         ParallelDims(world, tp=tp_size, ep=ep_size)
         check_tensor_parallel(MulaConfig(**{**model.to_dict(), "vocab_size": 4096}), tp_size)  # the demo's data
+    pp_size = strategy.init_args.get("pp_size", 1)
+    if pp_size > 1:
+        from mula_lightning.parallel.mesh import ParallelDims
+        from mula_lightning.parallel.pipeline import stage_layer_ranges
+
+        ParallelDims(world, pp=pp_size, tp=tp_size, ep=ep_size)
+        stage_layer_ranges(model.num_layers, pp_size * strategy.init_args.get("pp_virtual_stages", 1))
+        assert config.data.micro_batch_size % (strategy.init_args.get("pp_microbatches") or 1) == 0
+    if config.data.global_batch_size:
+        distinct = world // (pp_size * tp_size)  # batches per step: the pp and tp ranks of a group read one
+        accumulate = config.trainer.accumulate_grad_batches or 1
+        assert config.data.micro_batch_size * distinct * accumulate == config.data.global_batch_size
     if path.stem.startswith("upcycle"):  # the Llama-3 upcycling recipe: CF 4, 3e-5 -> 3e-7, 100 warm-up steps
         assert (
             model.capacity_factor == 4.0

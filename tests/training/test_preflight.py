@@ -104,6 +104,41 @@ def test_global_batch_counts_one_batch_per_tensor_parallel_group(tiny_config, tm
     assert "data-parallel ranks (1)" in err and "set trainer.accumulate_grad_batches to 4" in err
 
 
+def test_layers_the_pipeline_stages_do_not_divide_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """pp_size 2 x 2 virtual stages (interleaved 1F1B) of a 2-layer model over 2 processes: the layers and the
+    stages are named before 2 processes start."""
+    options = dict(pp_size=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    err = _run(_epso(tiny_config, 2, **options), tmp_path, capsys, monkeypatch)
+    assert "num_layers (2) must be divisible by the pipeline stages (4 = pp_size x virtual stages)" in err
+
+
+def test_processes_that_pp_size_does_not_divide_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """pp_size 2 over 3 processes: the number of processes is named."""
+    err = _run(_epso(tiny_config, 3, pp_size=2), tmp_path, capsys, monkeypatch)
+    assert "the number of processes (devices x nodes) (3) must be divisible by pp_size (2)" in err
+
+
+def test_tied_embeddings_under_pipeline_parallelism_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """Tied word embeddings cannot live on the first and the last stage at once: named before launch."""
+    tiny_config["model"]["model_overrides"]["tie_word_embeddings"] = True
+    err = _run(_epso(tiny_config, 2, pp_size=2), tmp_path, capsys, monkeypatch)
+    assert "pipeline parallelism (pp_size 2)" in err and "tie_word_embeddings=True" in err
+
+
+def test_too_few_microbatches_for_1f1b_are_named(tiny_config, tmp_path, capsys, monkeypatch):
+    """1F1B over 2 stages with 1 micro-batch per step: refused when the strategy is built, in one line."""
+    err = _run(_epso(tiny_config, 2, pp_size=2, pp_microbatches=1), tmp_path, capsys, monkeypatch)
+    assert "pp_microbatches (1) must be at least pp_size (2) for 1f1b" in err
+
+
+def test_global_batch_counts_one_batch_per_pipeline(tiny_config, tmp_path, capsys, monkeypatch):
+    """4 processes at pp_size 2 are 2 pipelines, 2 batches per step: global_batch_size 16 of micro-batches of 4
+    needs 2 accumulated micro-batches (not 1, as 4 data-parallel ranks would)."""
+    tiny_config["data"]["global_batch_size"] = 16
+    err = _run(_epso(tiny_config, 4, pp_size=2), tmp_path, capsys, monkeypatch)
+    assert "data-parallel ranks (2)" in err and "set trainer.accumulate_grad_batches to 2" in err
+
+
 def test_vocabulary_smaller_than_the_data_is_named(tiny_config, tmp_path, capsys, monkeypatch):
     """A fixed vocab_size of 256 under data of 512 ids: both sizes and the fix, never a silent resize."""
     tiny_config["model"]["vocab_size"] = 256

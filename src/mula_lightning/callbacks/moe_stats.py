@@ -82,7 +82,8 @@ class MoEStats(Callback):
                     "MulaForCausalLM with MoE layers"
                 )
             return
-        stats = self.global_stats(trainer, aux)
+        config = getattr(pl_module, "config", None)
+        stats = self.global_stats(trainer, aux, getattr(config, "num_experts", None), pl_module.device)
         load, imbalance, dropped_frac = stats["load"], stats["imbalance"], stats["dropped_frac"]
         self.last_load = load.cpu()
         log = dict(on_step=True, on_epoch=False, sync_dist=False)
@@ -104,20 +105,37 @@ class MoEStats(Callback):
                     self._to_wandb(logger, self.last_load, step)
 
     @staticmethod
-    def global_stats(trainer: Any, aux: list[Any]) -> dict[str, torch.Tensor]:
-        """Sum the counts and average the losses of every layer over all ranks (one all-reduce).
+    def global_stats(
+        trainer: Any, aux: list[Any], num_experts: int | None = None, device: Any = None
+    ) -> dict[str, torch.Tensor]:
+        """Sum the counts and average the losses of every layer over the ranks that ran it (one all-reduce).
+
+        ``aux`` has one entry per MoE layer of the model; under pipeline parallelism a rank holds some layers only
+        and reports ``None`` for the others (``num_experts`` and ``device`` then shape its zeros), so every rank
+        all-reduces the same shape and each layer's losses are averaged over the ranks of its own stage.
 
         Returns:
             ``tokens`` (L, E) pairs per expert (after drops), ``load`` (L, E) shares, ``imbalance`` (L,),
             ``dropped`` / ``routed`` / ``dropped_frac`` (L,), ``load_balance_loss`` and ``z_loss`` (L,).
         """
-        tokens = torch.stack([a.tokens_per_expert.float() for a in aux])  # (L, E)
-        scalars = torch.stack(
-            [torch.stack([a.num_dropped.float(), a.load_balance_loss.float(), a.z_loss.float()]) for a in aux]
-        )  # (L, 3)
-        packed = torch.cat([tokens, scalars], dim=1)
-        packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        world = max(1, trainer.world_size)
+        held = [a for a in aux if a is not None]
+        experts = held[0].tokens_per_expert.numel() if held else int(num_experts)
+        device = held[0].tokens_per_expert.device if held else device
+        rows = [
+            torch.zeros(experts + 4, device=device)
+            if a is None
+            else torch.cat(
+                [
+                    a.tokens_per_expert.float().reshape(-1),
+                    torch.stack([a.num_dropped.float(), a.load_balance_loss.float(), a.z_loss.float()]),
+                    torch.ones(1, device=a.tokens_per_expert.device),  # this rank ran the layer
+                ]
+            )
+            for a in aux
+        ]
+        packed = trainer.strategy.reduce(torch.stack(rows), reduce_op="sum")  # (L, E + 4)
+        world = packed[:, -1].clamp(min=1)  # the ranks that ran each layer
+        packed = packed[:, :-1]
         tokens, dropped = packed[:, :-3], packed[:, -3]
         kept = tokens.sum(dim=1)
         routed = kept + dropped

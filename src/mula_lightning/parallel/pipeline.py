@@ -178,6 +178,7 @@ class PipelineStageModule(nn.Module):
         self.norm = model.model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.last_aux: list[MoEAux] = []
+        self.last_aux_layers: list[int] = []  # the decoder layer of each entry of last_aux
         self.aux_history: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,12 +187,14 @@ class PipelineStageModule(nn.Module):
                 raise ValueError(f"the first stage takes input_ids (batch, seq_len), got shape {tuple(x.shape)}")
             x = self.embed_tokens(x)
         cos, sin = rotary_cos_sin(self.config, x.shape[1], x.device, x.dtype)
-        aux = []
-        for layer in self.layers.values():
+        aux, ids = [], []
+        for index, layer in zip(self.layer_ids, self.layers.values()):
             x, layer_aux = layer(x, cos, sin)
             if layer_aux is not None:
                 aux.append(layer_aux)
+                ids.append(index)
         self.last_aux = [a.detach() for a in aux]
+        self.last_aux_layers = ids
         if aux:  # this stage's auxiliary losses enter this stage's backward
             total = torch.stack([a.aux_loss for a in aux]).sum()
             self.aux_history.append(total.detach())

@@ -42,7 +42,8 @@ class PipelineLoss:
         loss: ``lm_loss + aux_loss``.
         lm_loss: the mean over micro-batches of each micro-batch's mean next-token cross-entropy.
         aux_loss: the mean over micro-batches of the weighted MoE auxiliary losses of every stage.
-        moe_aux: the MoE side outputs of this rank's stages' last micro-batch (its layers only).
+        moe_aux: per MoE layer of the model, the side outputs of its last micro-batch on this rank's stages, None
+            for the layers other stages hold (what ``MoEStats`` all-reduces).
     """
 
     loss: torch.Tensor
@@ -95,8 +96,10 @@ class PipelineRunner:
         self._raw.append(loss.detach())
         return loss * self._scale
 
-    def _schedule(self, batch_size: int) -> tuple[Any, int]:
+    def _schedule(self, batch_size: int, evaluating: bool = False) -> tuple[Any, int]:
         count = self.microbatches or batch_size
+        if batch_size % count and evaluating:  # a validation batch of another size: one sequence per micro-batch
+            count = batch_size
         if batch_size % count:
             raise ValueError(
                 f"the batch ({batch_size} sequences per rank) must be divisible by pp_microbatches ({count})"
@@ -136,13 +139,15 @@ class PipelineRunner:
         lm = torch.stack(self._raw[-count:]).sum() if self.last else zero
         aux = [a for _, m in self.stages for a in m.aux_history[-count:]]
         lm, aux = self._pipeline_sum([lm, torch.stack(aux).sum() if aux else zero]) / count
-        moe_aux = [a for _, m in self.stages for a in m.last_aux]
+        held = {i: a for _, m in self.stages for i, a in zip(m.last_aux_layers, m.last_aux)}
+        config = self.model.config
+        moe_aux = [held.get(i) for i in range(config.num_layers) if config.is_moe_layer(i)]
         return PipelineLoss(loss=lm + aux, lm_loss=lm, aux_loss=aux, moe_aux=moe_aux)
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed next-token cross-entropy of the batch (forward only), on every rank of the pipeline."""
-        schedule, _ = self._schedule(int(input_ids.shape[0]))
+        schedule, count = self._schedule(int(input_ids.shape[0]), evaluating=True)
         self._begin("sum", 1.0, 0.0)
         args = (input_ids,) if self.first else ()
         kwargs = {"target": labels, "losses": []} if self.last else {}
@@ -154,7 +159,5 @@ class PipelineRunner:
                 schedule.step(*args, **kwargs)
             finally:
                 schedule._has_backward = previous
-        schedule_count = self.microbatches or int(input_ids.shape[0])
-        last = self._raw[-schedule_count:]
-        total = torch.stack(last).sum() if self.last else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(self._raw[-count:]).sum() if self.last else torch.zeros((), dtype=torch.float64)
         return self._pipeline_sum([total])[0]

@@ -237,6 +237,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.grad_divisor = topology.dense_dp_size  # distinct batches per step (W without tensor parallelism)
         self.plans = family_plans(mode, topology)
         self.require_grad_sync = True
+        #: ``zero_grad`` does nothing while set: a Trainer step whose training_step already ran the backward (a
+        #: pipeline schedule) must keep its gradients through Lightning's zero_grad before the (empty) backward
+        self.keep_grads = False
         self._step = 0
         self._synced = False  # reductions of this step finished (clip_grad_norm_ may run them before step)
 
@@ -457,6 +460,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.keep_grads:
+            return
         for buf in self.buffers.values():
             buf.grads.zero_()
             for p in _params(buf):

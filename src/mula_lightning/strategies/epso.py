@@ -562,11 +562,23 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, Train
             yield
 
     @override
+    def pipeline_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, loss_scale: float = 1.0):
+        """See :meth:`EPSOOptions.pipeline_step`. Lightning zeroes the gradients between ``training_step`` and the
+        backward; the schedule's gradients are kept through it (the optimizer's ``step`` zeroes them after use)."""
+        result = super().pipeline_step(input_ids, labels, loss_scale)
+        optimizer = self.sharded_optimizer
+        if optimizer is not None and self.lightning_module.automatic_optimization:
+            optimizer.keep_grads = True  # until backward() below
+        return result
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """After :meth:`pipeline_step` the schedule already ran the backward: only the hooks around it run here."""
         if not self._pipeline_backward_done:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self._pipeline_backward_done = False
+        if self.sharded_optimizer is not None:
+            self.sharded_optimizer.keep_grads = False
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
