@@ -2,9 +2,10 @@
 processes.
 
 Layouts: PP=2 with each schedule (gpipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank) on 2 gloo ranks;
-PP=2 x DP=2 and PP=2 x EP=2 on 4 (stages are consecutive blocks of ranks; inside a stage, data and expert
-parallelism as without pipelining). An MoE model of 4 layers with its load-balancing and z losses on, 4 micro-batches
-of one sequence per step, the ``ep_aware`` optimizer, 5 AdamW steps clipped by the global norm (small enough that
+PP=2 x DP=2, PP=2 x EP=2, PP=2 x TP=2 (dense) and PP=2 x (TP=2 + SP folded with EP=2) on 4 (stages are consecutive
+blocks of ranks; inside a stage, data, expert and tensor parallelism as without pipelining). An MoE model of 4
+layers with its load-balancing and z losses on (or a dense one), 4 micro-batches of one sequence per step, the
+``ep_aware`` optimizer, 5 AdamW steps clipped by the global norm (small enough that
 clipping fires on every step), float64. The reference is one process that runs each data-parallel batch's 4
 micro-batches through the whole model, averages their losses (cross-entropy plus auxiliary losses) and the batches',
 and steps torch's AdamW after torch's ``clip_grad_norm_``. Every rank's step loss (the pipeline's, on every rank of
@@ -29,7 +30,12 @@ GRAD_LEN = L * (5 * H + T + 2 * FF + E) + V + 2 * M * T
 ADAM_SCALE = adamw_parameter_scale(lr=HP["lr"], grad_bound=MAX_NORM, eps=HP["eps"])
 
 
-def _config():
+def _config(kind="moe"):
+    if kind == "dense":
+        return MulaConfig.from_name(
+            "mula-tiny-dense", vocab_size=V, hidden_size=H, num_layers=L, num_heads=2, num_kv_heads=2,
+            intermediate_size=FF,
+        )  # fmt: skip
     return MulaConfig.from_name(
         "mula-tiny-moe", vocab_size=V, hidden_size=H, num_layers=L, num_heads=2, num_kv_heads=2,
         intermediate_size=FF, num_experts=E, top_k=2, moe_impl="fast", z_loss_coef=1e-3,
@@ -40,14 +46,15 @@ def _batch(step, dp_rank):
     return torch.randint(0, V, (M, T), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _setup(world_size, pp, ep, schedule="1f1b", virtual=1):
+def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind="moe"):
     strategy = FabricEPSOStrategy(
-        ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000
-    )
+        ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000,
+        tp_size=tp, sequence_parallel=sp,
+    )  # fmt: skip
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = MulaForCausalLM(_config())
+        model = MulaForCausalLM(_config(kind))
     model = fabric.setup_module(model)
     return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), **HP))
 
@@ -71,17 +78,25 @@ def _steps(fabric, model, optimizer, steps):
     return losses, norms
 
 
-def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS):
-    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual)
+def _local_state(model):
+    """This rank's parameters: tensor-parallel ones gathered over tp (collective), expert slices as held."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.module.state_dict().items()
+    }
+
+
+def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=False, kind="moe"):
+    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind)
     losses, norms = _steps(fabric, model, optimizer, range(steps))
     topo = fabric.strategy.topology
-    state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    state = _local_state(model)
     return losses, norms, state, (topo.ep_rank, topo.ep_size), fabric.strategy.distributed_sampler_kwargs
 
 
-def _reference(dp, steps=STEPS):
+def _reference(dp, steps=STEPS, kind="moe"):
     """One process; ``dp`` batches per step (a list: per step, for a run resumed at another layout)."""
-    model = init_weights(MulaForCausalLM(_config()), seed=0).to(torch.float64)
+    model = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(torch.float64)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     losses, norms = [], []
     for step in range(steps):
@@ -98,11 +113,12 @@ def _reference(dp, steps=STEPS):
     return losses, norms, model.state_dict()
 
 
-def _compare(results, reference, stage_size, dp):
+def _compare(results, reference, stage_size, dp, tp=1):
     ref_losses, ref_norms, ref_state = reference
     seen = set()
     for rank, (losses, norms, state, (ep_rank, ep_size), sampler) in enumerate(results):
-        assert sampler == {"num_replicas": dp, "rank": rank % stage_size}  # expert-parallel peers read their own
+        # expert-parallel peers read their own batch, tensor-parallel ones (and a pipeline's ranks) the same
+        assert sampler == {"num_replicas": dp, "rank": rank % stage_size // tp}
         expected = torch.tensor([step[sampler["rank"]] for step in ref_losses], dtype=torch.float64)
         assert_parity(torch.tensor(losses, dtype=torch.float64), expected, reduction_len=GRAD_LEN, msg="losses")
         assert_parity(torch.tensor(norms), torch.tensor(ref_norms), reduction_len=STEPS * GRAD_LEN, msg="norms")
@@ -124,6 +140,8 @@ LAYOUTS = {
     "pp2 interleaved 1f1b x2 virtual": dict(world=2, pp=2, ep=1, schedule="interleaved_1f1b", virtual=2),
     "pp2 x dp2 1f1b": dict(world=4, pp=2, ep=1, schedule="1f1b"),
     "pp2 x ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b"),
+    "pp2 x tp2 dense 1f1b": dict(world=4, pp=2, ep=1, schedule="1f1b", tp=2, kind="dense"),
+    "pp2 x tp2+sp folded with ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b", tp=2, sp=True),
 }
 
 
@@ -136,8 +154,8 @@ def test_pipeline_parallel_epso_matches_one_process(layout):
     spec = dict(LAYOUTS[layout])
     world = spec.pop("world")
     results = run_pooled_test(_train, world, **spec, timeout=300)
-    stage = world // spec["pp"]
-    _compare(results, _reference(stage), stage, stage)
+    stage, tp = world // spec["pp"], spec.get("tp", 1)
+    _compare(results, _reference(stage // tp, kind=spec.get("kind", "moe")), stage, stage // tp, tp)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +166,6 @@ def test_pipeline_parallel_epso_matches_one_process(layout):
         (dict(pp_size=4, pp_microbatches=2), r"pp_microbatches \(2\) must be at least pp_size \(4\) for 1f1b"),
         (dict(pp_size=2, pp_microbatches=0), r"pp_microbatches \(0\) must be an integer >= 1"),
         (dict(pp_size=0), r"pp_size \(0\) must be an integer >= 1"),
-        (dict(pp_size=2, tp_size=2), r"pp_size \(2\) with tp_size \(2\) > 1 is not supported yet"),
     ],
 )
 def test_pipeline_options_that_cannot_work_are_named(kwargs, fragment):

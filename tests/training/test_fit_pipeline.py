@@ -37,17 +37,18 @@ def _mula(cwd: Path, *args: str) -> None:
     assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-def _grad_norms(run: Path) -> list[float]:
+def _logged(run: Path, key: str) -> list[float]:
     with open(run / "version_0" / "metrics.csv", newline="") as f:
-        return [float(r["train/grad_norm"]) for r in csv.DictReader(f) if r.get("train/grad_norm")]
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_data, tmp_path):
     """PP=2 x EP=2 (1F1B, 4 micro-batches of one sequence) and EP=2 with 4 accumulated one-sequence micro-batches,
-    4 clipped steps each: equal gradient norms at every step, and their step-4 DualCheckpoints export to transformers
-    models with equal weights and logits."""
+    4 clipped steps each: equal gradient norms at every step and equal validation losses; their step-4
+    DualCheckpoints export to transformers models with equal weights and logits, and the pipelined run's model-only
+    checkpoint holds the same weights in bf16."""
     from transformers import AutoModelForCausalLM
 
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
@@ -59,7 +60,8 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
     common = [
         "fit", "--config", CONFIG, "--data.data_dir", str(tiny_data), "--model.model_overrides", json.dumps(TINY),
         "--model.grad_clip", "0.5", "--model.clip_during_warmup", "true", "--trainer.max_steps", "4",
-        "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
+        "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2", "--data.val_micro_batch_size", "4",
+        "--trainer.log_every_n_steps", "1",
     ]  # fmt: skip
     _mula(tmp_path, *common, "--data.micro_batch_size", "4")  # as shipped: 4 processes, PP=2 x EP=2, 1F1B
     reference = tmp_path / "reference"
@@ -70,17 +72,29 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
         "--trainer.devices", "2", "--trainer.strategy.init_args.pp_size", "1",
     )  # fmt: skip
     name = "mula-tiny-moe-pipeline"
-    piped, plain = _grad_norms(tmp_path / "runs" / name), _grad_norms(reference / "runs" / name)
+    piped, plain = (
+        _logged(tmp_path / "runs" / name, "train/grad_norm"),
+        _logged(reference / "runs" / name, "train/grad_norm"),
+    )
     assert len(piped) == 4 and min(piped) > 0.5  # every step clipped
     torch.testing.assert_close(torch.tensor(piped), torch.tensor(plain), rtol=1e-4, atol=0)
+    # validation after step 4 (the reference, counting micro-batches, also validated after steps 1-3): the same
+    # 2 x 2 batches of 4, the loss the pipeline's last stage computed
+    piped, plain = _logged(tmp_path / "runs" / name, "val/loss"), _logged(reference / "runs" / name, "val/loss")
+    assert len(piped) == 1
+    torch.testing.assert_close(torch.tensor(piped[-1]), torch.tensor(plain[-1]), rtol=1e-5, atol=0)
 
     for cwd in (tmp_path, reference):
         _mula(cwd, "export", str(cwd / "checkpoints" / name / "dual"), "--to", "hf", "out")
+    # the model-only checkpoint of the pipelined run: each stage wrote its layers, bf16
+    _mula(tmp_path, "export", str(tmp_path / "checkpoints" / name / "weights" / "step-00000004"), "--to", "hf", "w")
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     b = AutoModelForCausalLM.from_pretrained(reference / "out").eval()
-    assert a.state_dict().keys() == b.state_dict().keys()
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path / "w").eval()
+    assert a.state_dict().keys() == b.state_dict().keys() == weights.state_dict().keys()
     for key, value in a.state_dict().items():
         torch.testing.assert_close(value, b.state_dict()[key], rtol=1e-4, atol=1e-5, msg=key)
+        assert torch.equal(value.to(torch.bfloat16), weights.state_dict()[key].to(torch.bfloat16)), key
     x = torch.randint(0, a.config.vocab_size, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(a(x).logits, b(x).logits, rtol=1e-4, atol=1e-4)

@@ -168,6 +168,9 @@ class PipelineStageModule(nn.Module):
     #: the gradient each micro-batch's auxiliary loss gets in its backward (set by :func:`build_schedule`: the
     #: micro-batch's weight in the step's loss)
     aux_grad_scale: float = 1.0
+    #: the ways tensor parallelism's sequence parallelism splits the activations a stage passes on along the
+    #: sequence (1 without it): the rotary tables are those of the whole sequence
+    sequence_split: int = 1
 
     def __init__(self, model: MulaForCausalLM, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -185,8 +188,11 @@ class PipelineStageModule(nn.Module):
         if self.embed_tokens is not None:
             if x.dim() != 2:
                 raise ValueError(f"the first stage takes input_ids (batch, seq_len), got shape {tuple(x.shape)}")
+            seq_len = x.shape[1]
             x = self.embed_tokens(x)
-        cos, sin = rotary_cos_sin(self.config, x.shape[1], x.device, x.dtype)
+        else:
+            seq_len = x.shape[1] * self.sequence_split
+        cos, sin = rotary_cos_sin(self.config, seq_len, x.device, x.dtype)
         aux, ids = [], []
         for index, layer in zip(self.layer_ids, self.layers.values()):
             x, layer_aux = layer(x, cos, sin)

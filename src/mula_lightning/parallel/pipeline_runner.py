@@ -83,6 +83,8 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.num_stages = topology.pp_size * virtual_stages
         self.stages = split_into_stages(model, topology.pp_rank, topology.pp_size, virtual_stages, boundaries)
+        for _, module in self.stages:  # under sequence parallelism stages pass on 1/tp of each sequence
+            module.sequence_split = topology.tp_size if topology.sequence_parallel else 1
         self.first = any(index == 0 for index, _ in self.stages)
         self.last = any(index == self.num_stages - 1 for index, _ in self.stages)
         self.device = torch.device(device)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mula_lightning.models.transformer import MulaAttention, MulaForCausalLM, MulaMLP, RMSNorm
+from mula_lightning.models.transformer import MulaAttention, MulaDecoderLayer, MulaForCausalLM, MulaMLP, RMSNorm
 from mula_lightning.moe.router import Router
 from mula_lightning.parallel.collectives import all_reduce
 from mula_lightning.utils.precision import upcast
@@ -178,6 +178,15 @@ def _check_sequence_split(module: nn.Module, args: tuple[Any, ...], tp: int) -> 
         )
 
 
+def _held(model: nn.Module, path: str) -> bool:
+    """Whether the submodule at ``path`` exists on this rank (pipeline parallelism removes other stages' parts)."""
+    for name in path.split("."):
+        model = getattr(model, name, None)
+        if model is None:
+            return False
+    return True
+
+
 def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_parallel: bool = False) -> MulaForCausalLM:
     """Shard ``model``'s attention, dense MLPs, embedding and LM head over ``tp_mesh`` in place (see the module
     docstring); returns ``model``. Call before expert parallelism's dispatchers, on a materialised model or on the
@@ -201,6 +210,8 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
     check_tensor_parallel(model.config, tp)
     rowwise_out = Shard(1) if sp else Replicate()
     for layer in model.model.layers:
+        if not isinstance(layer, MulaDecoderLayer):  # a layer another pipeline stage holds
+            continue
         _plan_attention(layer.self_attn, tp_mesh, tp, sp)
         if isinstance(layer.mlp, MulaMLP):
             plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel()}
@@ -211,7 +222,7 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
             norms = {"input_layernorm": SequenceParallel(use_local_output=True)}
             norms["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
             parallelize_module(layer, tp_mesh, norms)
-    plan = {
+    plan = {  # under pipeline parallelism: the parts this rank's stages hold
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=rowwise_out),
         "lm_head": ColwiseParallel(input_layouts=rowwise_out, output_layouts=Shard(-1)),
     }
@@ -221,7 +232,9 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
         for module in model.modules():
             if isinstance(module, Router):
                 module.sequence_reduce = reduce
-    parallelize_module(model, tp_mesh, plan)
+    plan = {k: v for k, v in plan.items() if _held(model, k)}
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
     if sp:
         model.model.register_forward_pre_hook(partial(_check_sequence_split, tp=tp))
     vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)

@@ -130,11 +130,6 @@ class EPSOSettings:
             )
         if self.pp_size > 1 and self.pp_schedule != "gpipe" and m is not None and m < self.pp_size:
             raise ValueError(f"pp_microbatches ({m}) must be at least pp_size ({self.pp_size}) for {self.pp_schedule}")
-        if self.pp_size > 1 and self.tp_size > 1:
-            raise ValueError(
-                f"pp_size ({self.pp_size}) with tp_size ({self.tp_size}) > 1 is not supported yet: fold the stage's "
-                "ranks with ep_size (and data parallelism) instead"
-            )
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         return dict(mode=self.sharded_optimizer, reduce_dtype=self.reduce_dtype, bucket_numel=self.bucket_numel)
