@@ -55,8 +55,9 @@ def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind=
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = MulaForCausalLM(_config(kind))
-    model = fabric.setup_module(model)
-    return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), **HP))
+    # the optimizer of the whole meta model: setup keeps this rank's stages' parameters
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), **HP))
+    return fabric, model, optimizer
 
 
 def _steps(fabric, model, optimizer, steps):
@@ -261,3 +262,43 @@ def test_checkpoint_saved_at_pp2_ep2_resumes_at_pp1_ep4_and_loads_in_one_process
     load_sharded_checkpoint(tmp_path / "pp2ep2", {"model": model, "optimizer": optimizer}, topology)
     assert optimizer._step == 2
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_a_module_without_one_mula_model_is_refused_before_any_group():
+    """Pipeline parallelism of a module that holds no MulaForCausalLM (or two): the module is named, before the
+    strategy builds a process group."""
+    from mula_lightning.strategies.epso import EPSOSettings, setup_epso_module
+
+    with pytest.raises(ValueError, match=r"pp_size \(2\) > 1 splits one MulaForCausalLM by layers; Linear holds 0"):
+        setup_epso_module(torch.nn.Linear(2, 2), EPSOSettings(pp_size=2), torch.device("cpu"))
+    two = torch.nn.ModuleList([MulaForCausalLM(_config()), MulaForCausalLM(_config())])
+    with pytest.raises(ValueError, match="ModuleList holds 2"):
+        setup_epso_module(two, EPSOSettings(pp_size=2), torch.device("cpu"))
+
+
+def _init_from_rank(rank, world_size, path):
+    strategy = FabricEPSOStrategy(ep_size=2, pp_size=2)
+    strategy.init_from = path
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MulaForCausalLM(_config())
+    model = fabric.setup_module(model)
+    topo = fabric.strategy.topology
+    return _local_state(model), (topo.ep_rank, topo.ep_size)
+
+
+@pytest.mark.distributed
+def test_init_from_reads_each_stage_its_own_weights(tmp_path):
+    """``init_from`` a transformers directory at PP=2 x EP=2: every rank starts from the source's values of exactly
+    its stage's tensors (its expert slice of them), and the stages cover the model."""
+    from mula_lightning.models.hf_convert import save_hf
+
+    source = init_weights(MulaForCausalLM(_config()), seed=7).to(torch.float64)
+    save_hf(source, tmp_path / "hf")
+    states = run_pooled_test(_init_from_rank, 4, path=str(tmp_path / "hf"), timeout=300)
+    assert all(len(state) < len(source.state_dict()) for state, _ in states)
+    whole = _whole(states)
+    assert whole.keys() == source.state_dict().keys()
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)

@@ -6,7 +6,9 @@ cuts a model's (or a bare block's) experts to the rank's slice (and, with ``etp_
 intermediate dimension) and sets an ``AllGatherDispatcher`` or ``AllToAllDispatcher`` (``token_dispatchers``) on each
 MoE block, in place. ``ParallelDims`` / ``build_parallel_mesh`` lay every dimension (dense ``pp x dp x cp x tp``, MoE
 ``pp x edp x ep x etp``) over the same ranks; ``apply_tensor_parallel`` shards a Mula model's dense parts with
-DTensor; ``split_into_stages`` / ``build_schedule`` run it as a pipeline with ``torch.distributed.pipelining``.
+DTensor; ``split_into_stages`` / ``build_schedule`` run it as a pipeline with ``torch.distributed.pipelining``,
+``prune_to_stages`` keeps only a rank's stages and ``PipelineRunner`` runs its training and evaluation steps (what the
+``epso`` strategy's ``pipeline_step`` calls).
 """
 
 from mula_lightning.parallel.collectives import (
@@ -23,7 +25,8 @@ from mula_lightning.parallel.expert_parallel import apply_expert_parallel, gathe
 from mula_lightning.parallel.hardware import HardwareTopology
 from mula_lightning.parallel.ledger import CommLedger, CommRecord, CommTotals, is_recording, ring_bytes_sent
 from mula_lightning.parallel.mesh import ParallelDims, ParallelMesh, build_parallel_mesh
-from mula_lightning.parallel.pipeline import build_schedule, split_into_stages
+from mula_lightning.parallel.pipeline import build_schedule, prune_to_stages, split_into_stages
+from mula_lightning.parallel.pipeline_runner import PipelineLoss, PipelineRunner
 from mula_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mula_lightning.parallel.token_dispatchers import AllGatherDispatcher, AllToAllDispatcher
 
@@ -36,6 +39,8 @@ __all__ = [
     "HardwareTopology",
     "ParallelDims",
     "ParallelMesh",
+    "PipelineLoss",
+    "PipelineRunner",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",
@@ -49,6 +54,7 @@ __all__ = [
     "forward_reducescatter_backward_allgather",
     "gather_expert_parallel_state_dict",
     "is_recording",
+    "prune_to_stages",
     "reduce_scatter_tensor",
     "ring_bytes_sent",
     "split_into_stages",

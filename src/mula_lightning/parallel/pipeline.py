@@ -11,9 +11,10 @@ after it, so that a sharded optimizer whose hooks take each gradient as it is pr
 
 Under a strategy, :func:`prune_to_stages` first removes from the (meta-device) model everything this rank's stages
 do not hold, so nothing else is ever materialised, and the parameters keep their single-device names (checkpoint
-keys, optimizer state keys); the zero-bubble schedules of ``torch.distributed.pipelining`` split each backward into
-input and weight parts, which the MoE blocks' grouped GEMM and the stages' auxiliary-loss injection are not built
-for: they are not offered.
+keys, optimizer state keys). The zero-bubble schedules of ``torch.distributed.pipelining`` are not offered: they
+split each backward into an input part and a later weight part that computes the weight gradients with
+``torch.autograd.grad`` and assigns ``param.grad`` itself, so the post-accumulate-grad hooks through which the
+sharded optimizer takes (and reduces) every gradient would never fire.
 
 MoE auxiliary losses (load balancing, z) are computed in every stage and must reach that stage's backward: a stage
 only hands activations to the next, and the schedules (interleaved and zero-bubble ones above all) backpropagate

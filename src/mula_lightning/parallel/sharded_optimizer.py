@@ -299,10 +299,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
         groups = []
         for g in optimizer.param_groups:
-            # a parameter of the model stays itself (an id of a freed meta parameter may have been reused)
-            params = [
-                p if id(p) in live or id(p) not in names_by_id else current[names_by_id[id(p)]] for p in g["params"]
-            ]
+            params = []
+            for p in g["params"]:
+                if id(p) in live or id(p) not in names_by_id:  # a parameter of the model stays itself (an id of a
+                    params.append(p)  # freed meta parameter may have been reused); a stranger is refused below
+                elif names_by_id[id(p)] in current:
+                    params.append(current[names_by_id[id(p)]])
+                # else: a layer another pipeline stage holds, pruned from this rank's model: not this rank's to train
             groups.append({"params": params, **{k: v for k, v in g.items() if k in keep}})
         return cls(model, topology, param_groups=groups, **kwargs)
 

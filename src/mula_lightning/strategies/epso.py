@@ -149,14 +149,12 @@ def setup_epso_module(
             f"init_from ({weights.path}) and init_from_dense ({settings.init_from_dense}) both give the initial "
             "weights; keep one"
         )
+    staged = pipeline_model(module, settings.pp_size) if settings.pp_size > 1 else None  # named before any group
     topology = topology or build_topology(
         settings.ep_size, settings.tp_size, settings.sequence_parallel, settings.etp_size, settings.pp_size
     )
-    if settings.pp_size > 1:  # on the meta device: this rank never materialises another stage's layers
-        prune_to_stages(
-            pipeline_model(module, settings.pp_size), topology.pp_rank, settings.pp_size,
-            settings.pp_virtual_stages, settings.pp_boundaries,
-        )  # fmt: skip
+    if staged is not None:  # on the meta device: this rank never materialises another stage's layers
+        prune_to_stages(staged, topology.pp_rank, settings.pp_size, settings.pp_virtual_stages, settings.pp_boundaries)
     parallelize(
         module,
         topology,
