@@ -82,9 +82,10 @@ def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int
 
         check_divisible(processes, pp_size, "the number of processes (devices x nodes)", "pp_size")
         ParallelDims(processes, pp=pp_size, tp=tp_size, ep=ep_size, etp=etp_size)  # the stage's ranks fold ep x etp
-        stage_layer_ranges(
-            config.num_layers, pp_size * pipeline["pp_virtual_stages"], pipeline["pp_boundaries"]
-        )  # layers that do not cut into the stages are named here
+        stages, boundaries = pp_size * pipeline["pp_virtual_stages"], pipeline["pp_boundaries"]
+        if boundaries == "params":  # any cut into contiguous stages will do, as long as there are enough layers
+            boundaries = list(range(1, stages)) if config.num_layers >= stages else None
+        stage_layer_ranges(config.num_layers, stages, boundaries)  # layers that do not cut into the stages, named
         if config.tie_word_embeddings:
             raise ValueError(
                 f"pipeline parallelism (pp_size {pp_size}) puts the embedding on the first stage and the LM head on "

@@ -46,10 +46,10 @@ def _batch(step, dp_rank):
     return torch.randint(0, V, (M, T), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind="moe"):
+def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind="moe", boundaries=None):
     strategy = FabricEPSOStrategy(
         ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000,
-        tp_size=tp, sequence_parallel=sp,
+        tp_size=tp, sequence_parallel=sp, pp_boundaries=boundaries,
     )  # fmt: skip
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
     fabric.launch()
@@ -87,8 +87,8 @@ def _local_state(model):
     }
 
 
-def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=False, kind="moe"):
-    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind)
+def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=False, kind="moe", boundaries=None):
+    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind, boundaries)
     losses, norms = _steps(fabric, model, optimizer, range(steps))
     topo = fabric.strategy.topology
     state = _local_state(model)
@@ -138,6 +138,7 @@ def _compare(results, reference, stage_size, dp, tp=1):
 LAYOUTS = {
     "pp2 gpipe": dict(world=2, pp=2, ep=1, schedule="gpipe"),
     "pp2 1f1b": dict(world=2, pp=2, ep=1, schedule="1f1b"),
+    "pp2 1f1b, stages of 1 and 3 layers": dict(world=2, pp=2, ep=1, schedule="1f1b", boundaries=[1]),
     "pp2 interleaved 1f1b x2 virtual": dict(world=2, pp=2, ep=1, schedule="interleaved_1f1b", virtual=2),
     "pp2 x dp2 1f1b": dict(world=4, pp=2, ep=1, schedule="1f1b"),
     "pp2 x ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b"),
@@ -174,6 +175,31 @@ def test_pipeline_options_that_cannot_work_are_named(kwargs, fragment):
     raise at construction, naming the values."""
     with pytest.raises(ValueError, match=fragment):
         FabricEPSOStrategy(**kwargs)
+
+
+def test_stages_balanced_by_parameter_count():
+    """``pp_boundaries="params"``: contiguous stages whose largest parameter count is the smallest possible, the
+    embedding counted on the first stage and the LM head on the last: a vocabulary as large as two layers pushes
+    layers off the end stages; the model keeps the cuts for the stage split."""
+    from mula_lightning.parallel.pipeline import balanced_boundaries, prune_to_stages, split_into_stages
+
+    def meta(vocab, layers=8):
+        with torch.device("meta"):
+            return MulaForCausalLM(MulaConfig.from_name("mula-tiny-dense", vocab_size=vocab, num_layers=layers))
+
+    assert balanced_boundaries(meta(8), 4) == [2, 4, 6]  # a tiny vocabulary: equal layer counts
+    model = meta(16384)  # embedding and LM head of 2.1M parameters each, a layer of 0.26M: the end stages hold
+    cuts = balanced_boundaries(model, 4)  # one layer each, the middle ones split the other six evenly
+    assert cuts == [1, 4, 7]
+    with pytest.raises(ValueError, match="4 pipeline stages need at least as many layers; the model has 2"):
+        balanced_boundaries(meta(8, layers=2), 4)
+    pruned = meta(16384)
+    prune_to_stages(pruned, 1, 4, boundaries="params")
+    assert pruned.pipeline_boundaries == cuts
+    assert [i for i, _ in split_into_stages(pruned, 1, 4)] == [1]
+    assert split_into_stages(pruned, 1, 4)[0][1].layer_ids == list(range(cuts[0], cuts[1]))
+    with pytest.raises(ValueError, match=r"pp_boundaries \('even'\) must be a list of layer indices, 'params'"):
+        FabricEPSOStrategy(pp_size=2, pp_boundaries="even")
 
 
 def test_pipeline_step_without_pipeline_parallelism_is_refused():

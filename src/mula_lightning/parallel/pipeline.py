@@ -38,6 +38,7 @@ from mula_lightning.moe.reference import MoEAux
 __all__ = [
     "SCHEDULES",
     "PipelineStageModule",
+    "balanced_boundaries",
     "build_schedule",
     "prune_to_stages",
     "split_into_stages",
@@ -81,6 +82,44 @@ def stages_of_rank(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[
     return [pp_rank + v * pp_size for v in range(virtual_stages)]
 
 
+def balanced_boundaries(model: MulaForCausalLM, num_stages: int) -> list[int]:
+    """Stage boundaries (see :func:`stage_layer_ranges`) that balance the stages by parameter count: contiguous
+    layers, the embedding counted on the first stage and the final norm and LM head on the last, the largest stage
+    as small as it can be (by dynamic programming over the cut points; works on the meta device), and among such
+    cuts one whose stages are even otherwise (smallest sum of squared sizes).
+
+    Raises:
+        ValueError: fewer layers than stages.
+    """
+    layers = len(model.model.layers)
+    if not 1 <= num_stages <= layers:
+        raise ValueError(f"{num_stages} pipeline stages need at least as many layers; the model has {layers}")
+    weights = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    weights[0] += sum(p.numel() for p in model.model.embed_tokens.parameters())
+    weights[-1] += sum(p.numel() for p in (*model.model.norm.parameters(), *model.lm_head.parameters()))
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = (float("inf"), float("inf"))
+    # best[s][i]: (largest stage, sum of squared stages) of the best cut of the first i layers into s stages;
+    # cut[s][i]: where the last of those stages starts
+    best = [[inf] * (layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0, 0)
+    for s in range(1, num_stages + 1):
+        for i in range(s, layers + 1):
+            for j in range(s - 1, i):
+                size = prefix[i] - prefix[j]
+                value = (max(best[s - 1][j][0], size), best[s - 1][j][1] + size * size)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], layers
+    for s in range(num_stages, 1, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    return sorted(bounds)
+
+
 class _LayerOnAnotherStage(nn.Module):
     """What is left of a decoder layer another pipeline rank holds: no parameters, and a forward that says so."""
 
@@ -107,12 +146,16 @@ def prune_to_stages(
     pp_rank: int,
     pp_size: int,
     virtual_stages: int = 1,
-    boundaries: list[int] | None = None,
+    boundaries: list[int] | str | None = None,
 ) -> list[int]:
     """Remove from ``model`` (in place, on the meta device before materialisation) every part this rank's stages do
     not hold: the other stages' decoder layers (each left as a parameterless placeholder, so the kept layers keep
     their single-device indices and names), the embedding unless it holds stage 0, the final norm and LM head unless
     it holds the last stage. Returns the decoder layers kept. The pruned model's own forward refuses to run.
+
+    ``boundaries``: the first layer of every stage but the first, ``"params"`` to balance the stages by parameter
+    count (:func:`balanced_boundaries`, computed here on the whole model), or None for equal layer counts; the cuts
+    used are kept as ``model.pipeline_boundaries`` (what :func:`split_into_stages` takes by default).
 
     Raises:
         ValueError: a module that is not a ``MulaForCausalLM``, stages that do not fit its layers, or tied word
@@ -121,6 +164,10 @@ def prune_to_stages(
     if not isinstance(model, MulaForCausalLM):
         raise ValueError(f"pipeline parallelism splits a MulaForCausalLM by layers; got {type(model).__name__}")
     total = pp_size * virtual_stages
+    if boundaries == "params":
+        boundaries = balanced_boundaries(model, total)
+    elif isinstance(boundaries, str):
+        raise ValueError(f"pp_boundaries ({boundaries!r}) must be a list of layer indices, 'params' or None")
     ranges = stage_layer_ranges(model.config.num_layers, total, boundaries)
     mine = stages_of_rank(pp_rank, pp_size, virtual_stages)
     if pp_size > 1 and model.config.tie_word_embeddings:
@@ -138,6 +185,7 @@ def prune_to_stages(
         model.model.norm = None
         model.lm_head = None
     model.pipeline_stages, model.pipeline_layers = mine, kept
+    model.pipeline_boundaries = [r.start for r in ranges[1:]]
     model.register_forward_pre_hook(_refuse_whole_forward)
     return kept
 
@@ -223,6 +271,8 @@ def split_into_stages(
     if not isinstance(model, MulaForCausalLM):
         raise ValueError(f"pipeline parallelism splits a MulaForCausalLM by layers; got {type(model).__name__}")
     total = pp_size * virtual_stages
+    if boundaries is None:  # the cuts the model was pruned with, if it was
+        boundaries = getattr(model, "pipeline_boundaries", None)
     ranges = stage_layer_ranges(model.config.num_layers, total, boundaries)
     return [
         (index, PipelineStageModule(model, ranges[index], index == 0, index == total - 1))

@@ -80,7 +80,7 @@ class EPSOSettings:
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
-    pp_boundaries: list[int] | None = None
+    pp_boundaries: list[int] | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("ep_size", "tp_size", "etp_size", "pp_size", "pp_virtual_stages"):
@@ -118,6 +118,10 @@ class EPSOSettings:
     def _check_pipeline(self) -> None:
         from mula_lightning.parallel.pipeline import SCHEDULES
 
+        if isinstance(self.pp_boundaries, str) and self.pp_boundaries != "params":
+            raise ValueError(
+                f"pp_boundaries ({self.pp_boundaries!r}) must be a list of layer indices, 'params' or None"
+            )
         m = self.pp_microbatches
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"pp_microbatches ({m!r}) must be an integer >= 1, or None (one sequence each)")
@@ -189,9 +193,9 @@ def build_pipeline(module: nn.Module, settings: EPSOSettings, topology: MoETopol
         return None
     from mula_lightning.parallel.pipeline_runner import PipelineRunner
 
-    return PipelineRunner(
+    return PipelineRunner(  # the stage cuts the model was pruned with (model.pipeline_boundaries)
         pipeline_model(module, settings.pp_size), topology, settings.pp_schedule, settings.pp_microbatches,
-        settings.pp_virtual_stages, settings.pp_boundaries, device,
+        settings.pp_virtual_stages, None, device,
     )  # fmt: skip
 
 
@@ -282,8 +286,9 @@ class EPSOOptions(ShardingOptions):
             accumulation inside a step); None: one sequence each. At least ``pp_size`` for the 1F1B schedules.
         pp_virtual_stages: stages per rank (interleaved 1F1B: rank r runs stages ``r, r + pp, ...``); the layers
             must divide by ``pp_size x pp_virtual_stages``.
-        pp_boundaries: the first layer of every stage but the first, to balance stages by hand (None: equal layer
-            counts).
+        pp_boundaries: the first layer of every stage but the first (stages balanced by hand), ``"params"`` (the
+            stages balanced by parameter count, the embedding counted on the first and the LM head on the last), or
+            None (equal layer counts).
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
@@ -309,7 +314,7 @@ class EPSOOptions(ShardingOptions):
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
-        pp_boundaries: list[int] | None = None,
+        pp_boundaries: list[int] | str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
@@ -331,7 +336,7 @@ class EPSOOptions(ShardingOptions):
             pp_schedule,
             pp_microbatches,
             pp_virtual_stages,
-            list(pp_boundaries) if pp_boundaries is not None else None,
+            pp_boundaries if pp_boundaries is None or isinstance(pp_boundaries, str) else list(pp_boundaries),
         )
         self.topology: MoETopology | None = None
         self.pipeline: Any = None  # the PipelineRunner once set up (pp_size > 1)
