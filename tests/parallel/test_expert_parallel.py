@@ -30,7 +30,12 @@ S = 15  # tokens per rank
 BLOCK_LEN = H + 2 * FF + E + K
 
 
-def _config(capacity_factor=None):
+#: DeepSeek-V3's router: sigmoid scores, 4 groups of which a token keeps 2, renormalised and scaled weights
+DEEPSEEK_ROUTING = dict(score_function="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5)  # fmt: skip
+
+
+def _config(capacity_factor=None, **routing):
     return MulaConfig.from_name(
         "mula-tiny-moe",
         hidden_size=H,
@@ -41,12 +46,14 @@ def _config(capacity_factor=None):
         top_k=K,
         capacity_factor=capacity_factor,
         moe_impl="fast",
+        **routing,
     )
 
 
 def _block(case, dtype=torch.float32):
     torch.manual_seed(0)
-    block = FastSparseMoEBlock(_config(capacity_factor=1.0 if case == "capacity" else None)).to(dtype)
+    routing = DEEPSEEK_ROUTING if case == "deepseek" else {}
+    block = FastSparseMoEBlock(_config(capacity_factor=1.0 if case == "capacity" else None, **routing)).to(dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.5)
@@ -142,13 +149,16 @@ def _check_ep(results, refs, world_size, ep, dispatcher, dtype):
         (4, 2, "skewed", torch.float64, "model"),
         (4, 4, "capacity", torch.float64, "bare"),
         (2, 2, "random", torch.float32, "model"),  # the grouped GEMM kernels
+        (4, 2, "deepseek", torch.float64, "bare"),  # sigmoid scores, group-limited routing, scaled weights
     ],
-    ids=["2-2-random-f64-bare", "4-2-skewed-f64-model", "4-4-capacity-f64-bare", "2-2-random-f32-model"],
-)
+    ids=["2-2-random-f64-bare", "4-2-skewed-f64-model", "4-4-capacity-f64-bare", "2-2-random-f32-model",
+         "4-2-deepseek-f64-bare"],
+)  # fmt: skip
 def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dtype, where):
     """Both dispatchers equal the unsharded block: outputs, input/router grads, and summed expert-slice grads.
 
-    Cases: random routing; a routing where one EP rank receives no token; capacity factor 1.0 with drops; in
+    Cases: random routing; a routing where one EP rank receives no token; capacity factor 1.0 with drops;
+    DeepSeek-V3's router (sigmoid scores, 4 groups keep 2, renormalised weights scaled by 2.5); in
     float64 (bound ~1e-13 relative) and, for random routing, in float32 through the grouped GEMM kernels.
     ``apply_expert_parallel`` is given the bare block, or a model holding it (2 and 4 processes each).
     """

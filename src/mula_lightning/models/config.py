@@ -49,6 +49,9 @@ class MulaConfig:
         z_loss_coef: weight of the router z-loss.
         forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks and
             scaling studies; the router stays in the graph).
+        score_function, n_group, topk_group, routed_scaling_factor: the router's scores (``"softmax"`` or
+            ``"sigmoid"``), group-limited routing and the weights' scale (see
+            :class:`~mula_lightning.moe.config.MoEConfig`).
         qk_norm: RMSNorm over the projected queries and keys (OLMoE), over the full projection width.
         rms_norm_eps: epsilon of every RMSNorm.
         rope_theta: RoPE base.
@@ -81,6 +84,10 @@ class MulaConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     forced_uniform_routing: bool = False
+    score_function: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     qk_norm: bool = True
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -164,6 +171,10 @@ class MulaConfig:
             aux_loss_coef=self.aux_loss_coef,
             z_loss_coef=self.z_loss_coef,
             forced_uniform_routing=self.forced_uniform_routing,
+            score_function=self.score_function,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -86,6 +86,10 @@ class FastSparseMoEBlock(nn.Module):
             capacity_factor=config.capacity_factor,
             forced_uniform_routing=config.forced_uniform_routing,
             device=device,
+            score_function=config.score_function,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
         )
         self.experts = GroupedExperts(
             config.num_experts,

@@ -12,10 +12,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["ROUTER_KINDS", "MoEConfig", "RouterKind", "as_moe_config", "capacity"]
+__all__ = ["ROUTER_KINDS", "SCORE_FUNCTIONS", "MoEConfig", "RouterKind", "ScoreFunction", "as_moe_config", "capacity"]
 
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ROUTER_KINDS = ("softmax_topk", "topk_softmax")
+ScoreFunction = Literal["softmax", "sigmoid"]
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -40,6 +42,12 @@ class MoEConfig:
         aux_loss_coef: weight of the Switch / OLMoE load-balancing loss.
         z_loss_coef: weight of the router z-loss.
         forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks, scaling studies).
+        score_function: how ``softmax_topk`` scores the experts: ``"softmax"`` over all of them (OLMoE) or
+            ``"sigmoid"`` of each logit on its own (DeepSeek-V3); the chosen experts' scores are the weights.
+        n_group: experts form ``n_group`` contiguous groups (DeepSeek's group-limited routing; 1: no groups).
+        topk_group: groups a token may choose from: the ``topk_group`` groups of largest score, a group's score
+            being the sum of its two largest expert scores.
+        routed_scaling_factor: multiplies the chosen experts' weights (after ``norm_topk_prob``).
     """
 
     hidden_size: int
@@ -52,6 +60,10 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     forced_uniform_routing: bool = False
+    score_function: ScoreFunction = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         sizes = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size}
@@ -66,9 +78,47 @@ class MoEConfig:
             raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
+        check_routing(
+            self.num_experts, self.top_k, self.router_kind, self.score_function, self.n_group, self.topk_group,
+            self.routed_scaling_factor,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_routing(
+    num_experts: int,
+    top_k: int,
+    router_kind: str,
+    score_function: str,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> None:
+    """Raise ``ValueError`` naming the values when the score function and the group-limited routing cannot work."""
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function ({score_function!r}) must be one of {SCORE_FUNCTIONS}")
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
+    if num_experts % n_group:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by n_group ({n_group})")
+    if topk_group > n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be at most n_group ({n_group})")
+    left = topk_group * (num_experts // n_group)
+    if n_group > 1 and top_k > left:
+        raise ValueError(
+            f"top_k ({top_k}) must be at most the experts of the topk_group ({topk_group}) groups a token keeps "
+            f"({left} = {topk_group} x {num_experts} / n_group {n_group})"
+        )
+    if (score_function != "softmax" or n_group > 1) and router_kind != "softmax_topk":
+        raise ValueError(
+            f"score_function {score_function!r} and n_group {n_group} score the experts, then choose: they need "
+            f"router_kind='softmax_topk', not {router_kind!r}"
+        )
+    if not routed_scaling_factor > 0:
+        raise ValueError(f"routed_scaling_factor ({routed_scaling_factor}) must be > 0")
 
 
 def as_moe_config(config: Any) -> MoEConfig:

@@ -108,6 +108,10 @@ class ReferenceMoEBlock(nn.Module):
             capacity_factor=config.capacity_factor,
             forced_uniform_routing=config.forced_uniform_routing,
             device=device,
+            score_function=config.score_function,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
         )
         self.experts = ExpertWeights(config.num_experts, config.hidden_size, config.intermediate_size, device=device)
 

@@ -10,6 +10,14 @@ Two router kinds compute the weights of the K chosen experts:
   function as ``softmax_topk`` with ``norm_topk_prob=True`` (softmax is monotonic, and renormalising K
   softmax values is a softmax over their logits); the upcycling paper relies on it for exact equivalence.
 
+``softmax_topk`` takes its scores from ``score_function``: a softmax over the experts (above), or each logit's
+sigmoid on its own (DeepSeek-V3; the chosen scores are the weights, ``norm_topk_prob`` renormalises them). With
+group-limited routing (``n_group > 1``, DeepSeek's) the experts form ``n_group`` contiguous groups, a group's score is
+the sum of its two best expert scores, and a token chooses its top-k among the experts of its ``topk_group`` best
+groups (the others are masked with -inf, not 0 as transformers' DeepSeek-V3 does: the same choice while scores are
+positive, and the stated rule when they are not). ``routed_scaling_factor`` multiplies the chosen weights last. With
+sigmoid scores the load-balancing loss takes each token's scores normalised to sum to one as its probabilities.
+
 Router math runs in fp32 whatever the activation dtype. The auxiliary losses (Switch / OLMoE
 load balancing, router z-loss) are computed here, per layer and per micro-batch, from the router's own
 choice (before capacity drops) and returned unweighted; the block weights them by the config's
@@ -42,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mula_lightning.moe.config import ROUTER_KINDS, capacity
+from mula_lightning.moe.config import ROUTER_KINDS, capacity, check_routing
 from mula_lightning.utils.precision import upcast
 
 
@@ -162,6 +170,18 @@ def routing_replay(replay: RoutingReplay) -> Iterator[RoutingReplay]:
         replay.replaying = True  # whatever runs this forward again replays it
 
 
+def limit_to_groups(scores_SE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """``scores_SE`` with every expert outside each token's ``topk_group`` best groups set to -inf (the experts in
+    ``n_group`` contiguous groups; a group's score is the sum of its two best expert scores, its best alone for
+    groups of one)."""
+    num_tokens, num_experts = scores_SE.shape
+    grouped = scores_SE.reshape(num_tokens, n_group, num_experts // n_group)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)  # (S, n_group)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(num_tokens, num_experts)
+
+
 def apply_capacity(indices_SK: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
     """Mark (token, k) pairs beyond an expert's capacity with -1, keeping the first ``cap`` in token order."""
     flat = indices_SK.reshape(-1)
@@ -189,12 +209,20 @@ class Router(nn.Module):
         forced_uniform_routing: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        score_function: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         if router_kind not in ROUTER_KINDS:
             raise ValueError(f"router_kind ({router_kind!r}) must be one of {ROUTER_KINDS}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be in [1, num_experts ({num_experts})]")
+        check_routing(num_experts, top_k, router_kind, score_function, n_group, topk_group, routed_scaling_factor)
+        self.score_function = score_function
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
@@ -211,6 +239,9 @@ class Router(nn.Module):
             f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"kind={self.router_kind}, norm_topk_prob={self.norm_topk_prob}, "
             f"capacity_factor={self.capacity_factor}, forced_uniform={self.forced_uniform_routing}"
+            + (f", score_function={self.score_function}" if self.score_function != "softmax" else "")
+            + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "")
+            + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else "")
         )
 
     def _choose(self, logits_SE: torch.Tensor, probs_SE: torch.Tensor) -> torch.Tensor:
@@ -218,12 +249,16 @@ class Router(nn.Module):
         if self.forced_uniform_routing:
             return uniform_routing_indices(logits_SE.shape[0], self.num_experts, self.top_k, logits_SE.device)
         scores = probs_SE if self.router_kind == "softmax_topk" else logits_SE
+        if self.n_group > 1:
+            scores = limit_to_groups(scores, self.n_group, self.topk_group)
         return torch.topk(scores, self.top_k, dim=-1)[1]
 
     def forward(self, x_SH: torch.Tensor) -> RouterOutput:
         x_SH = x_SH.reshape(-1, self.hidden_size)
         logits_SE = F.linear(upcast(x_SH), upcast(self.weight))
-        probs_SE = torch.softmax(logits_SE, dim=-1)
+        # the expert scores (softmax probabilities, or independent sigmoids); the losses' probabilities
+        scores_SE = torch.softmax(logits_SE, dim=-1) if self.score_function == "softmax" else logits_SE.sigmoid()
+        probs_SE = scores_SE if self.score_function == "softmax" else scores_SE / scores_SE.sum(-1, keepdim=True)
         num_tokens = logits_SE.shape[0]
 
         replay = getattr(_ACTIVE, "replay", None)
@@ -231,15 +266,17 @@ class Router(nn.Module):
             indices_SK, final_SK = replay.take()
         else:
             with torch.no_grad():  # a discrete choice: saves nothing for backward (nor does its replay)
-                indices_SK = self._choose(logits_SE, probs_SE)
+                indices_SK = self._choose(logits_SE, scores_SE)
             final_SK = None
 
         if self.router_kind == "softmax_topk":
-            weights_SK = probs_SE.gather(1, indices_SK)
+            weights_SK = scores_SE.gather(1, indices_SK)
             if self.norm_topk_prob:
                 weights_SK = weights_SK / weights_SK.sum(dim=-1, keepdim=True)
         else:
             weights_SK = torch.softmax(logits_SE.gather(1, indices_SK), dim=-1)
+        if self.routed_scaling_factor != 1.0:
+            weights_SK = weights_SK * self.routed_scaling_factor
 
         if self.sequence_reduce is not None:
             lb_loss, z_loss = sequence_parallel_router_losses(logits_SE, probs_SE, indices_SK, self.sequence_reduce)
