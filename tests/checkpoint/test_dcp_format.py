@@ -70,3 +70,35 @@ def test_views_are_handed_to_the_writer_without_copies(tmp_path):
     targets = {"model": {k: torch.zeros_like(v) for k, v in views.items()}}
     load_dcp(path, targets)
     assert all(torch.equal(targets["model"][k], v) for k, v in views.items())
+
+
+def _mula_model(**overrides):
+    from mula_lightning.models import MulaConfig, MulaForCausalLM
+
+    sizes = {"vocab_size": 64, "hidden_size": 16, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
+             "intermediate_size": 16, "num_experts": 4, "top_k": 2}  # fmt: skip
+    config = MulaConfig.from_name("mula-tiny-moe", **{**sizes, **overrides})
+    return MulaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (dict(num_layers=3), r"tensors of this run are not in it \(model\.model\.layers\.2\."),
+        (dict(num_experts=8), r"have other shapes \(model\.model\.layers\.0\.mlp\.(gate|experts)"),
+        (dict(vocab_size=128), r"model\.model\.embed_tokens\.weight \(64, 16\) saved, \(128, 16\) here"),
+    ],
+    ids=["more-layers", "more-experts", "larger-vocabulary"],
+)
+def test_a_checkpoint_of_another_model_config_is_named(tmp_path, overrides, fragment):
+    """Loading a checkpoint into a model of another config (a layer more, twice the experts, a larger vocabulary)
+    fails before anything is read, naming the tensors the checkpoint lacks or holds in another shape, and the model
+    config as the thing to compare (instead of DCP's first "Missing key")."""
+    from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+    from mula_lightning.parallel.topology import MoETopology
+
+    save_sharded_checkpoint(tmp_path / "ckpt", {"model": _mula_model()}, MoETopology(1, 1))
+    with pytest.raises(ValueError, match=fragment) as err:
+        load_sharded_checkpoint(tmp_path / "ckpt", {"model": _mula_model(**overrides)}, MoETopology(1, 1))
+    assert "was written for another model" in str(err.value) and "compare the model config" in str(err.value)
+    load_sharded_checkpoint(tmp_path / "ckpt", {"model": _mula_model()}, MoETopology(1, 1))  # the same config loads

@@ -119,12 +119,44 @@ def load_dcp(path: Path, targets: dict[str, Any], strict: bool = True) -> dict[s
         for fqn, item in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
         if hasattr(item, "size")
     }
+    if strict:
+        check_tensors_fit(path, targets, saved_sizes)
     for key, value in targets.items():
         if isinstance(value, dict):
             targets[key] = {k: as_saved_shape(v, saved_sizes.get(f"{key}.{k}")) for k, v in value.items()}
     targets[METADATA_KEY] = b""
     dcp_load(targets, path, strict)
     return loads_data(targets.pop(METADATA_KEY), path)
+
+
+def check_tensors_fit(path: Path, targets: dict[str, Any], saved_sizes: dict[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` naming the tensors of ``targets`` the checkpoint lacks, and those saved with another number
+    of elements, before DCP reads anything: a checkpoint of another model config (layers, experts, widths, vocabulary)
+    is named as such instead of by DCP's first missing key.
+    """
+    absent, differ = [], []
+    for key, value in targets.items():
+        if not isinstance(value, dict):
+            continue
+        for name, tensor in value.items():
+            if not isinstance(tensor, torch.Tensor):  # plain values (steps, hyper-parameters) are checked by DCP
+                continue
+            fqn, shape = f"{key}.{name}", tuple(tensor.shape)  # a DTensor's / TensorPieces' logical shape
+            if fqn not in saved_sizes:
+                absent.append(fqn)
+            elif torch.Size(saved_sizes[fqn]).numel() != torch.Size(shape).numel():
+                differ.append(f"{fqn} {saved_sizes[fqn]} saved, {shape} here")
+    if absent or differ:
+        parts = []
+        if absent:
+            named = ", ".join(absent[:4]) + (", ..." if len(absent) > 4 else "")
+            parts.append(f"{len(absent)} tensors of this run are not in it ({named})")
+        if differ:
+            parts.append(f"{len(differ)} have other shapes ({'; '.join(differ[:4])}{'; ...' * (len(differ) > 4)})")
+        raise ValueError(
+            f"{path} was written for another model: {' and '.join(parts)}; compare the model config (layers, experts, "
+            "widths, vocabulary) with the one that wrote it"
+        )
 
 
 def as_saved_shape(value: Any, saved: tuple[int, ...] | None) -> Any:
