@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from mula_lightning.testing.tiny_run import run_mula_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "examples/configs/mula-tiny-moe-pipeline.yaml"
 TINY = {"num_layers": 4, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 32,
         "num_experts": 4, "top_k": 2}  # fmt: skip
-
-
-def _mula(cwd: Path, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.update(WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "mula_lightning.cli", *args]
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 def _logged(run: Path, key: str) -> list[float]:
@@ -63,11 +54,11 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
         "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2", "--data.val_micro_batch_size", "4",
         "--trainer.log_every_n_steps", "1",
     ]  # fmt: skip
-    _mula(tmp_path, *common, "--data.micro_batch_size", "4")  # as shipped: 4 processes, PP=2 x EP=2, 1F1B
+    run_mula_cli(tmp_path, *common, "--data.micro_batch_size", "4")  # as shipped: 4 processes, PP=2 x EP=2, 1F1B
     reference = tmp_path / "reference"
     reference.mkdir()
     shutil.copytree(tmp_path / "examples", reference / "examples")
-    _mula(
+    run_mula_cli(
         reference, *common, "--data.micro_batch_size", "1", "--trainer.accumulate_grad_batches", "4",
         "--trainer.devices", "2", "--trainer.strategy.init_args.pp_size", "1",
     )  # fmt: skip
@@ -85,9 +76,11 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
     torch.testing.assert_close(torch.tensor(piped[-1]), torch.tensor(plain[-1]), rtol=1e-5, atol=0)
 
     for cwd in (tmp_path, reference):
-        _mula(cwd, "export", str(cwd / "checkpoints" / name / "dual"), "--to", "hf", "out")
+        run_mula_cli(cwd, "export", str(cwd / "checkpoints" / name / "dual"), "--to", "hf", "out")
     # the model-only checkpoint of the pipelined run: each stage wrote its layers, bf16
-    _mula(tmp_path, "export", str(tmp_path / "checkpoints" / name / "weights" / "step-00000004"), "--to", "hf", "w")
+    run_mula_cli(
+        tmp_path, "export", str(tmp_path / "checkpoints" / name / "weights" / "step-00000004"), "--to", "hf", "w"
+    )
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     b = AutoModelForCausalLM.from_pretrained(reference / "out").eval()
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "w").eval()

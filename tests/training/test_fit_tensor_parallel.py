@@ -7,28 +7,19 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from mula_lightning.testing.tiny_run import run_mula_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "examples/configs/mula-tiny-moe-folded.yaml"
 TINY = {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 32,
         "num_experts": 4, "top_k": 2}  # fmt: skip
-
-
-def _mula(cwd: Path, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.update(WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "mula_lightning.cli", *args]
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.mark.distributed
@@ -47,7 +38,7 @@ def test_folded_example_trains_and_exports(tiny_data, tmp_path):
         if "every_n_train_steps" in callback["init_args"]:
             callback["init_args"]["every_n_train_steps"] = 4
     (tmp_path / CONFIG).write_text(yaml.safe_dump(config))
-    _mula(
+    run_mula_cli(
         tmp_path, "fit", "--config", CONFIG, "--data.data_dir", str(tiny_data), "--data.micro_batch_size", "4",
         "--model.model_overrides", json.dumps(TINY), "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
         "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
@@ -57,8 +48,8 @@ def test_folded_example_trains_and_exports(tiny_data, tmp_path):
     assert sorted(losses) == [0, 1, 2, 3] and all(math.isfinite(v) for v in losses.values()), losses
 
     checkpoints = tmp_path / "checkpoints" / "mula-tiny-moe-folded"
-    _mula(tmp_path, "export", str(checkpoints / "dual"), "--to", "hf", "out/dual")
-    _mula(tmp_path, "export", str(checkpoints / "weights" / "step-00000004"), "--to", "hf", "out/weights")
+    run_mula_cli(tmp_path, "export", str(checkpoints / "dual"), "--to", "hf", "out/dual")
+    run_mula_cli(tmp_path, "export", str(checkpoints / "weights" / "step-00000004"), "--to", "hf", "out/weights")
     dual = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "dual").eval()
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "weights").eval()
     assert dual.state_dict().keys() == weights.state_dict().keys()

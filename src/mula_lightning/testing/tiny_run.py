@@ -9,10 +9,13 @@ drift. Small enough for CPU and gloo (2 layers, width 32, 4 experts top-2), with
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MODEL_OVERRIDES", "tiny_fit_config"]
+__all__ = ["TINY_MODEL_OVERRIDES", "run_mula_cli", "tiny_fit_config"]
 
 TINY_MODEL_OVERRIDES = dict(
     num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32, num_experts=4, top_k=2
@@ -57,3 +60,14 @@ def tiny_fit_config(data_dir: str | Path, max_steps: int, every_n_train_steps: i
         },
         "moe_stats": {"wandb_every_n_steps": 0},
     }
+
+
+def run_mula_cli(cwd: str | Path, *args: str, timeout: float = 400) -> None:
+    """Run ``mula <args>`` in a fresh interpreter in ``cwd`` (this package first on its path, W&B offline, one
+    thread); raise an ``AssertionError`` with the end of its output when it does not exit 0."""
+    src = str(Path(__file__).resolve().parents[2])  # the directory holding this mula_lightning package
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "mula_lightning.cli", *args]
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
