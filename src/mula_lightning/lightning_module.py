@@ -42,6 +42,7 @@ from torchmetrics import MeanMetric
 from mula_lightning.checkpoint.export import CHECKPOINT_KEY
 from mula_lightning.checkpoint.init_source import InitWeights, init_source_config
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.topology import check_divisible
 from mula_lightning.strategies.protocol import (
@@ -360,6 +361,8 @@ class MulaLM(LightningModule):
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
         )
+        # auxiliary-loss-free balancing after each step of this optimizer (epso / zero_topo install it on theirs)
+        install_expert_bias_update(optimizer, self)
         decay = hp.decay_steps
         if decay is None:
             max_steps = self.trainer.max_steps if self._trainer is not None else -1

@@ -7,10 +7,12 @@ import csv
 import warnings
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from mula_lightning.callbacks import MoEStats
 from mula_lightning.models import MulaConfig, MulaForCausalLM
+from mula_lightning.moe.balancing import install_expert_bias_update
 
 VOCAB, SEQ = 64, 16
 
@@ -78,3 +80,30 @@ def test_nothing_to_log_warns_once(tmp_path, recwarn):
         "MoEStats has nothing to log: _UserModule sets no `last_moe_aux` and holds no MulaForCausalLM with MoE layers"
     ]
     assert not any(k.startswith("moe/") for r in rows for k, v in r.items() if v)
+
+
+class _BiasedModule(_UserModule):
+    """A user module whose model balances with a selection bias, its update installed on the user's optimizer."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        sizes = dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2)
+        self.net = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", bias_update_rate=0.05, **sizes))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        install_expert_bias_update(optimizer, self)
+        return optimizer
+
+
+def test_selection_bias_is_logged_per_layer(tmp_path):
+    """With auxiliary-loss-free balancing every logged step has each layer's bias range, and the last logged biases
+    are the routers' own after the step's update (moved from zero)."""
+    module = _BiasedModule()
+    callback = MoEStats(wandb_every_n_steps=0)
+    rows = [r for r in _fit(module, tmp_path, callback) if r.get("moe/imbalance_max")]
+    assert len(rows) == 3
+    assert all(r["moe/layer_0/expert_bias_min"] and r["moe/layer_1/expert_bias_max"] for r in rows)
+    biases = torch.stack([m.mlp.gate.e_score_correction_bias for m in module.net.model.layers])
+    assert torch.equal(callback.last_bias, biases) and biases.abs().max() > 0
+    assert float(rows[-1]["moe/layer_1/expert_bias_max"]) == pytest.approx(biases[1].max().item(), rel=1e-6)

@@ -21,17 +21,34 @@ OPTIONS = {
     "sigmoid, 4 groups keep 2": dict(score_function="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True),
     "softmax, 2 groups keep 1": dict(n_group=2, topk_group=1, routed_scaling_factor=16.0),
     "softmax, 8 groups of one keep 3": dict(n_group=8, topk_group=3),
+    "softmax, selection bias": dict(expert_bias=True),
+    "sigmoid, 4 groups keep 2, selection bias": dict(
+        score_function="sigmoid",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        bias_update_rate=0.001,
+    ),  # fmt: skip
 }
 
 
+def _random_bias(module, generator):
+    """A selection bias large enough to change choices (scores lie in [0, 1]), when the router has one."""
+    for m in module.modules():
+        if isinstance(m, Router) and m.has_expert_bias:
+            m.e_score_correction_bias.copy_(torch.randn(E, generator=generator) * 0.3)
+
+
 def _reference_weights(logits_SE, top_k, score_function="softmax", norm_topk_prob=False, n_group=1, topk_group=1,
-                       routed_scaling_factor=1.0):  # fmt: skip
-    """Token by token, in plain Python where the rule is a choice: (chosen experts (S, K), their weights (S, K))."""
+                       routed_scaling_factor=1.0, bias=None, **_):  # fmt: skip
+    """Token by token, in plain Python where the rule is a choice: (chosen experts (S, K), their weights (S, K)).
+    The selection bias enters the choice (groups included) and never the weights."""
     indices, weights = [], []
     for logits in logits_SE:
         scores = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
         per = E // n_group
-        values = scores.tolist()
+        values = (scores + (bias if bias is not None else 0.0)).tolist()
         group_score = [sum(sorted(values[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
         kept = sorted(range(n_group), key=lambda g: -group_score[g])[:topk_group]
         allowed = [e for e in range(E) if e // per in kept]
@@ -54,6 +71,8 @@ def test_router_options_match_the_token_by_token_rule(name, top_k):
     router = Router(H, E, top_k, **options).double()
     with torch.no_grad():
         router.weight.copy_(torch.randn(E, H, generator=g, dtype=torch.float64))
+        _random_bias(router, g)
+    bias = router.e_score_correction_bias.double() if router.has_expert_bias else None
     x = torch.randn(S, H, generator=g, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(S, top_k, generator=g, dtype=torch.float64)
     out = router(x)
@@ -63,7 +82,7 @@ def test_router_options_match_the_token_by_token_rule(name, top_k):
 
     x_ref = x.detach().clone().requires_grad_(True)
     w_ref = router.weight.detach().clone().requires_grad_(True)
-    idx, weights = _reference_weights(x_ref @ w_ref.T, top_k, **options)
+    idx, weights = _reference_weights(x_ref @ w_ref.T, top_k, bias=bias, **options)
     ref_order = idx.argsort(dim=-1)
     assert torch.equal(out.indices_SK.gather(1, order), idx.gather(1, ref_order)), name
     sorted_w = out.weights_SK.gather(1, order)
@@ -93,6 +112,7 @@ def test_block_with_router_options_matches_the_reference_block(name):
     with torch.no_grad():
         for p in fast.parameters():
             p.normal_(0, 0.5)
+        _random_bias(fast, torch.Generator().manual_seed(4))
     ref = ReferenceMoEBlock(config).double()
     ref.load_state_dict(fast.state_dict())
     x = torch.randn(3, 11, H, dtype=torch.float64)
@@ -138,6 +158,9 @@ def test_softmax_without_groups_is_todays_router_bit_for_bit():
         (dict(score_function="relu"), r"score_function \('relu'\) must be one of \('softmax', 'sigmoid'\)"),
         (dict(score_function="sigmoid", router_kind="topk_softmax"), r"need router_kind='softmax_topk'"),
         (dict(routed_scaling_factor=0.0), r"routed_scaling_factor \(0.0\) must be > 0"),
+        (dict(bias_update_rate=-0.001), r"bias_update_rate \(-0.001\) must be a finite number >= 0"),
+        (dict(bias_update_rate=float("nan")), r"bias_update_rate \(nan\) must be a finite number >= 0"),
+        (dict(expert_bias=True, router_kind="topk_softmax"), r"expert_bias True, bias_update_rate 0.0\) .* needs "),
     ],
 )
 def test_routing_that_cannot_work_is_named(options, fragment):
@@ -163,3 +186,7 @@ def test_export_to_a_family_whose_router_differs_is_refused():
         model = MulaForCausalLM(config)
     with pytest.raises(ValueError, match=r"routes with \{'score_function': 'sigmoid', 'n_group': 4, 'topk_group': 2\}"):
         model.to_hf()
+    with torch.device("meta"):
+        biased = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", bias_update_rate=0.001))
+    with pytest.raises(ValueError, match=r"routes with \{'bias_update_rate': 0.001\}.*no selection bias"):
+        biased.to_hf()

@@ -6,6 +6,8 @@ one process (the unsharded model on every rank's micro-batch, losses averaged, t
 clipping) in float64, compared with :func:`~mula_lightning.testing.assert_parity`.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -82,7 +84,8 @@ def test_engine_materialises_one_unit_at_a_time_with_the_whole_model_values(dens
 
 def test_frozen_or_foreign_meta_parameters_keep_the_whole_model_path():
     """``parameter_initializer`` declines (None) when a meta parameter cannot be drawn by name alone: a frozen one,
-    one outside a Mula model, or a meta buffer; a real model needs nothing drawn."""
+    one outside a Mula model, or a meta buffer other than a router's selection bias; a real model needs nothing
+    drawn."""
     with torch.device("meta"):
         meta = MulaForCausalLM(_config())
     assert parameter_initializer(meta) is not None
@@ -93,6 +96,9 @@ def test_frozen_or_foreign_meta_parameters_keep_the_whole_model_path():
         buffered = MulaForCausalLM(_config())
         buffered.register_buffer("scale", torch.ones(2))
     assert parameter_initializer(outside) is None and parameter_initializer(buffered) is None
+    with torch.device("meta"):  # a router's selection bias has a known initial value: still one unit at a time
+        biased = MulaForCausalLM(dataclasses.replace(_config(), bias_update_rate=0.01))
+    assert parameter_initializer(biased) is not None
     assert parameter_initializer(init_weights(MulaForCausalLM(_config()))) is None
     with pytest.raises(ValueError, match="on the meta device"):
         with torch.device("meta"):

@@ -17,6 +17,8 @@ averaged):
 * ``moe/layer_{i}/load_balance_loss`` and ``moe/layer_{i}/z_loss``: the unweighted router losses;
 * ``moe/layer_{i}/expert_{e}``: share of the layer's pairs that expert ``e`` received (for the report's heatmap;
   only while layers x experts <= ``max_expert_scalars``, so 64 x 240 experts do not flood a CSV);
+* ``moe/layer_{i}/expert_bias_min`` and ``..._max``: the range of the layer's selection bias (auxiliary-loss-free
+  balancing, only when the model has one);
 * ``moe/imbalance_max`` and ``moe/dropped_frac``: the worst layer's imbalance, the overall drop fraction.
 
 With a :class:`~lightning.pytorch.loggers.WandbLogger` it also sends, every ``wandb_every_n_steps`` steps, a
@@ -49,6 +51,7 @@ class MoEStats(Callback):
         self.max_expert_scalars = max_expert_scalars
         self.wandb_every_n_steps = wandb_every_n_steps
         self.last_load: torch.Tensor | None = None  # (L, E) shares of the last logged step, for inspection
+        self.last_bias: torch.Tensor | None = None  # (L, E) selection biases of the last logged step, if any
         self._hooked_aux: list[Any] = []  # MoEAux of the last training forward of the hooked models
         self._handles: list[Any] = []
         self._warned = False
@@ -83,9 +86,12 @@ class MoEStats(Callback):
                 )
             return
         config = getattr(pl_module, "config", None)
-        stats = self.global_stats(trainer, aux, getattr(config, "num_experts", None), pl_module.device)
+        moe = getattr(config, "moe", None)
+        with_bias = moe.uses_expert_bias if moe is not None else None  # the same on every rank, whatever it holds
+        stats = self.global_stats(trainer, aux, getattr(config, "num_experts", None), pl_module.device, with_bias)
         load, imbalance, dropped_frac = stats["load"], stats["imbalance"], stats["dropped_frac"]
         self.last_load = load.cpu()
+        self.last_bias = stats["expert_bias"].cpu() if "expert_bias" in stats else None
         log = dict(on_step=True, on_epoch=False, sync_dist=False)
         num_layers, num_experts = load.shape
         for i in range(num_layers):
@@ -93,6 +99,9 @@ class MoEStats(Callback):
             pl_module.log(f"moe/layer_{i}/dropped_frac", dropped_frac[i], **log)
             pl_module.log(f"moe/layer_{i}/load_balance_loss", stats["load_balance_loss"][i], **log)
             pl_module.log(f"moe/layer_{i}/z_loss", stats["z_loss"][i], **log)
+            if "expert_bias" in stats:
+                pl_module.log(f"moe/layer_{i}/expert_bias_min", stats["expert_bias"][i].min(), **log)
+                pl_module.log(f"moe/layer_{i}/expert_bias_max", stats["expert_bias"][i].max(), **log)
             if num_layers * num_experts <= self.max_expert_scalars:
                 for e in range(num_experts):
                     pl_module.log(f"moe/layer_{i}/expert_{e}", load[i, e], **log)
@@ -102,11 +111,11 @@ class MoEStats(Callback):
         if self.wandb_every_n_steps and step % self.wandb_every_n_steps == 0 and trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, WandbLogger):
-                    self._to_wandb(logger, self.last_load, step)
+                    self._to_wandb(logger, self.last_load, step, self.last_bias)
 
     @staticmethod
     def global_stats(
-        trainer: Any, aux: list[Any], num_experts: int | None = None, device: Any = None
+        trainer: Any, aux: list[Any], num_experts: int | None = None, device: Any = None, with_bias: bool | None = None
     ) -> dict[str, torch.Tensor]:
         """Sum the counts and average the losses of every layer over the ranks that ran it (one all-reduce).
 
@@ -114,60 +123,82 @@ class MoEStats(Callback):
         and reports ``None`` for the others (``num_experts`` and ``device`` then shape its zeros), so every rank
         all-reduces the same shape and each layer's losses are averaged over the ranks of its own stage.
 
+        ``with_bias`` (default: whether a held layer has one) adds the routers' selection biases: every rank of a stage
+        holds the same, so their mean over the ranks that ran the layer is the bias.
+
         Returns:
             ``tokens`` (L, E) pairs per expert (after drops), ``load`` (L, E) shares, ``imbalance`` (L,),
-            ``dropped`` / ``routed`` / ``dropped_frac`` (L,), ``load_balance_loss`` and ``z_loss`` (L,).
+            ``dropped`` / ``routed`` / ``dropped_frac`` (L,), ``load_balance_loss`` and ``z_loss`` (L,), and with the
+            bias ``expert_bias`` (L, E).
         """
         held = [a for a in aux if a is not None]
         experts = held[0].tokens_per_expert.numel() if held else int(num_experts)
         device = held[0].tokens_per_expert.device if held else device
+        if with_bias is None:
+            with_bias = any(a.expert_bias is not None for a in held)
+        width = experts * (2 if with_bias else 1) + 4
         rows = [
-            torch.zeros(experts + 4, device=device)
+            torch.zeros(width, device=device)
             if a is None
             else torch.cat(
                 [
                     a.tokens_per_expert.float().reshape(-1),
                     torch.stack([a.num_dropped.float(), a.load_balance_loss.float(), a.z_loss.float()]),
+                    *([a.expert_bias.float().reshape(-1).to(device)] if with_bias else []),
                     torch.ones(1, device=a.tokens_per_expert.device),  # this rank ran the layer
                 ]
             )
             for a in aux
         ]
-        packed = trainer.strategy.reduce(torch.stack(rows), reduce_op="sum")  # (L, E + 4)
+        packed = trainer.strategy.reduce(torch.stack(rows), reduce_op="sum")  # (L, width)
         world = packed[:, -1].clamp(min=1)  # the ranks that ran each layer
-        packed = packed[:, :-1]
-        tokens, dropped = packed[:, :-3], packed[:, -3]
+        tokens, dropped = packed[:, :experts], packed[:, experts]
+        losses = packed[:, experts + 1 : experts + 3] / world.unsqueeze(1)
         kept = tokens.sum(dim=1)
         routed = kept + dropped
         mean = kept / tokens.shape[1]
+        bias = {"expert_bias": packed[:, experts + 3 : -1] / world.unsqueeze(1)} if with_bias else {}
         return {
+            **bias,
             "tokens": tokens,
             "load": tokens / kept.clamp(min=1).unsqueeze(1),
             "imbalance": tokens.max(dim=1).values / mean.clamp(min=1e-9),
             "dropped": dropped,
             "routed": routed,
             "dropped_frac": dropped / routed.clamp(min=1),
-            "load_balance_loss": packed[:, -2] / world,
-            "z_loss": packed[:, -1] / world,
+            "load_balance_loss": losses[:, 0],
+            "z_loss": losses[:, 1],
         }
 
     @staticmethod
-    def _to_wandb(logger: WandbLogger, load: torch.Tensor, step: int) -> None:
+    def _heatmap(values: torch.Tensor, title: str, cmap: str) -> Any:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import wandb
+
+        fig, ax = plt.subplots(figsize=(max(4.0, values.shape[1] * 0.25), max(2.5, values.shape[0] * 0.3)))
+        image = ax.imshow(values.numpy(), aspect="auto", cmap=cmap)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_title(title)
+        fig.colorbar(image, ax=ax)
+        picture = wandb.Image(fig)
+        plt.close(fig)
+        return picture
+
+    @staticmethod
+    def _to_wandb(logger: WandbLogger, load: torch.Tensor, step: int, bias: torch.Tensor | None = None) -> None:
         import numpy as np
         import wandb
 
-        fig, ax = plt.subplots(figsize=(max(4.0, load.shape[1] * 0.25), max(2.5, load.shape[0] * 0.3)))
-        image = ax.imshow(load.numpy(), aspect="auto", cmap="viridis")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("layer")
-        ax.set_title(f"share of routed tokens, step {step}")
-        fig.colorbar(image, ax=ax)
-        entries: dict[str, Any] = {"moe/expert_load": wandb.Image(fig), "trainer/global_step": step}
-        plt.close(fig)
+        entries: dict[str, Any] = {
+            "moe/expert_load": MoEStats._heatmap(load, f"share of routed tokens, step {step}", "viridis"),
+            "trainer/global_step": step,
+        }
+        if bias is not None:
+            entries["moe/expert_bias"] = MoEStats._heatmap(bias, f"expert selection bias, step {step}", "coolwarm")
         edges = np.arange(load.shape[1] + 1)
         for i, row in enumerate(load.numpy()):
             entries[f"moe/layer_{i}/load_histogram"] = wandb.Histogram(np_histogram=(row, edges))

@@ -31,7 +31,7 @@ import torch
 from mula_lightning.checkpoint.export import full_checkpoint_path, read_checkpoint, stored_entry
 from mula_lightning.models.checkpoint_io import WEIGHTS_NAME, is_model_only_dir, load_config
 from mula_lightning.models.config import MulaConfig
-from mula_lightning.models.transformer import MulaForCausalLM
+from mula_lightning.models.transformer import MulaForCausalLM, init_buffer
 from mula_lightning.models.upcycle_source import DictStore, SafetensorsStore, TensorStore
 
 __all__ = ["InitWeights", "init_source_config", "init_source_kind"]
@@ -131,7 +131,7 @@ class InitWeights:
             _, state = load_hf_directory(self.path)
             return DictStore(hf_to_mula_state_dict(state, init_source_config(self.path)))
         model, _ = read_checkpoint(self.path)
-        return DictStore(dict(model.named_parameters()))
+        return DictStore({**dict(model.named_parameters()), **dict(model.named_buffers())})
 
     def check(self, config: MulaConfig) -> None:
         """Every parameter of ``MulaForCausalLM(config)`` is in the source with its shape (else ``ValueError``)."""
@@ -160,9 +160,19 @@ class InitWeights:
             return self.store.read(name)
         return self.store.read(name, (rows,))
 
+    def read_buffer(self, config: MulaConfig, name: str) -> torch.Tensor | None:
+        """Buffer ``name`` of the source (a router's selection bias), or None where the source has none (a dense or
+        upcycled source, a model trained without the bias: the buffer then starts at its initial value)."""
+        self.check(config)
+        return self.store.read(name) if name in set(self.store.keys()) else None
+
     @torch.no_grad()
     def load_into(self, model: MulaForCausalLM) -> MulaForCausalLM:
-        """Copy the source into every parameter of a single-device ``model`` (allocated, any dtype and device)."""
+        """Copy the source into every parameter of a single-device ``model`` (allocated, any dtype and device), and
+        into its buffers where the source holds them (their initial values where it does not)."""
         for name, param in model.named_parameters():
             param.copy_(self.read(model.config, name))
+        for name, buffer in model.named_buffers():
+            value = self.read_buffer(model.config, name)
+            buffer.copy_(value if value is not None else init_buffer(name, buffer.shape))
         return model

@@ -52,6 +52,8 @@ class MulaConfig:
         score_function, n_group, topk_group, routed_scaling_factor: the router's scores (``"softmax"`` or
             ``"sigmoid"``), group-limited routing and the weights' scale (see
             :class:`~mula_lightning.moe.config.MoEConfig`).
+        expert_bias, bias_update_rate: auxiliary-loss-free balancing, a per-expert selection bias and how far it moves
+            per optimizer step (see :class:`~mula_lightning.moe.config.MoEConfig`).
         qk_norm: RMSNorm over the projected queries and keys (OLMoE), over the full projection width.
         rms_norm_eps: epsilon of every RMSNorm.
         rope_theta: RoPE base.
@@ -88,6 +90,8 @@ class MulaConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
+    bias_update_rate: float = 0.0
     qk_norm: bool = True
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -175,6 +179,8 @@ class MulaConfig:
             n_group=self.n_group,
             topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
+            expert_bias=self.expert_bias,
+            bias_update_rate=self.bias_update_rate,
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:

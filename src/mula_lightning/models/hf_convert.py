@@ -75,12 +75,15 @@ def hf_config_from_mula(config: MulaConfig) -> Any:
     import transformers
 
     family = hf_family(config)
-    routing = {"score_function": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
+    routing = {
+        "score_function": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+        "expert_bias": False, "bias_update_rate": 0.0,
+    }  # fmt: skip
     other = {k: getattr(config, k) for k, v in routing.items() if getattr(config, k) != v}
     if config.is_moe and other:  # the OLMoE / Mixtral routers cannot express them: an export would route otherwise
         raise ValueError(
             f"{config.name} routes with {other}: the transformers families this export writes (OLMoE, Mixtral) route "
-            "with softmax scores, no groups and no scaling"
+            "with softmax scores, no groups, no scaling and no selection bias"
         )
     if config.capacity_factor is not None or config.forced_uniform_routing:
         warnings.warn(

@@ -283,9 +283,22 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: MulaC
     return torch.empty(shape).normal_(0.0, config.init_std, generator=gen)
 
 
+#: the one buffer a Mula model holds: each router's selection bias (auxiliary-loss-free balancing)
+BIAS_BUFFER = "e_score_correction_bias"
+
+
+def init_buffer(name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The initial value of a model buffer: the routers' selection bias (:data:`BIAS_BUFFER`) starts at zero."""
+    if not name.endswith(BIAS_BUFFER):
+        raise ValueError(f"no initial value is known for the buffer {name!r}")
+    return torch.zeros(shape, dtype=torch.float32)
+
+
 @torch.no_grad()
 def init_weights(model: MulaForCausalLM, seed: int = 0) -> MulaForCausalLM:
-    """(Re)initialise every parameter of a materialised model from (seed, parameter name)."""
+    """(Re)initialise every parameter of a materialised model from (seed, parameter name), and its buffers."""
     for name, param in model.named_parameters():
         param.copy_(init_parameter(name, param.shape, model.config, seed).to(param.dtype))
+    for name, buffer in model.named_buffers():
+        buffer.copy_(init_buffer(name, buffer.shape))
     return model

@@ -4,10 +4,12 @@
 of the Aurora paper (token counting, index generation, grouped GEMMs, weighted combine) and the default MoE block
 of ``MulaForCausalLM``, with one forward whose token movement is a swappable ``TokenDispatcher``
 (``LocalDispatcher`` here; expert parallelism sets a communicating one in place); ``patch_hf_moe`` swaps it into
-transformers' OLMoE and Mixtral models. Both are built from a ``MoEConfig`` (the leaf ``moe/config.py``; a model
+transformers' OLMoE and Mixtral models; ``update_expert_bias`` is the auxiliary-loss-free
+balancing step (``moe/balancing.py``). Both are built from a ``MoEConfig`` (the leaf ``moe/config.py``; a model
 config hands its own over as ``config.moe``): this package imports nothing from ``models/``.
 """
 
+from mula_lightning.moe.balancing import install_expert_bias_update, update_expert_bias
 from mula_lightning.moe.block import FastSparseMoEBlock, patch_hf_moe
 from mula_lightning.moe.combine import combine_expert_outputs
 from mula_lightning.moe.config import MoEConfig
@@ -35,6 +37,8 @@ __all__ = [
     "count_tokens",
     "grouped_mm",
     "grouped_mm_available",
+    "install_expert_bias_update",
     "patch_hf_moe",
     "reduce_rows_to_tokens",
+    "update_expert_bias",
 ]

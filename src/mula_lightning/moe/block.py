@@ -77,20 +77,7 @@ class FastSparseMoEBlock(nn.Module):
         self.jitter_noise = 0.0
         #: the token transport; :func:`~mula_lightning.parallel.apply_expert_parallel` swaps it in place
         self.dispatcher: TokenDispatcher = LocalDispatcher(config.num_experts)
-        self.gate: nn.Module = Router(
-            config.hidden_size,
-            config.num_experts,
-            config.top_k,
-            router_kind=config.router_kind,
-            norm_topk_prob=config.norm_topk_prob,
-            capacity_factor=config.capacity_factor,
-            forced_uniform_routing=config.forced_uniform_routing,
-            device=device,
-            score_function=config.score_function,
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            routed_scaling_factor=config.routed_scaling_factor,
-        )
+        self.gate: nn.Module = Router.from_config(config, device=device)
         self.experts = GroupedExperts(
             config.num_experts,
             config.hidden_size,

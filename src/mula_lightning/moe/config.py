@@ -48,6 +48,12 @@ class MoEConfig:
         topk_group: groups a token may choose from: the ``topk_group`` groups of largest score, a group's score
             being the sum of its two largest expert scores.
         routed_scaling_factor: multiplies the chosen experts' weights (after ``norm_topk_prob``).
+        expert_bias: the router holds a per-expert selection bias (``gate.e_score_correction_bias``, an fp32 buffer,
+            DeepSeek-V3's auxiliary-loss-free balancing): added to the scores to choose the experts, never to the
+            weights. Implied by ``bias_update_rate > 0``; alone (rate 0) the bias is kept fixed (a loaded model).
+        bias_update_rate: how far the bias moves per optimizer step: ``b_e += rate * sign(mean load - load_e)`` over
+            the step's global batch (:func:`~mula_lightning.moe.balancing.update_expert_bias`; DeepSeek-V3 used
+            0.001); 0 leaves it fixed.
     """
 
     hidden_size: int
@@ -64,6 +70,13 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
+    bias_update_rate: float = 0.0
+
+    @property
+    def uses_expert_bias(self) -> bool:
+        """Whether the router holds a selection bias (``expert_bias`` or a positive ``bias_update_rate``)."""
+        return bool(self.expert_bias) or self.bias_update_rate > 0
 
     def __post_init__(self) -> None:
         sizes = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size}
@@ -80,7 +93,7 @@ class MoEConfig:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
         check_routing(
             self.num_experts, self.top_k, self.router_kind, self.score_function, self.n_group, self.topk_group,
-            self.routed_scaling_factor,
+            self.routed_scaling_factor, self.bias_update_rate, self.expert_bias,
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,8 +108,11 @@ def check_routing(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    bias_update_rate: float = 0.0,
+    expert_bias: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the values when the score function and the group-limited routing cannot work."""
+    """Raise ``ValueError`` naming the values when the score function, the group-limited routing or the selection
+    bias cannot work."""
     if score_function not in SCORE_FUNCTIONS:
         raise ValueError(f"score_function ({score_function!r}) must be one of {SCORE_FUNCTIONS}")
     for name, value in (("n_group", n_group), ("topk_group", topk_group)):
@@ -119,6 +135,13 @@ def check_routing(
         )
     if not routed_scaling_factor > 0:
         raise ValueError(f"routed_scaling_factor ({routed_scaling_factor}) must be > 0")
+    if isinstance(bias_update_rate, bool) or not (0 <= bias_update_rate < math.inf):
+        raise ValueError(f"bias_update_rate ({bias_update_rate!r}) must be a finite number >= 0 (0 disables)")
+    if (expert_bias or bias_update_rate > 0) and router_kind != "softmax_topk":
+        raise ValueError(
+            f"an expert selection bias (expert_bias {expert_bias}, bias_update_rate {bias_update_rate}) is added to "
+            f"the scores before top-k: it needs router_kind='softmax_topk', not {router_kind!r}"
+        )
 
 
 def as_moe_config(config: Any) -> MoEConfig:

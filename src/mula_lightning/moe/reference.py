@@ -38,6 +38,7 @@ class MoEAux:
         z_loss: unweighted router z-loss (in the graph).
         tokens_per_expert: (E,) routed (token, k) pairs per expert after capacity drops (no grad).
         num_dropped: pairs dropped by capacity (no grad).
+        expert_bias: (E,) the router's selection bias (auxiliary-loss-free balancing), None without one.
     """
 
     aux_loss: torch.Tensor
@@ -45,6 +46,7 @@ class MoEAux:
     z_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
     num_dropped: torch.Tensor
+    expert_bias: torch.Tensor | None = None
 
     @classmethod
     def from_router(cls, out: RouterOutput, aux_loss_coef: float, z_loss_coef: float) -> MoEAux:
@@ -54,11 +56,13 @@ class MoEAux:
             z_loss=out.z_loss,
             tokens_per_expert=out.tokens_per_expert_E,
             num_dropped=out.num_dropped,
+            expert_bias=out.expert_bias_E,
         )
 
     def detach(self) -> MoEAux:
         """The same statistics out of the graph (for logging after the step, without keeping the graph alive)."""
-        return MoEAux(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MoEAux(**{k: v.detach() if v is not None else None for k, v in values.items()})
 
 
 class ExpertWeights(nn.Module):
@@ -99,20 +103,7 @@ class ReferenceMoEBlock(nn.Module):
         super().__init__()
         config = as_moe_config(config)  # an MoEConfig, or a model config's .moe
         self.config = config
-        self.gate = Router(
-            config.hidden_size,
-            config.num_experts,
-            config.top_k,
-            router_kind=config.router_kind,
-            norm_topk_prob=config.norm_topk_prob,
-            capacity_factor=config.capacity_factor,
-            forced_uniform_routing=config.forced_uniform_routing,
-            device=device,
-            score_function=config.score_function,
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            routed_scaling_factor=config.routed_scaling_factor,
-        )
+        self.gate = Router.from_config(config, device=device)
         self.experts = ExpertWeights(config.num_experts, config.hidden_size, config.intermediate_size, device=device)
 
     def forward_with_aux(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:

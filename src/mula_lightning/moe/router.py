@@ -18,6 +18,13 @@ groups (the others are masked with -inf, not 0 as transformers' DeepSeek-V3 does
 positive, and the stated rule when they are not). ``routed_scaling_factor`` multiplies the chosen weights last. With
 sigmoid scores the load-balancing loss takes each token's scores normalised to sum to one as its probabilities.
 
+Auxiliary-loss-free balancing (DeepSeek-V3): a router with ``expert_bias`` holds ``e_score_correction_bias`` (E,),
+an fp32 buffer added to the scores to choose the experts (before the group scores) and never to the weights, which
+are the unbiased scores at the chosen indices. While training with ``bias_update_rate > 0`` every forward adds its
+tokens' choices (before capacity drops: the demand the bias balances) to :attr:`Router.pending_load`, except a
+recomputation replaying its forward and any forward inside :func:`paused_load_counting`; once per optimizer step
+:func:`~mula_lightning.moe.balancing.update_expert_bias` sums them over the ranks and moves the bias.
+
 Router math runs in fp32 whatever the activation dtype. The auxiliary losses (Switch / OLMoE
 load balancing, router z-loss) are computed here, per layer and per micro-batch, from the router's own
 choice (before capacity drops) and returned unweighted; the block weights them by the config's
@@ -45,12 +52,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mula_lightning.moe.config import ROUTER_KINDS, capacity, check_routing
+from mula_lightning.moe.config import ROUTER_KINDS, MoEConfig, capacity, check_routing
 from mula_lightning.utils.precision import upcast
 
 
@@ -66,6 +74,7 @@ class RouterOutput:
         z_loss: unweighted router z-loss (scalar).
         tokens_per_expert_E: (token, k) pairs each expert receives after drops (int64, no grad).
         num_dropped: (token, k) pairs dropped by capacity (int64 scalar, no grad).
+        expert_bias_E: the router's selection bias (fp32, the buffer itself), None without one.
     """
 
     logits_SE: torch.Tensor
@@ -75,6 +84,7 @@ class RouterOutput:
     z_loss: torch.Tensor
     tokens_per_expert_E: torch.Tensor
     num_dropped: torch.Tensor
+    expert_bias_E: torch.Tensor | None = None
 
 
 def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> torch.Tensor:
@@ -155,6 +165,19 @@ class RoutingReplay:
 
 
 _ACTIVE = threading.local()
+_COUNTING = threading.local()
+
+
+@contextmanager
+def paused_load_counting() -> Iterator[None]:
+    """Forwards inside this context add nothing to the routers' :attr:`Router.pending_load` (a forward that is not
+    a training step's: a pipeline schedule's shape inference, a probe)."""
+    previous = getattr(_COUNTING, "paused", False)
+    _COUNTING.paused = True
+    try:
+        yield
+    finally:
+        _COUNTING.paused = previous
 
 
 @contextmanager
@@ -213,13 +236,18 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        expert_bias: bool = False,
+        bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
         if router_kind not in ROUTER_KINDS:
             raise ValueError(f"router_kind ({router_kind!r}) must be one of {ROUTER_KINDS}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be in [1, num_experts ({num_experts})]")
-        check_routing(num_experts, top_k, router_kind, score_function, n_group, topk_group, routed_scaling_factor)
+        check_routing(
+            num_experts, top_k, router_kind, score_function, n_group, topk_group, routed_scaling_factor,
+            bias_update_rate, expert_bias,
+        )  # fmt: skip
         self.score_function = score_function
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
@@ -231,8 +259,34 @@ class Router(nn.Module):
         self.capacity_factor = capacity_factor
         self.forced_uniform_routing = forced_uniform_routing
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias_update_rate = float(bias_update_rate)
+        if expert_bias or self.bias_update_rate > 0:  # fp32 whatever the model's dtype (see ``_apply``)
+            bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
+            self.register_buffer("e_score_correction_bias", bias)
+        #: choices of this rank's training forwards since the last bias update, (E,) float64 (None: none yet)
+        self.pending_load: torch.Tensor | None = None
         # a sum over the ranks that hold the other parts of this rank's sequences (sequence parallelism), or None
         self.sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def from_config(cls, config: MoEConfig, device: torch.device | str | None = None) -> Router:
+        """The router an MoE block of ``config`` routes with."""
+        return cls(
+            config.hidden_size,
+            config.num_experts,
+            config.top_k,
+            router_kind=config.router_kind,
+            norm_topk_prob=config.norm_topk_prob,
+            capacity_factor=config.capacity_factor,
+            forced_uniform_routing=config.forced_uniform_routing,
+            device=device,
+            score_function=config.score_function,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
+            expert_bias=config.uses_expert_bias,
+            bias_update_rate=config.bias_update_rate,
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -242,16 +296,41 @@ class Router(nn.Module):
             + (f", score_function={self.score_function}" if self.score_function != "softmax" else "")
             + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "")
             + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else "")
+            + (f", bias_update_rate={self.bias_update_rate}" if self.has_expert_bias else "")
         )
+
+    @property
+    def has_expert_bias(self) -> bool:
+        return "e_score_correction_bias" in self._buffers
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Router:
+        """Module casts (``model.to(torch.bfloat16)``, ``.half()``) move the selection bias but keep it fp32: the
+        per-step updates (1e-3 of a score) would round away in bf16."""
+        bias = self._buffers.get("e_score_correction_bias")
+        super()._apply(fn, recurse)
+        if bias is not None:
+            moved = self._buffers["e_score_correction_bias"]
+            if moved.dtype != torch.float32:  # the values before the cast, where there were values
+                source = moved if bias.is_meta or moved.is_meta else bias
+                self._buffers["e_score_correction_bias"] = source.to(device=moved.device, dtype=torch.float32)
+        return self
 
     def _choose(self, logits_SE: torch.Tensor, probs_SE: torch.Tensor) -> torch.Tensor:
         """The K experts of each token (the discrete decision a recomputation replays)."""
         if self.forced_uniform_routing:
             return uniform_routing_indices(logits_SE.shape[0], self.num_experts, self.top_k, logits_SE.device)
         scores = probs_SE if self.router_kind == "softmax_topk" else logits_SE
+        if self.has_expert_bias:  # selection only: the weights are the unbiased scores
+            scores = scores + self.e_score_correction_bias.to(scores.device)
         if self.n_group > 1:
             scores = limit_to_groups(scores, self.n_group, self.topk_group)
         return torch.topk(scores, self.top_k, dim=-1)[1]
+
+    def _count_load(self, indices_SK: torch.Tensor) -> None:
+        if getattr(_COUNTING, "paused", False):
+            return
+        load_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts).to(torch.float64)
+        self.pending_load = load_E if self.pending_load is None else self.pending_load + load_E
 
     def forward(self, x_SH: torch.Tensor) -> RouterOutput:
         x_SH = x_SH.reshape(-1, self.hidden_size)
@@ -265,8 +344,11 @@ class Router(nn.Module):
         if replay is not None and replay.replaying:
             indices_SK, final_SK = replay.take()
         else:
+            counting = self.bias_update_rate > 0 and self.training and torch.is_grad_enabled()  # a training forward
             with torch.no_grad():  # a discrete choice: saves nothing for backward (nor does its replay)
                 indices_SK = self._choose(logits_SE, scores_SE)
+                if counting:
+                    self._count_load(indices_SK)
             final_SK = None
 
         if self.router_kind == "softmax_topk":
@@ -307,4 +389,5 @@ class Router(nn.Module):
             z_loss=z_loss,
             tokens_per_expert_E=tokens_per_expert_E,
             num_dropped=num_dropped,
+            expert_bias_E=self.e_score_correction_bias if self.has_expert_bias else None,
         )

@@ -30,7 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mula_lightning.models.config import MulaConfig
-from mula_lightning.models.transformer import MulaDecoderLayer, MulaForCausalLM, init_parameter
+from mula_lightning.models.transformer import (
+    BIAS_BUFFER,
+    MulaDecoderLayer,
+    MulaForCausalLM,
+    init_buffer,
+    init_parameter,
+)
 from mula_lightning.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     parse_activation_checkpointing,
@@ -174,7 +180,10 @@ def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]]
         for wrapped_name, param in mula.named_parameters():
             table[id(param)] = (mula.config, logical_name(wrapped_name))
     params = list(model.parameters())
-    if not any(p.is_meta for p in params) or any(b.is_meta for b in model.buffers()):
+    known = {  # the routers' selection biases, set by init_mula_buffers
+        id(b) for _, mula in _mula_models(model) for n, b in mula.named_buffers() if n.endswith(BIAS_BUFFER)
+    }
+    if not any(p.is_meta for p in params) or any(b.is_meta and id(b) not in known for b in model.buffers()):
         return None
     if any(p.is_meta and (id(p) not in table or not p.requires_grad) for p in params):
         return None
@@ -186,8 +195,8 @@ def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Param
     exactly what :func:`materialize_and_broadcast` gives it, so a strategy can materialise one shard at a time.
 
     None when that cannot be done parameter by parameter: a meta parameter outside a Mula model (its module's
-    ``reset_parameters`` needs the whole module), a frozen one, or a meta buffer; the caller then materialises the
-    whole model as before.
+    ``reset_parameters`` needs the whole module), a frozen one, or a meta buffer outside a Mula model (a Mula
+    model's are set by :func:`init_mula_buffers`); the caller then materialises the whole model as before.
     """
     table = _meta_parameter_table(model)
     if table is None:
@@ -293,3 +302,24 @@ def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any
         own = list(module.parameters(recurse=False))
         if own and not all(id(p) in covered for p in own) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    init_mula_buffers(model, weights)
+
+
+@torch.no_grad()
+def init_mula_buffers(model: nn.Module, weights: Any = None, device: torch.device | str | None = None) -> None:
+    """Give the buffers of every Mula model in ``model`` their initial values (the routers' selection bias: zero),
+    or, with ``weights``, the source's where it holds them (a model trained with the bias); meta buffers are
+    allocated on ``device`` (default: CPU). Buffers are small (E floats per MoE
+    layer): every rank sets its own."""
+    for _, mula in _mula_models(model):
+        for wrapped_name, buffer in list(mula.named_buffers()):
+            name = logical_name(wrapped_name)
+            value = weights.read_buffer(mula.config, name) if weights is not None else None
+            if value is None:
+                value = init_buffer(name, buffer.shape)
+            owner_name, _, leaf = wrapped_name.rpartition(".")
+            owner = mula.get_submodule(owner_name)
+            if buffer.is_meta:
+                owner._buffers[leaf] = value.to(device=device or "cpu", dtype=buffer.dtype)
+            else:
+                buffer.copy_(value)

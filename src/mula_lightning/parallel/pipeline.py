@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mula_lightning.models.transformer import MulaForCausalLM, rotary_cos_sin
+from mula_lightning.moe.balancing import expert_bias_routers
 from mula_lightning.moe.reference import MoEAux
 
 __all__ = [
@@ -232,8 +233,33 @@ class PipelineStageModule(nn.Module):
         self.last_aux: list[MoEAux] = []
         self.last_aux_layers: list[int] = []  # the decoder layer of each entry of last_aux
         self.aux_history: list[torch.Tensor] = []
+        #: this stage's routers whose selection bias moves, and the loads each forward routed through them (not
+        #: added to their ``pending_load``: the runner adds the micro-batches' only, not a shape-inference forward's)
+        self.bias_routers = expert_bias_routers(self.layers)
+        self.load_history: list[list[torch.Tensor | None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.bias_routers:
+            return self._forward(x)
+        before = [r.pending_load for r in self.bias_routers]
+        for router in self.bias_routers:
+            router.pending_load = None
+        try:
+            return self._forward(x)
+        finally:
+            self.load_history.append([r.pending_load for r in self.bias_routers])
+            for router, load in zip(self.bias_routers, before):
+                router.pending_load = load
+
+    def add_loads(self, count: int) -> None:
+        """Add the loads of the last ``count`` forwards (a step's micro-batches) to the routers' pending loads."""
+        for loads in self.load_history[-count:] if count else []:
+            for router, load in zip(self.bias_routers, loads):
+                if load is not None:
+                    router.pending_load = load if router.pending_load is None else router.pending_load + load
+        self.load_history = []
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             if x.dim() != 2:
                 raise ValueError(f"the first stage takes input_ids (batch, seq_len), got shape {tuple(x.shape)}")

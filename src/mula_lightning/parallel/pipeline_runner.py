@@ -117,6 +117,7 @@ class PipelineRunner:
         self._raw, self._reduction, self._scale = [], reduction, scale
         for _, module in self.stages:
             module.aux_history = []
+            module.load_history = []
             module.aux_grad_scale = aux_scale
 
     def _pipeline_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
@@ -140,6 +141,8 @@ class PipelineRunner:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         lm = torch.stack(self._raw[-count:]).sum() if self.last else zero
         aux = [a for _, m in self.stages for a in m.aux_history[-count:]]
+        for _, module in self.stages:
+            module.add_loads(count)  # the micro-batches' expert loads, for the selection bias's update
         lm, aux = self._pipeline_sum([lm, torch.stack(aux).sum() if aux else zero]) / count
         held = {i: a for _, m in self.stages for i, a in zip(m.last_aux_layers, m.last_aux)}
         config = self.model.config

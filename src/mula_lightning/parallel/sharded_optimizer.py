@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.parallel.collectives import all_gather_single, reduce_scatter_single
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
@@ -264,6 +265,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for buf in self.buffers.values() for p in _params(buf)
         ]
+        # auxiliary-loss-free balancing: the routers' loads summed over the stage (the ranks routing through them)
+        install_expert_bias_update(self, model, topology.stage_group)
 
     @classmethod
     def from_optimizer(

@@ -39,6 +39,7 @@ from mula_lightning.checkpoint.dcp_format import load_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.scattered import SpreadReplicasSavePlanner
 from mula_lightning.parallel.parallelize import (
+    init_mula_buffers,
     materialize_and_broadcast,
     move_real_tensors,
     parameter_initializer,
@@ -281,6 +282,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         self.engine = build_engine(
             module, optimizers[0], self.settings, self.world_size, self._names, initializer, self.root_device
         )
+        init_mula_buffers(module, self.init_weights(), self.root_device)  # the routers' selection bias, if any
         if scheduler is not None:
             repoint_scheduler(scheduler, self.engine)
         return module, [self.engine], scheduler

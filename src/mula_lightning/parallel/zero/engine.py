@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.sharded_optimizer import adamw_update_
@@ -244,6 +245,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+        install_expert_bias_update(self, model)  # auxiliary-loss-free balancing: loads summed over every rank
 
     def _swap_parameters(
         self, replaced: dict[int, nn.Parameter], owners: dict[int, list[tuple[nn.Module, str]]]
