@@ -77,12 +77,6 @@ def _pending_commands():
     assert "plan" in CLI_COMMANDS
 
 
-def _pending_router_families():
-    from mula_lightning.moe import MoEConfig
-
-    assert {"score_function", "shared_experts"} <= set(MoEConfig.__dataclass_fields__)
-
-
 @pytest.mark.xfail(strict=True, reason="promised by DESIGN.md, not landed yet (issue 15 and later)")
 @pytest.mark.parametrize(
     "check",
@@ -94,7 +88,11 @@ def test_pending_public_names(check):
     check()
 
 
-@pytest.mark.xfail(strict=True, reason="routing families (score function, shared experts) not landed yet")
-def test_pending_router_families():
-    """MoEConfig's room for the coming router variants (score function, shared experts) is not filled yet."""
-    _pending_router_families()
+def test_router_families_are_on_the_moe_config():
+    """MoEConfig names the router families DESIGN.md lists: score function, group-limited routing, routed scaling,
+    the auxiliary-loss-free bias with its update rate, shared experts."""
+    from mula_lightning.moe import MoEConfig
+
+    fields = set(MoEConfig.__dataclass_fields__)
+    assert {"score_function", "n_group", "topk_group", "routed_scaling_factor", "bias_update_rate"} <= fields
+    assert {"shared_experts", "shared_expert_intermediate_size", "shared_expert_gate"} <= fields

@@ -103,10 +103,27 @@ def test_router_options_match_the_token_by_token_rule(name, top_k):
         assert_parity(out.load_balance_loss.detach(), E * (f * probs.mean(0)).sum(), reduction_len=S + E, msg=name)
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+BLOCK_OPTIONS = {
+    **OPTIONS,
+    "deepseek: sigmoid, groups, bias, 2 shared experts": dict(
+        score_function="sigmoid",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        expert_bias=True,
+        shared_experts=2,
+    ),  # fmt: skip
+    "qwen2: a gated shared expert of its own width": dict(
+        norm_topk_prob=True, shared_expert_intermediate_size=20, shared_expert_gate=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCK_OPTIONS))
 def test_block_with_router_options_matches_the_reference_block(name):
     """FastSparseMoE with the option equals the reference per-expert loop: output, aux losses, every gradient."""
-    config = MoEConfig(hidden_size=H, intermediate_size=12, num_experts=E, top_k=2, **OPTIONS[name])
+    config = MoEConfig(hidden_size=H, intermediate_size=12, num_experts=E, top_k=2, **BLOCK_OPTIONS[name])
     torch.manual_seed(3)
     fast = FastSparseMoEBlock(config).double()
     with torch.no_grad():
@@ -184,9 +201,9 @@ def test_export_to_a_family_whose_router_differs_is_refused():
     config = MulaConfig.from_name("mula-tiny-moe", score_function="sigmoid", n_group=4, topk_group=2)
     with torch.device("meta"):
         model = MulaForCausalLM(config)
-    with pytest.raises(ValueError, match=r"routes with \{'score_function': 'sigmoid', 'n_group': 4, 'topk_group': 2\}"):
+    with pytest.raises(ValueError, match=r"uses \{'score_function': 'sigmoid', 'n_group': 4, 'topk_group': 2\}"):
         model.to_hf()
     with torch.device("meta"):
         biased = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", bias_update_rate=0.001))
-    with pytest.raises(ValueError, match=r"routes with \{'bias_update_rate': 0.001\}.*no selection bias"):
+    with pytest.raises(ValueError, match=r"uses \{'bias_update_rate': 0.001\}.*no selection bias"):
         biased.to_hf()

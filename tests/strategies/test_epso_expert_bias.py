@@ -1,13 +1,15 @@
-"""Auxiliary-loss-free balancing under the sharded strategies, against one process, in real gloo processes.
+"""Auxiliary-loss-free balancing and DeepSeek-V3's MoE recipe under the sharded strategies, against one process, in real
+gloo processes.
 
-An MoE model whose routers move their selection bias (``bias_update_rate`` 0.02, large enough that the bias moves
-choices within the run) and keep their load-balancing and z losses on, 2 micro-batches per data-parallel batch
-accumulated into each of 5 AdamW steps, float64. Layouts: ``epso`` DP=2 x EP=2 (all-gather dispatcher), EP=4
+An MoE model of DeepSeek-V3's shape (sigmoid scores, group-limited routing, routed scaling, one shared expert, a dense
+first layer of its own width) whose routers move their selection bias (``bias_update_rate`` 0.02, large enough that the
+bias moves choices within the run) and keep their load-balancing and z losses on, 2 micro-batches per data-parallel
+batch accumulated into each of 5 AdamW steps, float64. Layouts: ``epso`` DP=2 x EP=2 (all-gather dispatcher), EP=4
 (all-to-all), PP=2 x EP=2 with 1F1B (the schedule's micro-batches; its shape-inference forward must not count), and
 ``zero_topo`` over 2 ranks (its sharded, unit-by-unit setup gives the bias its initial value). The reference is one
 process running every data-parallel batch's micro-batches through the whole model, with torch's AdamW and the bias
-update installed on it; every rank's parameters and its bias after the 5 steps must match it, the bias must have
-moved, and a checkpoint of the DP=2 x EP=2 run must hold the bias (read back by one process with DCP).
+update installed on it; every rank's parameters and its bias after the 5 steps must match it, the bias must have moved,
+and a checkpoint of the DP=2 x EP=2 run must hold the bias (read back by one process with DCP).
 """
 
 import pytest
@@ -23,8 +25,9 @@ from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_poo
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 0.05
 STEPS = 5
-H, FF, V, T, E, M, L = 16, 16, 64, 8, 8, 2, 2  # hidden, intermediate, vocabulary, sequence, experts, micro, layers
-GRAD_LEN = L * (5 * H + T + 2 * FF + E) + V + 4 * M * T  # a weight gradient sums over up to 4 batches
+H, FF, V, T, E, M, L = 16, 16, 64, 8, 8, 2, 3  # hidden, intermediate, vocabulary, sequence, experts, micro, layers
+MOE_LAYERS = [1, 2]
+GRAD_LEN = L * (5 * H + T + 4 * FF + E) + V + 4 * M * T  # a weight gradient sums over up to 4 batches
 ADAM_SCALE = adamw_parameter_scale(lr=HP["lr"], grad_bound=MAX_NORM, eps=HP["eps"])
 BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
 
@@ -33,6 +36,8 @@ def _config():
     return MulaConfig.from_name(
         "mula-tiny-moe", vocab_size=V, hidden_size=H, num_layers=L, num_heads=2, num_kv_heads=2,
         intermediate_size=FF, num_experts=E, top_k=2, moe_impl="fast", z_loss_coef=1e-3, bias_update_rate=0.02,
+        score_function="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5,
+        shared_experts=1, moe_layers=MOE_LAYERS, dense_intermediate_size=24,
     )  # fmt: skip
 
 
@@ -96,7 +101,7 @@ def _reference(dp):
 LAYOUTS = {
     "epso dp2 x ep2 allgather": (4, 4, ("epso", dict(ep_size=2, dispatcher="allgather"))),
     "epso ep4 alltoall": (4, 4, ("epso", dict(ep_size=4, dispatcher="alltoall"))),
-    "epso pp2 x ep2 1f1b": (4, 2, ("epso", dict(ep_size=2, pp_size=2, pp_schedule="1f1b"))),
+    "epso pp2 x ep2 1f1b": (4, 2, ("epso", dict(ep_size=2, pp_size=2, pp_schedule="1f1b", pp_boundaries=[2]))),
     "zero_topo over 2 ranks": (2, 2, ("zero_topo", dict(weight_size=2, grad_size=2, optimizer_size=2))),
 }
 
@@ -110,9 +115,9 @@ def test_expert_bias_and_weights_match_one_process(layout, tmp_path):
     path = str(tmp_path / "ckpt") if layout.startswith("epso dp2") else None
     results = run_pooled_test(_train, world, strategy=strategy, path=path, timeout=300)
     ref = _reference(dp)
-    assert all(ref[BIAS.format(i)].unique().numel() > 1 for i in range(L))  # moved, and not alike
+    assert all(ref[BIAS.format(i)].unique().numel() > 1 for i in MOE_LAYERS)  # moved, and not alike
     for rank, (state, (ep_rank, ep_size)) in enumerate(results):
-        held = [i for i in range(L) if BIAS.format(i) in state]
+        held = [i for i in MOE_LAYERS if BIAS.format(i) in state]
         assert held, f"rank {rank} holds no router"
         for i in held:  # the update is exact arithmetic on identical counts: bit for bit
             assert torch.equal(state[BIAS.format(i)], ref[BIAS.format(i)]), f"rank {rank} layer {i}"
@@ -128,5 +133,5 @@ def test_expert_bias_and_weights_match_one_process(layout, tmp_path):
         single = MulaForCausalLM(_config())
         target = {"model": single.state_dict()}
         dcp.load(target, checkpoint_id=path)
-        for i in range(L):
+        for i in MOE_LAYERS:
             assert torch.equal(single.state_dict()[BIAS.format(i)], ref[BIAS.format(i)])

@@ -2,12 +2,13 @@
 
 Layouts over 4 gloo ranks: TP=2 x DP=2 (dense and MoE models), TP=2 folded with EP=2 (attention tp2 x dp2, MoE ep2 x
 edp2 on the same ranks), and each with sequence parallelism; expert tensor parallelism ETP=2 x EP=2, and TP=2 with
-sequence parallelism folded with ETP=2; every one with the ``ep_aware`` optimizer, 5 AdamW steps
-clipped by the global norm (max_norm small enough that clipping fires on every step). The reference is one process
-that runs each data-parallel batch (``world / tp`` of them: the ``tp`` ranks of a group read the same one) through
-the unsharded model, averages the losses and steps torch's AdamW after torch's ``clip_grad_norm_``. Both sides run
-in float64, so :func:`mula_lightning.testing.assert_parity` is tight; an injected bug (tensor-parallel gradients
-divided by the world size instead of the dense data-parallel size) must fail it.
+sequence parallelism folded with ETP=2; a Qwen-style MoE (per-head q/k norm, q/k/v biases, a dense first layer of its
+own width, a gated shared expert) at TP=2 + SP folded with EP=2; every one with the ``ep_aware`` optimizer, 5 AdamW
+steps clipped by the global norm (max_norm small enough that clipping fires on every step). The reference is one process
+that runs each data-parallel batch (``world / tp`` of them: the ``tp`` ranks of a group read the same one) through the
+unsharded model, averages the losses and steps torch's AdamW after torch's ``clip_grad_norm_``. Both sides run in
+float64, so :func:`mula_lightning.testing.assert_parity` is tight; an injected bug (tensor-parallel gradients divided by
+the world size instead of the dense data-parallel size) must fail it.
 """
 
 import pytest
@@ -23,9 +24,10 @@ MAX_NORM = 0.05
 STEPS = 5
 H, FF, V, T, E = 32, 16, 128, 12, 4  # hidden, intermediate, vocabulary, sequence, experts
 # Rounded operations feeding one element of the loss or of a gradient: per layer, dots over H (q / k / v / o and
-# the router), T (attention), 2 FF (MLP or experts), the router's softmax; then the vocabulary's softmax; a weight
-# gradient adds a sum over the tokens of every batch (2 batches x 2 x T). N AdamW steps allow N times one step's.
-GRAD_LEN = 2 * (4 * H + T + 2 * FF + E) + V + 2 * 2 * T
+# the router), T (attention), 2 FF (MLP or experts; twice that with a shared expert), the router's softmax; then the
+# vocabulary's softmax; a weight gradient adds a sum over the tokens of every batch (2 batches x 2 x T). N AdamW steps
+# allow N times one step's.
+GRAD_LEN = 2 * (4 * H + T + 4 * FF + E) + V + 2 * 2 * T
 ADAM_SCALE = adamw_parameter_scale(lr=HP["lr"], grad_bound=MAX_NORM, eps=HP["eps"])
 
 
@@ -33,6 +35,11 @@ def _config(kind):
     common = dict(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=FF)
     if kind == "dense":
         return MulaConfig.from_name("mula-tiny-dense", **common)
+    if kind == "qwen":  # per-head q/k norm, q/k/v biases, a dense first layer of its own width, a gated shared expert
+        return MulaConfig.from_name(
+            "mula-tiny-moe", **common, num_experts=E, top_k=2, moe_impl="fast", qk_norm_per_head=True, qkv_bias=True,
+            moe_layers=[1], dense_intermediate_size=24, shared_expert_intermediate_size=20, shared_expert_gate=True,
+        )  # fmt: skip
     return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=E, top_k=2, moe_impl="fast")
 
 
@@ -158,6 +165,7 @@ LAYOUTS = {
     "moe tp2 + sp folded with ep2": dict(kind="moe", tp=2, ep=2, sp=True),
     "moe etp2 x ep2": dict(kind="moe", tp=1, ep=2, sp=False, etp=2),
     "moe tp2 + sp folded with etp2": dict(kind="moe", tp=2, ep=1, sp=True, etp=2),
+    "qwen-style moe tp2 + sp folded with ep2": dict(kind="qwen", tp=2, ep=2, sp=True),
 }
 
 

@@ -54,7 +54,14 @@ class MulaConfig:
             :class:`~mula_lightning.moe.config.MoEConfig`).
         expert_bias, bias_update_rate: auxiliary-loss-free balancing, a per-expert selection bias and how far it moves
             per optimizer step (see :class:`~mula_lightning.moe.config.MoEConfig`).
+        shared_experts, shared_expert_intermediate_size, shared_expert_gate: always-on experts of every MoE layer
+            (DeepSeek-V3's, Qwen2-MoE's gated one; see :class:`~mula_lightning.moe.config.MoEConfig`).
+        dense_intermediate_size: SwiGLU width of the dense layers of an MoE model (the layers outside
+            ``moe_layers``: DeepSeek-V3's first dense layers, Qwen's ``mlp_only_layers``); None: ``intermediate_size``.
         qk_norm: RMSNorm over the projected queries and keys (OLMoE), over the full projection width.
+        qk_norm_per_head: with ``qk_norm``, normalise each head's query and key on its own (Qwen3: a weight of
+            ``head_dim``) instead of the full width.
+        qkv_bias: the query, key and value projections have biases (Qwen2).
         rms_norm_eps: epsilon of every RMSNorm.
         rope_theta: RoPE base.
         rope_scaling: optional RoPE scaling, e.g. Llama 3.1's
@@ -92,7 +99,13 @@ class MulaConfig:
     routed_scaling_factor: float = 1.0
     expert_bias: bool = False
     bias_update_rate: float = 0.0
+    shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    dense_intermediate_size: int | None = None
     qk_norm: bool = True
+    qk_norm_per_head: bool = False
+    qkv_bias: bool = False
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -147,6 +160,16 @@ class MulaConfig:
                     f"({self.num_layers})); offending: {bad_layers or 'duplicates or empty'}"
                 )
             self.moe_layers = sorted(layers)
+        width = self.dense_intermediate_size
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+            raise ValueError(f"dense_intermediate_size ({width!r}) must be a positive integer or None")
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise ValueError("qk_norm_per_head=True normalises queries and keys per head: it needs qk_norm=True")
+        if not self.is_moe and (self.shared_experts or self.shared_expert_intermediate_size or self.shared_expert_gate):
+            raise ValueError(
+                f"shared experts (shared_experts {self.shared_experts}, shared_expert_intermediate_size "
+                f"{self.shared_expert_intermediate_size}) belong to MoE layers: the config is dense (num_experts 0)"
+            )
         if self.num_experts > 0:
             self.moe  # noqa: B018 - MoEConfig checks top_k, router_kind and capacity_factor, naming the values
         if self.rope_scaling is not None:
@@ -181,6 +204,9 @@ class MulaConfig:
             routed_scaling_factor=self.routed_scaling_factor,
             expert_bias=self.expert_bias,
             bias_update_rate=self.bias_update_rate,
+            shared_experts=self.shared_experts,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            shared_expert_gate=self.shared_expert_gate,
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -192,6 +218,11 @@ class MulaConfig:
         if not self.is_moe:
             return 0
         return self.num_layers if self.moe_layers is None else len(self.moe_layers)
+
+    @property
+    def dense_width(self) -> int:
+        """SwiGLU width of a dense layer (``dense_intermediate_size``, else ``intermediate_size``)."""
+        return self.dense_intermediate_size or self.intermediate_size
 
     @property
     def q_dim(self) -> int:
@@ -235,12 +266,16 @@ class MulaConfig:
         h = self.hidden_size
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.qk_norm:
-            attn += self.q_dim + self.kv_dim
+            attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_dim + self.kv_dim
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
         expert = 3 * h * self.intermediate_size
         used = self.top_k if active else self.num_experts
         moe_ffn = self.num_experts * h + used * expert
+        if self.is_moe:  # the shared experts (and their gate): every token uses them
+            moe_ffn += 3 * h * self.moe.shared_width + (h if self.shared_expert_gate else 0)
         n_moe = self.num_moe_layers
-        ffn = n_moe * moe_ffn + (self.num_layers - n_moe) * expert
+        ffn = n_moe * moe_ffn + (self.num_layers - n_moe) * 3 * h * self.dense_width
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * (attn + 2 * h) + ffn + h
 

@@ -77,13 +77,18 @@ def hf_config_from_mula(config: MulaConfig) -> Any:
     family = hf_family(config)
     routing = {
         "score_function": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-        "expert_bias": False, "bias_update_rate": 0.0,
+        "expert_bias": False, "bias_update_rate": 0.0, "shared_experts": 0, "shared_expert_intermediate_size": None,
+        "shared_expert_gate": False, "dense_intermediate_size": None,
     }  # fmt: skip
-    other = {k: getattr(config, k) for k, v in routing.items() if getattr(config, k) != v}
-    if config.is_moe and other:  # the OLMoE / Mixtral routers cannot express them: an export would route otherwise
+    attention = {"qk_norm_per_head": False, "qkv_bias": False}
+    other = {k: getattr(config, k) for k, v in {**routing, **attention}.items() if getattr(config, k) != v}
+    if not config.is_moe:
+        other = {k: v for k, v in other.items() if k in attention}
+    if other:  # the OLMoE / Mixtral / Llama models cannot express them: an export would compute otherwise
         raise ValueError(
-            f"{config.name} routes with {other}: the transformers families this export writes (OLMoE, Mixtral) route "
-            "with softmax scores, no groups, no scaling and no selection bias"
+            f"{config.name} uses {other}: the transformers families this export writes (OLMoE, Mixtral, Llama) route "
+            "with softmax scores, no groups, no scaling and no selection bias, have no shared experts, no dense "
+            "layers of another width, no per-head q/k norm and no q/k/v biases"
         )
     if config.capacity_factor is not None or config.forced_uniform_routing:
         warnings.warn(

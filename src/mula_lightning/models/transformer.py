@@ -4,8 +4,9 @@ Legend: B = batch, T = sequence length, H = hidden size, V = vocabulary, nh / nk
 hd = head size.
 
 Pre-norm decoder layers ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; attention is causal PyTorch SDPA with
-RoPE (optionally Llama-3 scaled), grouped-query heads and OLMoE's optional q/k RMSNorm over the full
-projection width; the FFN is a SwiGLU MLP (dense) or an MoE block. Module and parameter names follow
+RoPE (optionally Llama-3 scaled), grouped-query heads, OLMoE's optional q/k RMSNorm over the full projection
+width or Qwen3's per head, and Qwen2's optional q/k/v biases; the FFN is a SwiGLU MLP (dense) or an MoE block (with
+shared experts where configured). Module and parameter names follow
 transformers' Llama / OLMoE / Mixtral models (5.x, fused experts) so checkpoints convert by renaming little.
 
 The model stays plain: no process groups, no sharding. Parallelism is applied to it from the outside
@@ -99,24 +100,28 @@ class MulaAttention(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, config.q_dim, bias=False)
-        self.k_proj = nn.Linear(h, config.kv_dim, bias=False)
-        self.v_proj = nn.Linear(h, config.kv_dim, bias=False)
+        self.q_proj = nn.Linear(h, config.q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_dim, h, bias=False)
         # heads this module computes: all of them, or this rank's share under tensor parallelism (set by the plan)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.q_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.kv_dim, config.rms_norm_eps)
+        if config.qk_norm:  # over the full width (OLMoE) or each head on its own (Qwen3)
+            per_head = config.qk_norm_per_head
+            self.q_norm = RMSNorm(config.head_dim if per_head else config.q_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim if per_head else config.kv_dim, config.rms_norm_eps)
 
     def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c = self.config
         b, t, _ = x_BTH.shape
         q, k, v = self.q_proj(x_BTH), self.k_proj(x_BTH), self.v_proj(x_BTH)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, t, self.num_heads, c.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(b, t, self.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = q.view(b, t, self.num_heads, c.head_dim)
+        k = k.view(b, t, self.num_kv_heads, c.head_dim)
+        if c.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(b, t, self.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
@@ -128,9 +133,10 @@ class MulaMLP(nn.Module):
 
     def __init__(self, config: MulaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = config.dense_width  # an MoE model's dense layers may have their own width
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -273,12 +279,14 @@ def stable_seed(seed: int, name: str) -> int:
 def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int) -> torch.Tensor:
     """The initial value of one full (unsharded) parameter, a function of (seed, name) alone.
 
-    Norm weights start at one; every matrix is drawn from ``N(0, init_std^2)`` with a generator seeded by
-    ``(seed, name)``. One process, DDP and any sharded layout therefore start bit-identical: shard owners
+    Norm weights start at one, biases at zero; every matrix is drawn from ``N(0, init_std^2)`` with a generator
+    seeded by ``(seed, name)``. One process, DDP and any sharded layout therefore start bit-identical: shard owners
     draw the full tensor and keep their slice.
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed(stable_seed(seed, name))
     return torch.empty(shape).normal_(0.0, config.init_std, generator=gen)
 

@@ -40,6 +40,7 @@ from mula_lightning.moe.config import MoEConfig, as_moe_config
 from mula_lightning.moe.experts import GroupedExperts
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
+from mula_lightning.moe.shared_experts import add_shared_experts, build_shared_experts
 from mula_lightning.moe.token_dispatcher import LocalDispatcher, TokenDispatcher
 from mula_lightning.utils.precision import upcast
 
@@ -86,6 +87,7 @@ class FastSparseMoEBlock(nn.Module):
             use_grouped_mm=use_grouped_mm,
             reuse_dead_activations=reuse_dead_activations,
         )
+        build_shared_experts(self, config, device)  # always-on experts (DeepSeek-V3, Qwen2-MoE), if any
 
     @property
     def n_start(self) -> int:
@@ -148,6 +150,7 @@ class FastSparseMoEBlock(nn.Module):
         tokens = self.dispatcher.dispatch(x_SH, routed, dropless=self._router_is_dropless())  # 2. + 3.
         y_RH = self.experts(tokens.x_SH, tokens.plan)  # 4.
         out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations)  # 5.
+        out_SH = add_shared_experts(self, x_SH, out_SH)  # every token's shared experts, on the token's rank
         aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
         return out_SH.to(x_BTH.dtype).reshape(shape), aux
 

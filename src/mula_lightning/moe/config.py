@@ -12,7 +12,16 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["ROUTER_KINDS", "SCORE_FUNCTIONS", "MoEConfig", "RouterKind", "ScoreFunction", "as_moe_config", "capacity"]
+__all__ = [
+    "ROUTER_KINDS",
+    "SCORE_FUNCTIONS",
+    "MoEConfig",
+    "RouterKind",
+    "ScoreFunction",
+    "as_moe_config",
+    "capacity",
+    "check_shared_experts",
+]
 
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ROUTER_KINDS = ("softmax_topk", "topk_softmax")
@@ -51,6 +60,11 @@ class MoEConfig:
         expert_bias: the router holds a per-expert selection bias (``gate.e_score_correction_bias``, an fp32 buffer,
             DeepSeek-V3's auxiliary-loss-free balancing): added to the scores to choose the experts, never to the
             weights. Implied by ``bias_update_rate > 0``; alone (rate 0) the bias is kept fixed (a loaded model).
+        shared_experts: always-on SwiGLU experts of ``intermediate_size`` each (DeepSeek-V3's ``n_shared_experts``),
+            added unweighted to every token's routed output (:mod:`~mula_lightning.moe.shared_experts`).
+        shared_expert_intermediate_size: the shared experts' total width, when it is not ``shared_experts x
+            intermediate_size`` (Qwen2-MoE's one shared expert of its own width); alone it means one shared expert.
+        shared_expert_gate: scale the shared experts' output per token by ``sigmoid(w . x)`` (Qwen2-MoE).
         bias_update_rate: how far the bias moves per optimizer step: ``b_e += rate * sign(mean load - load_e)`` over
             the step's global batch (:func:`~mula_lightning.moe.balancing.update_expert_bias`; DeepSeek-V3 used
             0.001); 0 leaves it fixed.
@@ -72,6 +86,16 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     expert_bias: bool = False
     bias_update_rate: float = 0.0
+    shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the shared experts side by side (0: none)."""
+        if self.shared_expert_intermediate_size is not None:
+            return self.shared_expert_intermediate_size
+        return self.shared_experts * self.intermediate_size
 
     @property
     def uses_expert_bias(self) -> bool:
@@ -91,6 +115,7 @@ class MoEConfig:
             raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
+        check_shared_experts(self.shared_experts, self.shared_expert_intermediate_size, self.shared_expert_gate)
         check_routing(
             self.num_experts, self.top_k, self.router_kind, self.score_function, self.n_group, self.topk_group,
             self.routed_scaling_factor, self.bias_update_rate, self.expert_bias,
@@ -141,6 +166,19 @@ def check_routing(
         raise ValueError(
             f"an expert selection bias (expert_bias {expert_bias}, bias_update_rate {bias_update_rate}) is added to "
             f"the scores before top-k: it needs router_kind='softmax_topk', not {router_kind!r}"
+        )
+
+
+def check_shared_experts(count: int, width: int | None, gate: bool) -> None:
+    """Raise ``ValueError`` naming the values when the shared experts asked for cannot be built."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"shared_experts ({count!r}) must be an integer >= 0")
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+        raise ValueError(f"shared_expert_intermediate_size ({width!r}) must be a positive integer or None")
+    if gate and not (count or width):
+        raise ValueError(
+            f"shared_expert_gate=True gates the shared experts, but there are none (shared_experts {count}, "
+            f"shared_expert_intermediate_size {width})"
         )
 
 

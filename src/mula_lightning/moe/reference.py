@@ -8,10 +8,12 @@ shares (so state dicts move freely between them and match transformers 5.x):
 
 * ``gate.weight``: (E, H) router (see :mod:`mula_lightning.moe.router`);
 * ``experts.gate_up_proj``: (E, 2I, H), the gate projection stacked above the up projection;
-* ``experts.down_proj``: (E, H, I).
+* ``experts.down_proj``: (E, H, I);
+* with shared experts, ``shared_experts.{gate,up,down}_proj`` (a SwiGLU MLP) and ``shared_expert_gate`` (1, H)
+  (:mod:`~mula_lightning.moe.shared_experts`).
 
 Expert e computes ``down_e(silu(gate_e x) * up_e x)``; the block output of a token is the sum of its K
-experts' outputs weighted by the router weights (dropped pairs contribute zero).
+experts' outputs weighted by the router weights (dropped pairs contribute zero), plus its shared experts' output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from mula_lightning.moe.config import MoEConfig, as_moe_config
 from mula_lightning.moe.router import Router, RouterOutput
+from mula_lightning.moe.shared_experts import add_shared_experts, build_shared_experts
 from mula_lightning.utils.precision import upcast
 
 
@@ -105,6 +108,7 @@ class ReferenceMoEBlock(nn.Module):
         self.config = config
         self.gate = Router.from_config(config, device=device)
         self.experts = ExpertWeights(config.num_experts, config.hidden_size, config.intermediate_size, device=device)
+        build_shared_experts(self, config, device)
 
     def forward_with_aux(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         shape = x_BTH.shape
@@ -118,6 +122,7 @@ class ReferenceMoEBlock(nn.Module):
             y_NH = self.experts.expert_forward(e, x_SH[token_idx])
             w_N1 = routed.weights_SK[token_idx, k_idx].unsqueeze(-1)
             out_SH = out_SH.index_add(0, token_idx, (upcast(y_NH) * w_N1).to(x_SH.dtype))
+        out_SH = add_shared_experts(self, x_SH, out_SH)
         aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
         return out_SH.reshape(shape), aux
 

@@ -147,7 +147,7 @@ def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int, sequence_paralle
     parallelize_module(attn, tp_mesh, plan)
     parallelize_module(attn, tp_mesh, _shared_input(sequence_parallel, extra=2))  # (x, cos, sin)
     attn.num_heads, attn.num_kv_heads = attn.config.num_heads // tp, attn.config.num_kv_heads // tp
-    if attn.config.qk_norm:
+    if attn.config.qk_norm and not attn.config.qk_norm_per_head:  # a per-head norm needs no other rank's heads
         attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh)
         attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh)
 
