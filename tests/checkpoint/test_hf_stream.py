@@ -25,13 +25,18 @@ SMALL = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_he
 def _config(kind):
     if kind == "moe":
         return MulaConfig.from_name("mula-tiny-moe", **SMALL, num_experts=4, top_k=2, moe_impl="fast")
+    if kind == "qwen2_moe":  # q/k/v biases, a gated shared expert transformers names mlp.shared_expert
+        return MulaConfig.from_name(
+            "mula-tiny-moe", **SMALL, num_experts=4, top_k=2, moe_impl="fast", qk_norm=False, qkv_bias=True,
+            shared_expert_intermediate_size=12, shared_expert_gate=True,
+        )  # fmt: skip
     return MulaConfig.from_name("mula-tiny-dense", **SMALL)  # exported as a one-expert OLMoE: joins two tensors
 
 
 def _save(rank, world_size, kind, path):
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
-    if kind == "moe":  # DP=2 x EP=2, experts sliced over EP
+    if kind != "dense":  # DP=2 x EP=2, experts sliced over EP
         strategy = FabricEPSOStrategy(ep_size=2)
     else:  # ZeRO-3 over 4 ranks: every tensor cut into flat-range pieces
         strategy = FabricZeroTopoStrategy(weight_size=4, grad_size=4, optimizer_size=4, block_size=16)
@@ -55,11 +60,12 @@ def _logits(directory, tokens):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("kind", ["moe", "dense", "qwen2_moe"])
 def test_streamed_export_equals_the_in_memory_export(tmp_path, kind):
-    """A checkpoint written by 4 processes (MoE: epso DP=2 x EP=2; dense: zero_topo ZeRO-3, flat-range pieces) and
-    exported streamed gives the same transformers directory as the in-memory export: same tensors (names, dtypes,
-    values), same config.json, identical logits; split into several files, the index names every tensor's file."""
+    """A checkpoint written by 4 processes (MoE and a Qwen2-MoE-shaped model: epso DP=2 x EP=2; dense: zero_topo
+    ZeRO-3, flat-range pieces) and exported streamed gives the same transformers directory as the in-memory export:
+    same tensors (names, dtypes, values), same config.json, identical logits; split into several files, the index
+    names every tensor's file."""
     path = tmp_path / "ckpt"
     run_pooled_test(_save, 4, kind=kind, path=str(path))
     config = _config(kind)

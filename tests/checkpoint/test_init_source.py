@@ -52,17 +52,43 @@ def test_model_only_source_loads_exactly_and_reads_expert_rows_as_slices(tmp_pat
     assert weights.store.bytes_read == full[2:4].numel() * full.element_size()
 
 
-@pytest.mark.parametrize("preset", ["mula-tiny-moe", "mula-tiny-dense"])
-def test_transformers_directory_source_computes_the_same_function(tmp_path, preset):
-    """A transformers directory (OLMoE for the MoE, Llama for the dense model) gives the Mula config back and
-    parameters equal to the exported ones."""
-    source = _model(preset)
+FAMILIES = {
+    "olmoe": ("mula-tiny-moe", {}),
+    "olmoe, one expert (a dense model with q/k norm)": ("mula-tiny-dense", {}),
+    "qwen3_moe": ("mula-tiny-moe", dict(qk_norm_per_head=True, moe_layers=[1], dense_intermediate_size=48)),
+    "qwen2_moe": ("mula-tiny-moe", dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=24,
+                                        shared_expert_gate=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_transformers_directory_source_computes_the_same_function(tmp_path, family):
+    """A transformers directory (OLMoE for the MoE and the dense q/k-norm model, Qwen3-MoE and Qwen2-MoE) gives the
+    Mula config back and parameters equal to the exported ones."""
+    preset, overrides = FAMILIES[family]
+    source = _model(preset, **overrides)
     path = save_hf(source, tmp_path / "hf")
-    assert json.loads((path / "config.json").read_text())["model_type"]
+    assert json.loads((path / "config.json").read_text())["model_type"] == family.split(",")[0]
     assert init_source_kind(path) == "transformers"
     config = init_source_config(path)
     assert config.vocab_size == source.config.vocab_size and config.num_experts == source.config.num_experts
     _assert_same(InitWeights(path).load_into(_fresh(config)), source)
+
+
+def test_selection_bias_travels_with_a_model_only_source(tmp_path):
+    """A model trained with auxiliary-loss-free balancing: its routers' biases load with its weights; a source without
+    a bias (a model trained with the loss) gives a biased config zero biases, whatever the buffer held before."""
+    source = _model(bias_update_rate=0.01)
+    with torch.no_grad():
+        for layer in source.model.layers:
+            layer.mlp.gate.e_score_correction_bias.normal_()
+    loaded = InitWeights(save_model_only(source, tmp_path / "biased")).load_into(_fresh(source.config))
+    _assert_same(loaded, source)
+    plain = save_model_only(_model(), tmp_path / "plain")
+    target = _fresh(source.config)
+    target.model.layers[0].mlp.gate.e_score_correction_bias.fill_(float("nan"))
+    InitWeights(plain).load_into(target)
+    assert all(torch.equal(layer.mlp.gate.e_score_correction_bias, torch.zeros(4)) for layer in target.model.layers)
 
 
 def test_full_checkpoint_source_reads_the_stored_config_and_the_model_tensors_only(tmp_path):

@@ -46,6 +46,23 @@ def test_presets_follow_table1_shapes():
         assert c.head_dim == 128 and c.vocab_size == 50304 and not c.tie_word_embeddings and c.qk_norm
 
 
+def test_shared_expert_preset_is_mula_7b_a1b_with_todays_recipe():
+    """``mula-7b-a1b-shared``: Mula-7B-A1B's shape with 7 routed experts + 1 always-on shared expert of the same width,
+    so the same active parameters as Table 1's Mula-7B-A1B and one expert per layer more in total; DeepSeek-V3's
+    routing (sigmoid, 8 groups keep 4, auxiliary-loss-free balancing, a small sequence-wise loss, no batch aux loss)."""
+    base, shared = MulaConfig.from_name("mula-7b-a1b"), MulaConfig.from_name("mula-7b-a1b-shared")
+    assert shared.num_params(active=True) == base.num_params(active=True)
+    expert = 3 * base.hidden_size * base.intermediate_size
+    assert shared.num_params() == base.num_params() + base.num_layers * expert
+    assert (shared.num_experts, shared.top_k, shared.shared_experts) == (64, 7, 1)
+    assert (shared.score_function, shared.n_group, shared.topk_group, shared.aux_loss_coef) == ("sigmoid", 8, 4, 0.0)
+    assert shared.bias_update_rate > 0 and shared.seq_aux_loss_coef > 0
+    from mula_lightning.models.cli import parameter_table
+
+    row = next(r for r in parameter_table().splitlines() if r.startswith("mula-7b-a1b-shared "))
+    assert row.split()[5:7] == ["64+1", "7"]  # routed + shared experts, routed top-k
+
+
 def test_unknown_preset_lists_the_known_ones():
     """A typo in a preset name raises and the message lists every known preset."""
     with pytest.raises(ValueError) as err:

@@ -1,4 +1,5 @@
-"""Conversion with transformers: logits parity with HF's own models, exact round trips, checkpoint directories."""
+"""Conversion with transformers (OLMoE, Mixtral, Llama, Qwen3-MoE, Qwen2-MoE): logits parity with HF's own models,
+exact round trips, checkpoint directories."""
 
 import json
 
@@ -14,6 +15,8 @@ HF_CLASSES = {
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
 }
 
 LLAMA3_ROPE = {
@@ -37,6 +40,11 @@ def _hf_model(family: str, seed: int, **kw) -> torch.nn.Module:
     elif family == "mixtral":
         base.update(hidden_size=48, intermediate_size=40, num_attention_heads=6, num_key_value_heads=2)
         base.update(num_local_experts=4, num_experts_per_tok=2)
+    elif family in ("qwen3_moe", "qwen2_moe"):  # experts of 24, dense layers of 72, head_dim 16 of 64 / 4 heads
+        base.update(hidden_size=64, intermediate_size=72, moe_intermediate_size=24, num_attention_heads=4)
+        base.update(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, head_dim=16)
+        if family == "qwen2_moe":
+            base.update(shared_expert_intermediate_size=40)
     else:
         base.update(hidden_size=64, intermediate_size=72, num_attention_heads=8, num_key_value_heads=2)
     base.update(kw)
@@ -52,6 +60,10 @@ CASES = [
     ("llama", {}),
     ("llama", dict(rope_parameters=LLAMA3_ROPE, max_position_embeddings=128)),
     ("llama", dict(tie_word_embeddings=True, num_key_value_heads=8)),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=True)),
+    ("qwen2_moe", {}),
+    ("qwen2_moe", dict(decoder_sparse_step=2, qkv_bias=False, norm_topk_prob=True)),
 ]
 
 
@@ -90,6 +102,8 @@ def test_to_hf_round_trip_is_exact(family, kw):
         (dict(num_experts=0, top_k=0, intermediate_size=96), "olmoe"),  # qk-norm dense -> one-expert OLMoE
         (dict(num_experts=0, top_k=0, qk_norm=False), "llama"),
         (dict(qk_norm=False, router_kind="topk_softmax", num_kv_heads=2), "mixtral"),
+        (dict(qk_norm_per_head=True, moe_layers=[1], dense_intermediate_size=80), "qwen3_moe"),
+        (dict(qk_norm=False, qkv_bias=True, shared_experts=2, shared_expert_gate=True), "qwen2_moe"),
     ],
 )
 def test_mula_models_export_to_the_equivalent_hf_family(overrides, family):
@@ -152,7 +166,7 @@ def _expand_per_expert(sd: dict, family: str) -> dict:
 @pytest.mark.parametrize(
     "family,layout",
     [(f, lay) for f in ("olmoe", "mixtral", "llama") for lay in ("single", "sharded")]
-    + [("olmoe", "per_expert"), ("mixtral", "per_expert")],
+    + [("olmoe", "per_expert"), ("mixtral", "per_expert"), ("qwen3_moe", "per_expert"), ("qwen2_moe", "single")],
 )
 def test_load_from_saved_directory(tmp_path, family, layout):
     """from_hf(dir) reads single-file, multi-file (index.json) and per-expert Hub-style safetensors."""
@@ -169,10 +183,20 @@ def test_load_from_saved_directory(tmp_path, family, layout):
         assert (hf(x).logits - mula(x).logits).abs().max().item() < 1e-4
 
 
-def test_save_hf_writes_a_directory_transformers_loads(tmp_path):
-    """save_hf (sharded) produces a directory that transformers' from_pretrained loads to the same logits."""
-    cfg = MulaConfig.from_name("mula-tiny-moe", num_layers=2)
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=48, shared_expert_gate=True)],
+    ids=["olmoe", "qwen2_moe"],
+)
+def test_save_hf_writes_a_directory_transformers_loads(tmp_path, overrides):
+    """save_hf (sharded) produces a directory that transformers' from_pretrained loads to the same logits (for
+    Qwen2-MoE with random q/k/v biases: the shared expert written under transformers' name)."""
+    cfg = MulaConfig.from_name("mula-tiny-moe", num_layers=2, **overrides)
     mula = init_weights(MulaForCausalLM(cfg), seed=2).eval()
+    with torch.no_grad():
+        for name, p in mula.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
     save_hf(mula, tmp_path, max_shard_bytes=300_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -224,3 +248,39 @@ def test_bad_directories_and_unsupported_configs(tmp_path):
         MulaForCausalLM.from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)))
     with pytest.raises(ValueError, match="attention_bias"):
         MulaConfig.from_hf_config(transformers.LlamaConfig(attention_bias=True))
+
+
+REFUSED = {
+    "sigmoid scores, per-head q/k norm": (
+        dict(qk_norm_per_head=True, score_function="sigmoid"),
+        r"uses \{'score_function': 'sigmoid'\}: transformers' qwen3_moe cannot",
+    ),
+    "shared experts, per-head q/k norm": (
+        dict(qk_norm_per_head=True, shared_experts=1),
+        r"uses \{'shared_experts': 1\}: transformers' qwen3_moe cannot",
+    ),
+    "gated shared expert, full-width q/k norm": (
+        dict(shared_expert_gate=True, shared_experts=1),
+        r"uses \{'qk_norm': True\}: transformers' qwen2_moe cannot",
+    ),
+    "ungated shared experts": (
+        dict(shared_experts=1),
+        r"uses \{'shared_experts': 1\}: the transformers families this export writes",
+    ),
+    "groups and a selection bias": (
+        dict(n_group=2, topk_group=1, bias_update_rate=1e-3),
+        r"uses \{'n_group': 2, 'bias_update_rate': 0.001\}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_models_no_transformers_family_computes_are_refused(case):
+    """A Mula model that no exported family computes (DeepSeek-style routing, shared experts beside a per-head q/k
+    norm, a gated shared expert beside a full-width q/k norm) is refused by name, never exported to compute
+    otherwise."""
+    overrides, fragment = REFUSED[case]
+    with torch.device("meta"):
+        model = MulaForCausalLM(MulaConfig.from_name("mula-tiny-moe", **overrides))
+    with pytest.raises(ValueError, match=fragment):
+        model.to_hf()

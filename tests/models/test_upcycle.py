@@ -143,6 +143,54 @@ def test_partial_upcycling_keeps_the_other_layers_dense(tiny_dense):
     assert _gap(_logits(moe, X), _logits(tiny_dense, X)) < 1e-5
 
 
+SHARED = {
+    "DeepSeek-V3: sigmoid, groups, bias, scaling, one shared expert": dict(
+        granularity=1, router="softmax_topk", norm_topk_prob=True, shared_experts=1, score_function="sigmoid",
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, bias_update_rate=1e-3, aux_loss_coef=0.0,
+    ),
+    "fine-grained G=2, two shared experts of I/2": dict(granularity=2, router="topk_softmax", shared_experts=2),
+    "Qwen2-MoE: a gated shared expert of width I": dict(
+        granularity=1, router="softmax_topk", norm_topk_prob=True, shared_expert_intermediate_size=512,
+        shared_expert_gate=True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_shared_experts_start_as_the_dense_ffn_and_the_function_is_kept(case, tiny_dense):
+    """Upcycling into today's shapes: the shared experts start as the whole dense FFN (halved by sqrt(1/2) on up and
+    down, or by a zero gate, sigmoid(0) = 1/2), the routed experts carry the other half (and 1 / routed_scaling_factor),
+    a selection bias starts at zero: the upcycled logits equal the dense model's within 1e-5 (fp32)."""
+    options = dict(SHARED[case])
+    granularity = options.pop("granularity")
+    moe = upcycle(tiny_dense, num_experts=8, top_k=4, granularity=granularity, **options).eval()
+    config, mlp, dense_mlp = moe.config, moe.model.layers[1].mlp, tiny_dense.model.layers[1].mlp
+    assert config.moe.shared_width == 512 and config.intermediate_size == 512 // granularity
+    assert torch.equal(mlp.shared_experts.gate_proj.weight, dense_mlp.gate_proj.weight)
+    if config.shared_expert_gate:
+        assert torch.equal(mlp.shared_expert_gate.weight, torch.zeros(1, 128))
+        assert torch.equal(mlp.shared_experts.up_proj.weight, dense_mlp.up_proj.weight)
+    else:
+        torch.testing.assert_close(mlp.shared_experts.up_proj.weight, dense_mlp.up_proj.weight * 0.5**0.5)
+    if config.moe.uses_expert_bias:
+        assert torch.equal(mlp.gate.e_score_correction_bias, torch.zeros(8))
+    assert expert_scale(config, granularity) == granularity / 2 / config.routed_scaling_factor
+    assert config.num_params() == sum(p.numel() for p in moe.parameters())
+    gap = _gap(_logits(moe, X), _logits(tiny_dense, X))
+    print(f"\n[{case}] max |logit gap| vs dense = {gap:.2e}")
+    assert gap < 1e-5
+
+
+def test_fine_grained_partial_upcycling_keeps_dense_layers_of_their_own_width(tiny_dense):
+    """G=2 with layers=[1]: layer 0 stays the dense FFN of width 512 (``dense_intermediate_size``) beside experts of
+    width 256, and the function is preserved."""
+    moe = upcycle(tiny_dense, num_experts=8, top_k=4, granularity=2, layers=[1]).eval()
+    assert (moe.config.intermediate_size, moe.config.dense_width) == (256, 512)
+    assert torch.equal(moe.model.layers[0].mlp.down_proj.weight, tiny_dense.model.layers[0].mlp.down_proj.weight)
+    assert moe.model.layers[1].mlp.experts.down_proj.shape == (8, 128, 256)
+    assert _gap(_logits(moe, X), _logits(tiny_dense, X)) < 1e-5
+
+
 def test_noise_reinitialises_a_seeded_fraction_of_each_experts_neurons(tiny_dense):
     """noise=0.25: each expert re-draws exactly round(0.25 * I) neurons (gate row, up row, down column together),
     different neurons per expert, the same for the same seed, others for another seed; the rest stay copies."""
@@ -359,7 +407,8 @@ def test_bad_arguments_name_the_values(tiny_dense):
         (dict(num_experts=6, ep_size=4), r"num_experts \(6\) must be divisible by ep_size \(4\)"),
         (dict(granularity=3), r"granularity \(3\) must divide the dense FFN size intermediate_size \(512\)"),
         (dict(num_experts=6, granularity=4), r"num_experts \(6\) must be a positive multiple of granularity \(4\)"),
-        (dict(granularity=2, layers=[0]), r"granularity \(2\) with layers=\[0\]"),
+        (dict(shared_experts=2), r"shared experts of width 1024 .*must be its intermediate_size \(512\)"),
+        (dict(shared_expert_intermediate_size=256, shared_expert_gate=True), r"shared experts of width 256"),
         (dict(noise=1.5), r"noise \(1.5\) must be a fraction"),
         (dict(ep_rank=2, ep_size=2), r"ep_rank \(2\) must be in \[0, ep_size \(2\)\)"),
         (dict(router="st"), r"router \('st'\) must be one of"),

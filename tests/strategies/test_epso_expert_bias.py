@@ -2,8 +2,9 @@
 gloo processes.
 
 An MoE model of DeepSeek-V3's shape (sigmoid scores, group-limited routing, routed scaling, one shared expert, a dense
-first layer of its own width) whose routers move their selection bias (``bias_update_rate`` 0.02, large enough that the
-bias moves choices within the run) and keep their load-balancing and z losses on, 2 micro-batches per data-parallel
+first layer of its own width, the sequence-wise balance loss) whose routers move their selection bias
+(``bias_update_rate`` 0.02, large enough that the bias moves choices within the run) and keep their load-balancing and
+z losses on, 2 micro-batches per data-parallel
 batch accumulated into each of 5 AdamW steps, float64. Layouts: ``epso`` DP=2 x EP=2 (all-gather dispatcher), EP=4
 (all-to-all), PP=2 x EP=2 with 1F1B (the schedule's micro-batches; its shape-inference forward must not count), and
 ``zero_topo`` over 2 ranks (its sharded, unit-by-unit setup gives the bias its initial value). The reference is one
@@ -37,7 +38,7 @@ def _config():
         "mula-tiny-moe", vocab_size=V, hidden_size=H, num_layers=L, num_heads=2, num_kv_heads=2,
         intermediate_size=FF, num_experts=E, top_k=2, moe_impl="fast", z_loss_coef=1e-3, bias_update_rate=0.02,
         score_function="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5,
-        shared_experts=1, moe_layers=MOE_LAYERS, dense_intermediate_size=24,
+        shared_experts=1, moe_layers=MOE_LAYERS, dense_intermediate_size=24, seq_aux_loss_coef=0.05,
     )  # fmt: skip
 
 

@@ -35,10 +35,11 @@ def _config(kind):
     common = dict(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=FF)
     if kind == "dense":
         return MulaConfig.from_name("mula-tiny-dense", **common)
-    if kind == "qwen":  # per-head q/k norm, q/k/v biases, a dense first layer of its own width, a gated shared expert
+    if kind == "qwen":  # per-head q/k norm, q/k/v biases, a dense first layer, a gated shared expert, sequence loss
         return MulaConfig.from_name(
             "mula-tiny-moe", **common, num_experts=E, top_k=2, moe_impl="fast", qk_norm_per_head=True, qkv_bias=True,
             moe_layers=[1], dense_intermediate_size=24, shared_expert_intermediate_size=20, shared_expert_gate=True,
+            seq_aux_loss_coef=0.05,
         )  # fmt: skip
     return MulaConfig.from_name("mula-tiny-moe", **common, num_experts=E, top_k=2, moe_impl="fast")
 

@@ -98,8 +98,9 @@ def _hf_sources(config: Any, mula: dict[str, tuple[tuple[int, ...], torch.dtype]
     planned = mula_to_hf_state_dict(meta, config)
     out = []
     for name, value in planned.items():
-        if name in mula and tuple(value.shape) == mula[name][0]:
-            out.append((name, tuple(value.shape), value.dtype, [name], lambda t: t[0]))
+        source = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")  # Qwen2-MoE's name for Mula's
+        if source in mula and tuple(value.shape) == mula[source][0]:
+            out.append((name, tuple(value.shape), value.dtype, [source], lambda t: t[0]))
             continue
         prefix, _, leaf = name.rpartition(".experts.")  # a dense MLP exported as a one-expert OLMoE
         if leaf == "gate_up_proj":

@@ -10,9 +10,10 @@ from mula_lightning.models.config import PRESETS, TABLE1_BILLIONS, MulaConfig
 
 
 def parameter_table() -> str:
-    """A text table of every preset: shape, total and active parameters, and Table 1's numbers."""
+    """A text table of every preset: shape, total and active parameters, and Table 1's numbers (E counts routed +
+    shared experts where a preset has shared ones; K the routed experts a token chooses)."""
     header = (
-        f"{'preset':<16}{'layers':>7}{'hidden':>7}{'heads':>6}{'inter':>6}{'E':>5}{'K':>3}"
+        f"{'preset':<20}{'layers':>7}{'hidden':>7}{'heads':>6}{'inter':>6}{'E':>7}{'K':>3}"
         f"{'total':>12}{'active':>12}{'Table 1 total/active':>23}"
     )
     rows = [header, "-" * len(header)]
@@ -21,9 +22,10 @@ def parameter_table() -> str:
         total, active = c.num_params(), c.num_params(active=True)
         paper = TABLE1_BILLIONS.get(name)
         paper_s = f"{paper[0]:g}B / {paper[1]:g}B" if paper else "-"
+        experts = f"{c.num_experts}+{c.shared_experts}" if c.shared_experts else str(c.num_experts)
         rows.append(
-            f"{name:<16}{c.num_layers:>7}{c.hidden_size:>7}{c.num_heads:>6}{c.intermediate_size:>6}"
-            f"{c.num_experts:>5}{c.top_k:>3}{_human(total):>12}{_human(active):>12}{paper_s:>23}"
+            f"{name:<20}{c.num_layers:>7}{c.hidden_size:>7}{c.num_heads:>6}{c.intermediate_size:>6}"
+            f"{experts:>7}{c.top_k:>3}{_human(total):>12}{_human(active):>12}{paper_s:>23}"
         )
     return "\n".join(rows)
 

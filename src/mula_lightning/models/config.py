@@ -47,6 +47,7 @@ class MulaConfig:
             ``S * top_k / num_experts``; ``None`` is dropless.
         aux_loss_coef: weight of the Switch/OLMoE load-balancing loss.
         z_loss_coef: weight of the router z-loss.
+        seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss (0: not computed).
         forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks and
             scaling studies; the router stays in the graph).
         score_function, n_group, topk_group, routed_scaling_factor: the router's scores (``"softmax"`` or
@@ -93,6 +94,7 @@ class MulaConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     forced_uniform_routing: bool = False
+    seq_aux_loss_coef: float = 0.0
     score_function: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -198,6 +200,7 @@ class MulaConfig:
             aux_loss_coef=self.aux_loss_coef,
             z_loss_coef=self.z_loss_coef,
             forced_uniform_routing=self.forced_uniform_routing,
+            seq_aux_loss_coef=self.seq_aux_loss_coef,
             score_function=self.score_function,
             n_group=self.n_group,
             topk_group=self.topk_group,
@@ -247,7 +250,8 @@ class MulaConfig:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MulaConfig:
-        """Build the config of a transformers ``OlmoeConfig``, ``MixtralConfig`` or ``LlamaConfig``."""
+        """Build the config of a transformers ``OlmoeConfig``, ``MixtralConfig``, ``LlamaConfig``, ``Qwen3MoeConfig``
+        or ``Qwen2MoeConfig``."""
         from mula_lightning.models.hf_config import mula_config_values
 
         return cls(**mula_config_values(hf_config))
@@ -309,6 +313,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mula-20b-a2b": _mula(32, 2048, 16, 1024, 96, 8),
     "mula-100b-a7b": _mula(48, 3072, 24, 1536, 144, 8),
     "mula-220b-a10b": _mula(64, 3072, 24, 1536, 240, 8),
+    # Mula-7B-A1B with today's recipe (DeepSeek-V3's): 64 fine-grained experts of which 7 routed per token plus one
+    # always-on shared expert (8 active, as in mula-7b-a1b), sigmoid scores in 8 groups of which a token uses 4,
+    # auxiliary-loss-free balancing instead of the load-balancing loss, a small sequence-wise loss
+    "mula-7b-a1b-shared": dict(
+        _mula(16, 2048, 16, 1024, 64, 7),
+        shared_experts=1,
+        score_function="sigmoid",
+        norm_topk_prob=True,
+        n_group=8,
+        topk_group=4,
+        bias_update_rate=1e-3,
+        aux_loss_coef=0.0,
+        seq_aux_loss_coef=1e-4,
+    ),  # fmt: skip
     "mula-tiny-moe": dict(
         vocab_size=4096,
         hidden_size=128,

@@ -1,5 +1,6 @@
-"""The ``MulaConfig`` fields of a transformers OLMoE / Mixtral / Llama config (read by attribute, no transformers
-import), with a clear error for what Mula cannot compute (other activations, biases, sliding windows, qkv clipping).
+"""The ``MulaConfig`` fields of a transformers OLMoE / Mixtral / Llama / Qwen3-MoE / Qwen2-MoE config (read by
+attribute, no transformers import), with a clear error for what Mula cannot compute (other activations, output or MLP
+biases, sliding windows, qkv clipping).
 
 A leaf of ``models/``: :meth:`MulaConfig.from_hf_config <mula_lightning.models.config.MulaConfig.from_hf_config>` and
 :mod:`~mula_lightning.models.hf_convert` both build on it, so the config module needs no conversion code.
@@ -11,7 +12,7 @@ from typing import Any
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "mula_config_values"]
 
-SUPPORTED_MODEL_TYPES = ("olmoe", "mixtral", "llama")
+SUPPORTED_MODEL_TYPES = ("olmoe", "mixtral", "llama", "qwen3_moe", "qwen2_moe")
 
 
 def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -40,7 +41,8 @@ def mula_config_values(hf_config: Any) -> dict[str, Any]:
     if getattr(hf_config, "clip_qkv", None) is not None:
         raise ValueError(f"clip_qkv={hf_config.clip_qkv} is not supported")
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < hf_config.max_position_embeddings:
+    windowed = getattr(hf_config, "use_sliding_window", True)  # the Qwen configs carry a window they do not use
+    if windowed and window is not None and window < hf_config.max_position_embeddings:
         raise ValueError(f"sliding_window={window} is not supported (full causal attention only)")
     theta, scaling = _rope_from_hf(hf_config)
     values: dict[str, Any] = dict(
@@ -80,6 +82,40 @@ def mula_config_values(hf_config: Any) -> dict[str, Any]:
             z_loss_coef=0.0,
             qk_norm=False,
         )
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
+        values.update(_qwen_moe_values(hf_config))
     else:
         values.update(num_experts=0, top_k=0, qk_norm=False)
+    return values
+
+
+def _qwen_moe_values(hf_config: Any) -> dict[str, Any]:
+    """Qwen3-MoE (per-head q/k norm) and Qwen2-MoE (q/k/v biases, a gated shared expert): experts of
+    ``moe_intermediate_size``, dense layers (``mlp_only_layers``, ``decoder_sparse_step``) of ``intermediate_size``."""
+    layers, step = hf_config.num_hidden_layers, getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    if not moe_layers:
+        raise ValueError(f"{hf_config.model_type} config without an MoE layer (mlp_only_layers {sorted(dense)})")
+    values: dict[str, Any] = dict(
+        num_experts=hf_config.num_experts,
+        top_k=hf_config.num_experts_per_tok,
+        router_kind="softmax_topk",
+        norm_topk_prob=bool(hf_config.norm_topk_prob),
+        intermediate_size=hf_config.moe_intermediate_size,
+        moe_layers=None if len(moe_layers) == layers else moe_layers,
+        aux_loss_coef=hf_config.router_aux_loss_coef,
+        z_loss_coef=0.0,
+    )
+    if hf_config.intermediate_size != hf_config.moe_intermediate_size:  # kept: the export writes it back
+        values["dense_intermediate_size"] = hf_config.intermediate_size
+    if hf_config.model_type == "qwen3_moe":
+        values.update(qk_norm=True, qk_norm_per_head=True)
+    else:
+        values.update(
+            qk_norm=False,
+            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)),
+            shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+            shared_expert_gate=True,
+        )
     return values

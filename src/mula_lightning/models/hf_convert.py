@@ -1,4 +1,5 @@
-"""Conversion between Mula and transformers' ``OlmoeForCausalLM``, ``MixtralForCausalLM`` and ``LlamaForCausalLM``.
+"""Conversion between Mula and transformers' ``OlmoeForCausalLM``, ``MixtralForCausalLM``, ``LlamaForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``Qwen2MoeForCausalLM``.
 
 Mula keeps transformers 5.x names (``model.layers.N.self_attn.q_proj.weight``, fused experts
 ``mlp.experts.gate_up_proj`` (E, 2I, H) with gate rows first and ``mlp.experts.down_proj`` (E, H, I), router
@@ -14,7 +15,13 @@ Exporting picks the HF family that computes the same function:
 * dense without q/k-norm -> Llama;
 * dense with q/k-norm (``mula-1b``) -> OLMoE with one expert (softmax over one logit is exactly 1);
 * MoE with q/k-norm -> OLMoE (``topk_softmax`` becomes ``norm_topk_prob=True``, the same function);
-* MoE without q/k-norm -> Mixtral (needs top-k-then-softmax semantics).
+* MoE without q/k-norm -> Mixtral (needs top-k-then-softmax semantics);
+* MoE with a per-head q/k norm (``qk_norm_per_head``) -> Qwen3-MoE (dense layers ``mlp_only_layers``);
+* MoE with a gated shared expert (``shared_expert_gate``) -> Qwen2-MoE (its ``mlp.shared_expert`` is Mula's
+  ``mlp.shared_experts``; q/k/v biases as ``qkv_bias``).
+
+DeepSeek-V3's attention (multi-head latent attention) is out of scope: its MoE blocks convert one by one
+(:meth:`~mula_lightning.moe.block.FastSparseMoEBlock.from_hf`, ``patch_hf_moe``), its whole model does not.
 
 Capacity factors and forced uniform routing have no transformers equivalent: exporting such a model warns
 that the HF model routes dropless.
@@ -39,14 +46,52 @@ if TYPE_CHECKING:  # the model class is handed in by MulaForCausalLM.from_hf: no
     from mula_lightning.models.transformer import MulaForCausalLM
 
 
+#: the transformers model class of each family an export writes
+HF_ARCHITECTURES = {
+    "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+
+
 # ----------------------------------------------------------------------------------------------- configs
 def config_from_hf(hf_config: Any, **overrides: Any) -> MulaConfig:
-    """The ``MulaConfig`` computing the same function as a transformers OLMoE / Mixtral / Llama config."""
+    """The ``MulaConfig`` computing the same function as a transformers config of a supported family."""
     return MulaConfig(**{**mula_config_values(hf_config), **overrides})
+
+
+#: what Mula computes beyond OLMoE / Mixtral / Llama, with the value that computes nothing more
+_BEYOND_OLMOE = {
+    "score_function": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "expert_bias": False,
+    "bias_update_rate": 0.0, "shared_experts": 0, "shared_expert_intermediate_size": None, "shared_expert_gate": False,
+    "dense_intermediate_size": None, "qk_norm_per_head": False, "qkv_bias": False,
+}  # fmt: skip
+#: the part of it each Qwen family computes too
+_QWEN_EXTRAS = {
+    "qwen3_moe": {"qk_norm_per_head", "dense_intermediate_size"},
+    "qwen2_moe": {"qkv_bias", "shared_expert_intermediate_size", "shared_expert_gate", "dense_intermediate_size"},
+}
+
+
+def _beyond(config: MulaConfig, family: str) -> dict[str, Any]:
+    """The options of ``config`` the transformers ``family`` cannot compute (see :data:`_BEYOND_OLMOE`)."""
+    other = {k: getattr(config, k) for k, v in _BEYOND_OLMOE.items() if getattr(config, k) != v}
+    allowed = _QWEN_EXTRAS.get(family, set())
+    if family == "qwen2_moe" and config.shared_experts and config.shared_expert_intermediate_size is None:
+        allowed = allowed | {"shared_experts"}  # n experts of the routed width are one of n times the width
+    if not config.is_moe:
+        other = {k: v for k, v in other.items() if k in ("qk_norm_per_head", "qkv_bias", "dense_intermediate_size")}
+    return {k: v for k, v in other.items() if k not in allowed}
 
 
 def hf_family(config: MulaConfig) -> str:
     """Which transformers family exports ``config`` exactly (see the module docstring)."""
+    if config.is_moe and config.qk_norm_per_head:
+        return _qwen_family(config, "qwen3_moe")
+    if config.is_moe and config.shared_expert_gate:
+        return _qwen_family(config, "qwen2_moe")
     if config.is_moe and config.num_moe_layers < config.num_layers:
         raise ValueError(
             f"moe_layers ({config.moe_layers}) makes {config.num_layers - config.num_moe_layers} of "
@@ -70,34 +115,36 @@ def hf_family(config: MulaConfig) -> str:
     return "mixtral"
 
 
+def _qwen_family(config: MulaConfig, family: str) -> str:
+    """``family`` when it computes ``config`` (softmax scores, no groups, no selection bias; Qwen2-MoE: a gated shared
+    expert and no q/k norm; Qwen3-MoE: no shared expert, no q/k/v biases), else ``ValueError`` naming the options."""
+    other = _beyond(config, family)
+    if family == "qwen2_moe" and config.qk_norm:
+        other["qk_norm"] = True
+    if other:
+        raise ValueError(
+            f"{config.name} uses {other}: transformers' {family} cannot compute them (it routes with softmax scores, "
+            "no groups, no scaling and no selection bias"
+            + ("; it has no shared expert and no q/k/v biases)" if family == "qwen3_moe" else "; it has no q/k norm)")
+        )
+    return family
+
+
 def hf_config_from_mula(config: MulaConfig) -> Any:
     """The transformers config of the family chosen by :func:`hf_family`."""
     import transformers
 
     family = hf_family(config)
-    routing = {
-        "score_function": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-        "expert_bias": False, "bias_update_rate": 0.0, "shared_experts": 0, "shared_expert_intermediate_size": None,
-        "shared_expert_gate": False, "dense_intermediate_size": None,
-    }  # fmt: skip
-    attention = {"qk_norm_per_head": False, "qkv_bias": False}
-    other = {k: getattr(config, k) for k, v in {**routing, **attention}.items() if getattr(config, k) != v}
-    if not config.is_moe:
-        other = {k: v for k, v in other.items() if k in attention}
+    if family in _QWEN_EXTRAS:
+        return _qwen_config(config, family)
+    other = _beyond(config, family)
     if other:  # the OLMoE / Mixtral / Llama models cannot express them: an export would compute otherwise
         raise ValueError(
             f"{config.name} uses {other}: the transformers families this export writes (OLMoE, Mixtral, Llama) route "
             "with softmax scores, no groups, no scaling and no selection bias, have no shared experts, no dense "
             "layers of another width, no per-head q/k norm and no q/k/v biases"
         )
-    if config.capacity_factor is not None or config.forced_uniform_routing:
-        warnings.warn(
-            "transformers has no capacity factor or forced uniform routing; the exported model routes dropless",
-            stacklevel=2,
-        )
-    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling:
-        rope.update(config.rope_scaling)
+    rope = _export_rope(config)
     common = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -128,6 +175,42 @@ def hf_config_from_mula(config: MulaConfig) -> Any:
         norm_topk_prob=config.norm_topk_prob or config.router_kind == "topk_softmax",
         router_aux_loss_coef=config.aux_loss_coef,
         **common,
+    )
+
+
+def _export_rope(config: MulaConfig) -> dict[str, Any]:
+    """The exported config's ``rope_parameters``; warns when the model routes with drops transformers lacks."""
+    if config.capacity_factor is not None or config.forced_uniform_routing:
+        warnings.warn(
+            "transformers has no capacity factor or forced uniform routing; the exported model routes dropless",
+            stacklevel=4,
+        )
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling:
+        rope.update(config.rope_scaling)
+    return rope
+
+
+def _qwen_config(config: MulaConfig, family: str) -> Any:
+    """The ``Qwen3MoeConfig`` / ``Qwen2MoeConfig`` of ``config`` (dense layers as ``mlp_only_layers``)."""
+    import transformers
+
+    rope = _export_rope(config)
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.dense_width,
+        moe_intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_seq_len,
+        tie_word_embeddings=config.tie_word_embeddings, initializer_range=config.init_std, rope_parameters=rope,
+        num_experts=config.num_experts, num_experts_per_tok=config.top_k, decoder_sparse_step=1,
+        mlp_only_layers=dense, norm_topk_prob=config.norm_topk_prob or config.router_kind == "topk_softmax",
+        router_aux_loss_coef=config.aux_loss_coef, use_sliding_window=False,
+    )  # fmt: skip
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(attention_bias=False, **common)
+    return transformers.Qwen2MoeConfig(
+        qkv_bias=config.qkv_bias, shared_expert_intermediate_size=config.moe.shared_width, **common
     )
 
 
@@ -181,7 +264,8 @@ def _check_keys(got: set[str], expected: set[str], what: str) -> None:
 
 def hf_to_mula_state_dict(state_dict: dict[str, torch.Tensor], config: MulaConfig) -> dict[str, torch.Tensor]:
     """Map a transformers state dict (any accepted layout) to Mula keys, checking every key."""
-    sd = normalize_hf_state_dict(state_dict)
+    sd = {k.replace(".mlp.shared_expert.", ".mlp.shared_experts."): v for k, v in state_dict.items()}  # Qwen2-MoE
+    sd = normalize_hf_state_dict(sd)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     if not config.is_moe:  # a dense model exported as single-expert OLMoE comes back dense
@@ -207,6 +291,8 @@ def mula_to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: MulaConfi
             sd[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], dim=0).unsqueeze(0)
             sd[f"{p}.experts.down_proj"] = down.unsqueeze(0)
             sd[f"{p}.gate.weight"] = gate.new_zeros(1, config.hidden_size)
+    if hf_family(config) == "qwen2_moe":
+        sd = {k.replace(".mlp.shared_experts.", ".mlp.shared_expert."): v for k, v in sd.items()}
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
@@ -276,11 +362,7 @@ def to_hf(model: MulaForCausalLM) -> Any:
 
     config = model.config
     hf_config = hf_config_from_mula(config)
-    cls = {
-        "olmoe": transformers.OlmoeForCausalLM,
-        "mixtral": transformers.MixtralForCausalLM,
-        "llama": transformers.LlamaForCausalLM,
-    }[hf_config.model_type]
+    cls = getattr(transformers, HF_ARCHITECTURES[hf_config.model_type])
     with torch.device("meta"):
         hf_model = cls(hf_config)
     sd = mula_to_hf_state_dict(model.state_dict(), config)
@@ -300,11 +382,7 @@ def hf_export_config(config: MulaConfig) -> Any:
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and not 0 <= value < config.vocab_size:
             setattr(hf_config, name, None)
-    hf_config.architectures = [
-        {"olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM"}[
-            hf_config.model_type
-        ]
-    ]
+    hf_config.architectures = [HF_ARCHITECTURES[hf_config.model_type]]
     return hf_config
 
 

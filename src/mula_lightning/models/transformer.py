@@ -250,7 +250,8 @@ class MulaForCausalLM(nn.Module):
     # Conversion with transformers (implemented in hf_convert).
     @classmethod
     def from_hf(cls, hf_model_or_path: Any, **config_overrides: Any) -> MulaForCausalLM:
-        """Load a transformers ``OlmoeForCausalLM`` / ``MixtralForCausalLM`` / ``LlamaForCausalLM``.
+        """Load a transformers ``OlmoeForCausalLM`` / ``MixtralForCausalLM`` / ``LlamaForCausalLM`` /
+        ``Qwen3MoeForCausalLM`` / ``Qwen2MoeForCausalLM``.
 
         Args:
             hf_model_or_path: a model object, or a directory with ``config.json`` and single- or multi-file
@@ -262,7 +263,8 @@ class MulaForCausalLM(nn.Module):
         return load_from_hf(hf_model_or_path, cls, **config_overrides)
 
     def to_hf(self) -> Any:
-        """The equivalent transformers model (OLMoE, Mixtral or Llama; see ``hf_convert.to_hf``)."""
+        """The equivalent transformers model (OLMoE, Mixtral, Llama, Qwen3-MoE or Qwen2-MoE; see
+        ``hf_convert.to_hf``)."""
         from mula_lightning.models.hf_convert import to_hf
 
         return to_hf(self)

@@ -23,6 +23,11 @@ Construction (Komatsuzaki et al.; "Llama 3 Meets MoE", ``llama3-moe-upcycling``;
   ``s * P(x) * FFN(x)``. ``s`` is applied as ``sqrt(s)`` to ``up`` and to ``down``, the two factors SwiGLU is
   linear in (Megatron spreads ``s^(1/3)`` over gate, up and down, which is not exact because SiLU is not
   homogeneous); ``gate`` is left untouched.
+* Shared experts (DeepSeek-V3's ``shared_experts``, Qwen2-MoE's gated one, through ``overrides``) start as the whole
+  dense FFN, so their width must be the dense width ``I``. The layer then computes ``routed + shared``: both halves
+  are halved (the routed experts' ``s`` becomes ``s / 2``; an ungated shared expert gets ``sqrt(1/2)`` on ``up`` and
+  ``down``; a gated one gets a zero gate, ``sigmoid(0) = 1/2``), so the upcycled layer still computes ``FFN(x)``.
+  A ``routed_scaling_factor`` r divides ``s`` by r; a selection bias starts at zero.
 * Noise (Drop-Upcycling, arXiv 2502.19261; OLMoE's upcycling script re-initialises random weights instead):
   for ``noise = r``, each expert re-initialises ``round(r * I_e)`` of its intermediate neurons (their gate
   and up rows and down columns) from a normal with the mean and std of the expert's own (scaled) matrix. The
@@ -108,10 +113,18 @@ class UpcycleSpec:
         if not 0.0 <= self.noise <= 1.0:
             raise ValueError(f"noise ({self.noise}) must be a fraction in [0, 1]")
 
+    #: the MoE fields beyond the spec's own that a target config fixes (carried as ``overrides``)
+    MOE_FIELDS = (
+        "aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef", "score_function", "n_group", "topk_group",
+        "routed_scaling_factor", "expert_bias", "bias_update_rate", "shared_experts", "shared_expert_intermediate_size",
+        "shared_expert_gate", "moe_impl",
+    )  # fmt: skip
+
     @classmethod
     def for_model(cls, config: MulaConfig, **options: Any) -> UpcycleSpec:
         """The spec that upcycles into the MoE shape of ``config`` (experts, top-k, router, renormalisation,
-        capacity factor); ``options`` are the :attr:`TRAINING_OPTIONS`."""
+        capacity factor, and the :attr:`MOE_FIELDS`: scores, groups, bias, shared experts, loss weights);
+        ``options`` are the :attr:`TRAINING_OPTIONS`."""
         unknown = set(options) - set(cls.TRAINING_OPTIONS)
         if unknown:
             raise ValueError(f"unknown upcycle options {sorted(unknown)}; known: {', '.join(cls.TRAINING_OPTIONS)}")
@@ -123,14 +136,19 @@ class UpcycleSpec:
             router=config.router_kind,
             norm_topk_prob=config.norm_topk_prob,
             capacity_factor=config.capacity_factor,
+            overrides={k: getattr(config, k) for k in cls.MOE_FIELDS},
             **options,
         )
 
 
 def expert_scale(config: MulaConfig, granularity: int) -> float:
-    """The factor ``s`` the experts are multiplied by (see the module docstring)."""
+    """The factor ``s`` the experts are multiplied by (see the module docstring): halved beside shared experts,
+    divided by the routed scaling factor."""
     normalised = config.router_kind == "topk_softmax" or config.norm_topk_prob
-    return float(granularity) if normalised else config.num_experts * granularity / config.top_k
+    scale = float(granularity) if normalised else config.num_experts * granularity / config.top_k
+    if config.moe.shared_width:
+        scale /= 2
+    return scale / config.routed_scaling_factor
 
 
 def upcycled_config(dense: MulaConfig, spec: UpcycleSpec) -> MulaConfig:
@@ -158,11 +176,6 @@ def upcycled_config(dense: MulaConfig, spec: UpcycleSpec) -> MulaConfig:
     if isinstance(layers, str) and layers != "all":
         raise ValueError(f'layers ({layers!r}) must be "all" or a list of layer indices')
     moe_layers = None if layers in (None, "all") else sorted(int(i) for i in layers)
-    if granularity > 1 and moe_layers is not None and len(moe_layers) < dense.num_layers:
-        raise ValueError(
-            f"granularity ({granularity}) with layers={moe_layers} would need dense layers of width {inter} next "
-            f"to experts of width {inter // granularity}; MulaConfig has one intermediate_size, so upcycle all layers"
-        )
     if granularity > 1 and top_k % granularity:
         warnings.warn(
             f"top_k ({top_k}) is not a multiple of granularity ({granularity}): top-k splits virtual groups and the "
@@ -179,9 +192,18 @@ def upcycled_config(dense: MulaConfig, spec: UpcycleSpec) -> MulaConfig:
         norm_topk_prob=spec.norm_topk_prob,
         capacity_factor=spec.capacity_factor,
         intermediate_size=inter // granularity,
+        dense_intermediate_size=inter if granularity > 1 and moe_layers is not None else None,  # the kept layers
     )
     values.update(spec.overrides)
-    return MulaConfig(**values)
+    moe = MulaConfig(**values)
+    if moe.moe.shared_width not in (0, inter):
+        raise ValueError(
+            f"shared experts of width {moe.moe.shared_width} (shared_experts {moe.shared_experts}, "
+            f"shared_expert_intermediate_size {moe.shared_expert_intermediate_size}): upcycling starts them as the "
+            f"whole dense FFN, so their width must be its intermediate_size ({inter}), e.g. shared_experts="
+            f"{granularity} or shared_expert_intermediate_size={inter}"
+        )
+    return moe
 
 
 def _resolve_ep(ep_rank: int, ep_size: int, ep_group: Any, num_experts: int) -> tuple[int, int]:
@@ -251,11 +273,32 @@ def _upcycle_layer(
         gate_up_EIH[local, :width], gate_up_EIH[local, width:], down_EHI[local] = gate, up, down
     copies = config.num_experts // granularity
     router_RH = init_parameter(f"{prefix}.gate.weight", (copies, config.hidden_size), config, seed)
-    return {
+    out = {
         f"{prefix}.gate.weight": router_RH.repeat_interleave(granularity, dim=0).to(dtype=ffn_dtype, device=ffn_device),
         f"{prefix}.experts.gate_up_proj": gate_up_EIH,  # (E_local, 2 I_e, H)
         f"{prefix}.experts.down_proj": down_EHI,  # (E_local, H, I_e)
     }
+    if config.moe.uses_expert_bias:
+        out[f"{prefix}.gate.e_score_correction_bias"] = torch.zeros(config.num_experts, device=ffn_device)
+    if config.moe.shared_width:  # the whole dense FFN: halved, by its gate (sigmoid(0)) or by sqrt(1/2) twice
+        out.update(_shared_from_dense(src, config, layer, ffn_dtype, ffn_device))
+    return out
+
+
+def _shared_from_dense(
+    src: DenseSource, config: MulaConfig, layer: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{layer}.mlp"
+    gate, up, down = (t.to(dtype=dtype, device=device) for t in src.read_ffn(layer, 0, src.config.intermediate_size))
+    out = {f"{prefix}.shared_experts.gate_proj.weight": gate}
+    if config.shared_expert_gate:
+        out[f"{prefix}.shared_experts.up_proj.weight"], out[f"{prefix}.shared_experts.down_proj.weight"] = up, down
+        out[f"{prefix}.shared_expert_gate.weight"] = torch.zeros(1, config.hidden_size, dtype=dtype, device=device)
+    else:
+        root = math.sqrt(0.5)
+        out[f"{prefix}.shared_experts.up_proj.weight"] = (up.float() * root).to(dtype)
+        out[f"{prefix}.shared_experts.down_proj.weight"] = (down.float() * root).to(dtype)
+    return out
 
 
 def upcycle_state_dict(
@@ -291,7 +334,7 @@ def upcycle_state_dict(
     for i in range(moe.num_layers):
         if moe.is_moe_layer(i):
             built = _upcycle_layer(src, moe, i, granularity, scale, noise, seed, expert_range, dtype, device)
-            experts = [v for k, v in built.items() if ".experts." in k]
+            experts = [v for k, v in built.items() if ".mlp.experts." in k]
             expert_bytes += sum(t.numel() * t.element_size() for t in experts)
             full_bytes += sum(t.numel() // per_rank * num_experts * t.element_size() for t in experts)
             sd.update(built)

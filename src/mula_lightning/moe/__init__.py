@@ -4,9 +4,10 @@
 of the Aurora paper (token counting, index generation, grouped GEMMs, weighted combine) and the default MoE block
 of ``MulaForCausalLM``, with one forward whose token movement is a swappable ``TokenDispatcher``
 (``LocalDispatcher`` here; expert parallelism sets a communicating one in place); ``patch_hf_moe`` swaps it into
-transformers' OLMoE and Mixtral models; ``update_expert_bias`` is the auxiliary-loss-free
-balancing step (``moe/balancing.py``). Both are built from a ``MoEConfig`` (the leaf ``moe/config.py``; a model
-config hands its own over as ``config.moe``): this package imports nothing from ``models/``.
+transformers' OLMoE, Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 models; ``update_expert_bias`` is the
+auxiliary-loss-free balancing step (``moe/balancing.py``). Both are built from a ``MoEConfig`` (the leaf
+``moe/config.py``; a model config hands its own over as ``config.moe``): this package imports nothing from
+``models/``.
 """
 
 from mula_lightning.moe.balancing import install_expert_bias_update, update_expert_bias

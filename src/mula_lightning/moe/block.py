@@ -19,9 +19,13 @@ One forward, on one device and under expert parallelism alike; only the token di
 :func:`mula_lightning.parallel.apply_expert_parallel` makes a block (or every block of a model) expert parallel in
 place: it cuts the expert tensors to the rank's slice and sets an all-gather or all-to-all dispatcher.
 
+Shared experts (DeepSeek-V3's, Qwen2-MoE's gated one; :mod:`~mula_lightning.moe.shared_experts`) run on the token's
+rank after step 5 and add to its output.
+
 The parameters are ``gate.weight`` (E, H), ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj``
 (E, H, I), exactly those of :class:`~mula_lightning.moe.reference.ReferenceMoEBlock` and of transformers 5.x's
-``OlmoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``, so state dicts move between all of them unchanged.
+``OlmoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock``, so state dicts move between all of
+them unchanged (with ``shared_experts.*`` and ``gate.e_score_correction_bias`` as DeepSeek-V3 names them).
 
 :meth:`FastSparseMoEBlock.from_hf` wraps a transformers block: it keeps that block's own router module as
 ``.gate`` (so routing is bit-for-bit transformers', ``output_router_logits=True`` still records the logits through
@@ -31,6 +35,8 @@ the router's forward hook, and the parameters are the same objects) and shares i
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from typing import Any
 
 import torch
@@ -119,19 +125,24 @@ class FastSparseMoEBlock(nn.Module):
         self.experts.reuse_dead_activations = value
 
     # ------------------------------------------------------------------ stages
-    def route(self, x_SH: torch.Tensor) -> RouterOutput:
+    def route(self, x_SH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         """Stage 1 on one rank: our :class:`Router`, or a transformers router returning (logits, scores, indices)."""
         if isinstance(self.gate, Router):
-            return self.gate(x_SH)
+            return self.gate(x_SH, num_sequences)
         logits_SE, weights_SK, indices_SK = self.gate(x_SH)
         logits32_SE = upcast(logits_SE)
+        if self.config.score_function == "sigmoid":  # DeepSeek-V3: the losses' probabilities, normalised sigmoids
+            probs_SE = logits32_SE.sigmoid()
+            probs_SE = probs_SE / probs_SE.sum(-1, keepdim=True)
+        else:
+            probs_SE = torch.softmax(logits32_SE, dim=-1)
         with torch.no_grad():
             tokens_per_expert_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts)
         return RouterOutput(
             logits_SE=logits_SE,
             weights_SK=weights_SK,
             indices_SK=indices_SK,
-            load_balance_loss=load_balancing_loss(torch.softmax(logits32_SE, dim=-1), indices_SK),
+            load_balance_loss=load_balancing_loss(probs_SE, indices_SK),
             z_loss=router_z_loss(logits32_SE),
             tokens_per_expert_E=tokens_per_expert_E,
             num_dropped=indices_SK.new_zeros(()),
@@ -146,12 +157,13 @@ class FastSparseMoEBlock(nn.Module):
             noise = torch.empty_like(x_BTH).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             x_BTH = x_BTH * noise
         x_SH = x_BTH.reshape(-1, shape[-1])
-        routed = self.route(x_SH)  # 1.
+        routed = self.route(x_SH, shape[0] if len(shape) == 3 else 1)  # 1.
         tokens = self.dispatcher.dispatch(x_SH, routed, dropless=self._router_is_dropless())  # 2. + 3.
         y_RH = self.experts(tokens.x_SH, tokens.plan)  # 4.
         out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations)  # 5.
         out_SH = add_shared_experts(self, x_SH, out_SH)  # every token's shared experts, on the token's rank
-        aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
+        c = self.config
+        aux = MoEAux.from_router(routed, c.aux_loss_coef, c.z_loss_coef, c.seq_aux_loss_coef)
         return out_SH.to(x_BTH.dtype).reshape(shape), aux
 
     def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:
@@ -163,7 +175,10 @@ class FastSparseMoEBlock(nn.Module):
         """A fast block sharing the weights (and the router module) of a transformers sparse MoE block.
 
         Args:
-            hf_block: an ``OlmoeSparseMoeBlock`` or ``MixtralSparseMoeBlock`` (transformers 5.x, fused experts).
+            hf_block: a transformers 5.x sparse MoE block with fused experts (:data:`HF_BLOCKS`: OLMoE, Mixtral,
+                Qwen3-MoE, Qwen2-MoE and DeepSeek-V3's ``DeepseekV3MoE``, whose shared experts and shared expert
+                gate are kept as they are, like its router: DeepSeek-V3's selection bias routes, and stays where it
+                was loaded, since transformers' router has no update).
             use_grouped_mm: see the class arguments.
 
         Returns:
@@ -172,42 +187,68 @@ class FastSparseMoEBlock(nn.Module):
         """
         _check_hf_block(hf_block)
         gate, experts = hf_block.gate, hf_block.experts
-        hf_config = experts.config
-        is_mixtral = type(hf_block).__name__.startswith("Mixtral")
-        config = MoEConfig(
-            hidden_size=experts.hidden_dim,
-            intermediate_size=experts.intermediate_dim,
-            num_experts=experts.num_experts,
-            top_k=gate.top_k,
-            router_kind="topk_softmax" if is_mixtral else "softmax_topk",
-            norm_topk_prob=True if is_mixtral else bool(gate.norm_topk_prob),
-            aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
-            z_loss_coef=0.0,
-        )
+        config = moe_config_of_hf_block(hf_block)
         block = cls(config, device="meta", use_grouped_mm=use_grouped_mm)
         block.gate = gate  # the transformers router itself: same routing, same parameter, same output hooks
         block.experts.gate_up_proj = experts.gate_up_proj
         block.experts.down_proj = experts.down_proj
+        for name in ("shared_experts", "shared_expert"):  # DeepSeek-V3's, Qwen2-MoE's: the same modules, same names
+            if getattr(hf_block, name, None) is not None:
+                del block.shared_experts  # the meta placeholder
+                setattr(block, name, getattr(hf_block, name))
+        if getattr(hf_block, "shared_expert_gate", None) is not None:
+            block.shared_expert_gate = hf_block.shared_expert_gate
         block.jitter_noise = float(getattr(hf_block, "jitter_noise", 0.0) or 0.0)
         block.train(hf_block.training)
         return block
 
 
+#: (transformers module, sparse MoE block class) of every family :meth:`FastSparseMoEBlock.from_hf` converts
+HF_BLOCKS = (
+    ("olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"),
+    ("mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
+    ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    ("deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE"),
+)
+
+
 def _hf_block_types() -> tuple[type, ...]:
     types: list[type] = []
-    try:
-        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
-
-        types.append(OlmoeSparseMoeBlock)
-    except ImportError:  # pragma: no cover - depends on the installed transformers
-        pass
-    try:
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        types.append(MixtralSparseMoeBlock)
-    except ImportError:  # pragma: no cover
-        pass
+    for module, name in HF_BLOCKS:
+        with contextlib.suppress(ImportError, AttributeError):  # depends on the installed transformers
+            types.append(getattr(importlib.import_module(f"transformers.models.{module}"), name))
     return tuple(types)
+
+
+def moe_config_of_hf_block(hf_block: nn.Module) -> MoEConfig:
+    """The :class:`MoEConfig` describing a transformers block (its routing, shared experts and loss weight)."""
+    gate, experts = hf_block.gate, hf_block.experts
+    hf_config = experts.config
+    kind = type(hf_block).__name__
+    values: dict[str, Any] = dict(
+        hidden_size=experts.hidden_dim,
+        intermediate_size=experts.intermediate_dim,
+        num_experts=experts.num_experts,
+        top_k=gate.top_k,
+        router_kind="softmax_topk",
+        norm_topk_prob=bool(getattr(gate, "norm_topk_prob", False)),
+        aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+        z_loss_coef=0.0,
+    )
+    if kind.startswith("Mixtral"):
+        values.update(router_kind="topk_softmax", norm_topk_prob=True)
+    elif kind.startswith("Deepseek"):  # sigmoid scores, groups, scaling, a selection bias, shared experts
+        values.update(
+            score_function="sigmoid", n_group=gate.num_group, topk_group=gate.topk_group,
+            routed_scaling_factor=float(gate.routed_scaling_factor), expert_bias=True,
+            shared_experts=int(hf_config.n_shared_experts), aux_loss_coef=0.0,
+        )  # fmt: skip
+    elif kind.startswith("Qwen2"):
+        values.update(
+            shared_expert_intermediate_size=int(hf_config.shared_expert_intermediate_size), shared_expert_gate=True
+        )
+    return MoEConfig(**values)
 
 
 def _check_hf_block(hf_block: nn.Module) -> None:
@@ -226,7 +267,8 @@ def _check_hf_block(hf_block: nn.Module) -> None:
 
 
 def patch_hf_moe(model: nn.Module, use_grouped_mm: bool = True) -> Any:
-    """Swap every ``OlmoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` of a transformers model for a fast block.
+    """Swap every sparse MoE block of a transformers model (OLMoE, Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3; see
+    :data:`HF_BLOCKS`) for a fast block.
 
     The swap is in place and keeps the parameter objects (an optimizer built before the swap stays valid) and
     the router modules (``output_router_logits=True`` keeps working). Outputs, loss and gradients are those of

@@ -50,6 +50,8 @@ class MoEConfig:
             dropless.
         aux_loss_coef: weight of the Switch / OLMoE load-balancing loss.
         z_loss_coef: weight of the router z-loss.
+        seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss (per sequence ``sum_e f_e P_e``,
+            averaged over the sequences; :func:`~mula_lightning.moe.router.sequence_balance_loss`); 0 skips it.
         forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks, scaling studies).
         score_function: how ``softmax_topk`` scores the experts: ``"softmax"`` over all of them (OLMoE) or
             ``"sigmoid"`` of each logit on its own (DeepSeek-V3); the chosen experts' scores are the weights.
@@ -80,6 +82,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     forced_uniform_routing: bool = False
+    seq_aux_loss_coef: float = 0.0
     score_function: ScoreFunction = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -115,6 +118,9 @@ class MoEConfig:
             raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0 or None (dropless)")
+        coef = self.seq_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+            raise ValueError(f"seq_aux_loss_coef ({coef!r}) must be a finite number >= 0 (0 skips the loss)")
         check_shared_experts(self.shared_experts, self.shared_expert_intermediate_size, self.shared_expert_gate)
         check_routing(
             self.num_experts, self.top_k, self.router_kind, self.score_function, self.n_group, self.topk_group,

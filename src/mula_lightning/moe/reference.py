@@ -36,12 +36,14 @@ class MoEAux:
     """Per-layer, per-micro-batch side outputs of an MoE block.
 
     Attributes:
-        aux_loss: ``aux_loss_coef * load_balance_loss + z_loss_coef * z_loss`` (in the graph).
+        aux_loss: ``aux_loss_coef * load_balance_loss + z_loss_coef * z_loss`` (+ ``seq_aux_loss_coef *
+            seq_balance_loss``; in the graph).
         load_balance_loss: unweighted load-balancing loss (in the graph).
         z_loss: unweighted router z-loss (in the graph).
         tokens_per_expert: (E,) routed (token, k) pairs per expert after capacity drops (no grad).
         num_dropped: pairs dropped by capacity (no grad).
         expert_bias: (E,) the router's selection bias (auxiliary-loss-free balancing), None without one.
+        seq_balance_loss: unweighted sequence-wise balance loss (in the graph), None when not computed.
     """
 
     aux_loss: torch.Tensor
@@ -50,16 +52,23 @@ class MoEAux:
     tokens_per_expert: torch.Tensor
     num_dropped: torch.Tensor
     expert_bias: torch.Tensor | None = None
+    seq_balance_loss: torch.Tensor | None = None
 
     @classmethod
-    def from_router(cls, out: RouterOutput, aux_loss_coef: float, z_loss_coef: float) -> MoEAux:
+    def from_router(
+        cls, out: RouterOutput, aux_loss_coef: float, z_loss_coef: float, seq_aux_loss_coef: float = 0.0
+    ) -> MoEAux:
+        aux_loss = aux_loss_coef * out.load_balance_loss + z_loss_coef * out.z_loss
+        if out.seq_balance_loss is not None:
+            aux_loss = aux_loss + seq_aux_loss_coef * out.seq_balance_loss
         return cls(
-            aux_loss=aux_loss_coef * out.load_balance_loss + z_loss_coef * out.z_loss,
+            aux_loss=aux_loss,
             load_balance_loss=out.load_balance_loss,
             z_loss=out.z_loss,
             tokens_per_expert=out.tokens_per_expert_E,
             num_dropped=out.num_dropped,
             expert_bias=out.expert_bias_E,
+            seq_balance_loss=out.seq_balance_loss,
         )
 
     def detach(self) -> MoEAux:
@@ -113,7 +122,7 @@ class ReferenceMoEBlock(nn.Module):
     def forward_with_aux(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         shape = x_BTH.shape
         x_SH = x_BTH.reshape(-1, shape[-1])
-        routed = self.gate(x_SH)
+        routed = self.gate(x_SH, x_BTH.shape[0] if x_BTH.dim() == 3 else 1)
         out_SH = torch.zeros_like(x_SH)
         for e in range(self.experts.num_experts):
             token_idx, k_idx = torch.where(routed.indices_SK == e)
@@ -123,7 +132,8 @@ class ReferenceMoEBlock(nn.Module):
             w_N1 = routed.weights_SK[token_idx, k_idx].unsqueeze(-1)
             out_SH = out_SH.index_add(0, token_idx, (upcast(y_NH) * w_N1).to(x_SH.dtype))
         out_SH = add_shared_experts(self, x_SH, out_SH)
-        aux = MoEAux.from_router(routed, self.config.aux_loss_coef, self.config.z_loss_coef)
+        c = self.config
+        aux = MoEAux.from_router(routed, c.aux_loss_coef, c.z_loss_coef, c.seq_aux_loss_coef)
         return out_SH.reshape(shape), aux
 
     def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:

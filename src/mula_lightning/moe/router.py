@@ -25,9 +25,9 @@ tokens' choices (before capacity drops: the demand the bias balances) to :attr:`
 recomputation replaying its forward and any forward inside :func:`paused_load_counting`; once per optimizer step
 :func:`~mula_lightning.moe.balancing.update_expert_bias` sums them over the ranks and moves the bias.
 
-Router math runs in fp32 whatever the activation dtype. The auxiliary losses (Switch / OLMoE
-load balancing, router z-loss) are computed here, per layer and per micro-batch, from the router's own
-choice (before capacity drops) and returned unweighted; the block weights them by the config's
+Router math runs in fp32 whatever the activation dtype. The auxiliary losses (Switch / OLMoE load balancing, router
+z-loss, and where asked DeepSeek-V3's sequence-wise balance loss) are computed here, per layer and per micro-batch,
+from the router's own choice (before capacity drops) and returned unweighted; the block weights them by the config's
 coefficients.
 
 Sequence parallelism splits a sequence's tokens over ranks, yet the losses are those of the whole sequence
@@ -75,6 +75,7 @@ class RouterOutput:
         tokens_per_expert_E: (token, k) pairs each expert receives after drops (int64, no grad).
         num_dropped: (token, k) pairs dropped by capacity (int64 scalar, no grad).
         expert_bias_E: the router's selection bias (fp32, the buffer itself), None without one.
+        seq_balance_loss: unweighted sequence-wise balance loss (DeepSeek-V3), None unless the router computes it.
     """
 
     logits_SE: torch.Tensor
@@ -85,6 +86,7 @@ class RouterOutput:
     tokens_per_expert_E: torch.Tensor
     num_dropped: torch.Tensor
     expert_bias_E: torch.Tensor | None = None
+    seq_balance_loss: torch.Tensor | None = None
 
 
 def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> torch.Tensor:
@@ -99,6 +101,46 @@ def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> tor
     f_E = counts_E / max(num_tokens, 1)
     p_E = probs_SE.mean(dim=0)
     return num_experts * torch.sum(f_E * p_E)
+
+
+def sequence_balance_loss(
+    probs_SE: torch.Tensor,
+    indices_SK: torch.Tensor,
+    num_sequences: int,
+    sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, averaged over the ``num_sequences`` sequences the S
+    tokens are (each ``S / num_sequences`` consecutive tokens, a sequence's): per sequence ``sum_e f_e P_e`` with
+    ``f_e = E / (K T) x`` (the sequence's (token, k) pairs routed to e) and ``P_e`` the mean over its T tokens of e's
+    probability (scores normalised to sum to one). Its minimum, 1, is a sequence spread evenly over the experts.
+
+    With ``sequence_reduce`` (sequence parallelism: each rank holds a part of every sequence) the counts, probability
+    sums and lengths are summed over the ranks first; as in :func:`sequence_parallel_router_losses`, the value is the
+    whole sequences' and the gradient this rank's tokens' share.
+    """
+    num_tokens, num_experts = probs_SE.shape
+    top_k = indices_SK.shape[1]
+    if num_sequences < 1 or num_tokens % num_sequences:
+        raise ValueError(f"{num_tokens} tokens do not split into {num_sequences} sequences of equal length")
+    length = num_tokens // num_sequences
+    with torch.no_grad():
+        counts_BE = torch.zeros(num_sequences, num_experts, dtype=probs_SE.dtype, device=probs_SE.device)
+        pairs = indices_SK.reshape(num_sequences, length * top_k)
+        counts_BE.scatter_add_(1, pairs, torch.ones_like(pairs, dtype=probs_SE.dtype))
+    prob_sums_BE = probs_SE.reshape(num_sequences, length, num_experts).sum(1)
+    total = probs_SE.new_tensor(float(length))
+    if sequence_reduce is not None:
+        with torch.no_grad():
+            packed = sequence_reduce(torch.cat([counts_BE.reshape(-1), prob_sums_BE.detach().reshape(-1), total[None]]))
+            size = num_sequences * num_experts
+            counts_BE, whole_sums_BE = packed[:size].view_as(counts_BE), packed[size:-1].view_as(counts_BE)
+            total = packed[-1]
+    f_BE = counts_BE * (num_experts / (top_k * total))
+    share = (f_BE * prob_sums_BE / total).sum(-1).mean()
+    if sequence_reduce is None:
+        return share
+    whole = (f_BE * whole_sums_BE / total).sum(-1).mean()
+    return share + (whole - share).detach()
 
 
 def router_z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
@@ -263,6 +305,8 @@ class Router(nn.Module):
         if expert_bias or self.bias_update_rate > 0:  # fp32 whatever the model's dtype (see ``_apply``)
             bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
             self.register_buffer("e_score_correction_bias", bias)
+        #: compute the sequence-wise balance loss (the block weights it by ``seq_aux_loss_coef``)
+        self.sequence_aux_loss = False
         #: choices of this rank's training forwards since the last bias update, (E,) float64 (None: none yet)
         self.pending_load: torch.Tensor | None = None
         # a sum over the ranks that hold the other parts of this rank's sequences (sequence parallelism), or None
@@ -271,7 +315,7 @@ class Router(nn.Module):
     @classmethod
     def from_config(cls, config: MoEConfig, device: torch.device | str | None = None) -> Router:
         """The router an MoE block of ``config`` routes with."""
-        return cls(
+        router = cls(
             config.hidden_size,
             config.num_experts,
             config.top_k,
@@ -287,6 +331,8 @@ class Router(nn.Module):
             expert_bias=config.uses_expert_bias,
             bias_update_rate=config.bias_update_rate,
         )
+        router.sequence_aux_loss = config.seq_aux_loss_coef > 0
+        return router
 
     def extra_repr(self) -> str:
         return (
@@ -332,7 +378,9 @@ class Router(nn.Module):
         load_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts).to(torch.float64)
         self.pending_load = load_E if self.pending_load is None else self.pending_load + load_E
 
-    def forward(self, x_SH: torch.Tensor) -> RouterOutput:
+    def forward(self, x_SH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
+        """Route the tokens ``x_SH`` (any leading shape, flattened), ``num_sequences`` sequences of equal length one
+        after the other (for the sequence-wise loss)."""
         x_SH = x_SH.reshape(-1, self.hidden_size)
         logits_SE = F.linear(upcast(x_SH), upcast(self.weight))
         # the expert scores (softmax probabilities, or independent sigmoids); the losses' probabilities
@@ -365,6 +413,9 @@ class Router(nn.Module):
         else:
             lb_loss = load_balancing_loss(probs_SE, indices_SK)
             z_loss = router_z_loss(logits_SE)
+        seq_loss = None
+        if self.sequence_aux_loss:
+            seq_loss = sequence_balance_loss(probs_SE, indices_SK, num_sequences, self.sequence_reduce)
 
         with torch.no_grad():
             if final_SK is None:
@@ -390,4 +441,5 @@ class Router(nn.Module):
             tokens_per_expert_E=tokens_per_expert_E,
             num_dropped=num_dropped,
             expert_bias_E=self.e_score_correction_bias if self.has_expert_bias else None,
+            seq_balance_loss=seq_loss,
         )

@@ -13,7 +13,9 @@ of the routed experts' outputs:
 They are not expert parameters for sharding: expert parallelism leaves them whole on every rank (replicated over
 EP, like the router and attention) and the sharded optimizers shard them with the non-expert family. Their names
 (``shared_experts.gate_proj`` / ``up_proj`` / ``down_proj``, ``shared_expert_gate``) are DeepSeek-V3's in
-transformers; the Qwen2-MoE conversion renames its ``shared_expert`` to them.
+transformers; the Qwen2-MoE model conversion renames its ``shared_expert`` to them, while a patched Qwen2-MoE block
+(:func:`~mula_lightning.moe.block.patch_hf_moe`) keeps transformers' ``shared_expert``, so the patched model's
+parameter names (and checkpoints) do not change.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def add_shared_experts(block: nn.Module, x_SH: torch.Tensor, out_SH: torch.Tenso
     """``out_SH`` plus the shared experts' output on ``x_SH`` (gated where the block has a gate); ``out_SH`` itself
     when the block has no shared experts."""
     shared = getattr(block, "shared_experts", None)
+    if shared is None:  # a patched Qwen2-MoE block keeps transformers' name for it
+        shared = getattr(block, "shared_expert", None)
     if shared is None:
         return out_SH
     y_SH = shared(x_SH)
