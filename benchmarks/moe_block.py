@@ -1,4 +1,6 @@
-"""FastSparseMoE vs transformers' OLMoE sparse MoE block (eager and ``experts_implementation="grouped_mm"``).
+"""FastSparseMoE vs transformers' sparse MoE blocks (eager and ``experts_implementation="grouped_mm"``): OLMoE's,
+and with ``--families`` Qwen3-MoE's and DeepSeek-V3's (sigmoid scores, group-limited routing, a selection bias, routed
+scaling and a shared expert).
 
 What it measures, per shape and dtype, on one device (CPU by default):
 
@@ -20,9 +22,17 @@ Run (10-15 minutes on 2 otherwise idle cores, most of it hf_eager at the Mula sh
 
     python benchmarks/moe_block.py --threads 2
 
-``--shapes small`` / ``--dtypes float32`` / ``--no-memory`` make it shorter. hf_eager runs once at the Mula shapes
-(one forward + backward takes about a minute there) and its memory is measured at the small shape only unless
-``--eager-memory-everywhere``.
+``--shapes small`` / ``--dtypes float32`` / ``--no-memory`` make it shorter. The routing families (issue 40)::
+
+    python benchmarks/moe_block.py --threads 2 --families qwen3_moe deepseek_v3 --shapes small --dtypes float32
+
+DeepSeek-V3's block at a shape: E experts in 8 groups of which a token keeps 4, one shared expert of width I, routed
+scaling 2.5, a random N(0, 0.01^2) selection bias (so that the bias changes choices); Qwen3-MoE's: softmax top-k with
+``norm_topk_prob``. The fast block keeps each transformers block's router and shared expert (``from_hf``), so the
+contenders route alike and the ratio is that of the routed experts' dispatch, GEMMs and combine.
+
+hf_eager runs once at the Mula shapes (one forward + backward takes about a minute there) and its memory is measured
+at the small shape only unless ``--eager-memory-everywhere``.
 """
 
 from __future__ import annotations
@@ -66,31 +76,46 @@ SHAPES = {
 }
 
 
-def build(shape: Shape, dtype: torch.dtype, seed: int = 0):
-    """The three contenders on one set of weights, plus the input and the output cotangent."""
-    from transformers import OlmoeConfig
-    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+FAMILIES = ("olmoe", "qwen3_moe", "deepseek_v3")
 
-    blocks = {}
-    for impl in ("eager", "grouped_mm"):
-        cfg = OlmoeConfig(
-            hidden_size=shape.hidden,
-            intermediate_size=shape.intermediate,
-            num_experts=shape.experts,
-            num_experts_per_tok=shape.top_k,
-            experts_implementation=impl,
-        )
-        with torch.device("meta"):
-            blocks[f"hf_{impl}"] = OlmoeSparseMoeBlock(cfg)
+
+def hf_block(family: str, shape: Shape, impl: str) -> torch.nn.Module:
+    """transformers' sparse MoE block of ``family`` at ``shape`` (on the meta device), experts run by ``impl``."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    common = dict(hidden_size=shape.hidden, num_experts_per_tok=shape.top_k, experts_implementation=impl)
+    with torch.device("meta"):
+        if family == "olmoe":
+            cfg = transformers.OlmoeConfig(intermediate_size=shape.intermediate, num_experts=shape.experts, **common)
+            return OlmoeSparseMoeBlock(cfg)
+        if family == "qwen3_moe":
+            cfg = transformers.Qwen3MoeConfig(
+                moe_intermediate_size=shape.intermediate, num_experts=shape.experts, norm_topk_prob=True, **common
+            )
+            return Qwen3MoeSparseMoeBlock(cfg)
+        cfg = transformers.DeepseekV3Config(
+            moe_intermediate_size=shape.intermediate, n_routed_experts=shape.experts, n_group=8, topk_group=4,
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, **common,
+        )  # fmt: skip
+        return DeepseekV3MoE(cfg)
+
+
+def build(shape: Shape, dtype: torch.dtype, seed: int = 0, family: str = "olmoe"):
+    """The three contenders on one set of weights, plus the input and the output cotangent."""
+    blocks = {f"hf_{impl}": hf_block(family, shape, impl) for impl in ("eager", "grouped_mm")}
     gen = torch.Generator().manual_seed(seed)
     params = {
         name: torch.nn.Parameter(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.02)
         for name, p in blocks["hf_eager"].named_parameters()
     }
-    for block in blocks.values():  # every contender holds the same parameter objects
-        for name, param in params.items():
+    buffers = {name: torch.randn(b.shape, generator=gen) * 0.01 for name, b in blocks["hf_eager"].named_buffers()}
+    for block in blocks.values():  # every contender holds the same parameter (and selection bias) objects
+        for name, value in [*params.items(), *buffers.items()]:
             module_name, _, attr = name.rpartition(".")
-            setattr(block.get_submodule(module_name), attr, param)
+            setattr(block.get_submodule(module_name), attr, value)
     blocks["fast"] = FastSparseMoEBlock.from_hf(blocks["hf_grouped_mm"])
     x = torch.randn(1, shape.tokens, shape.hidden, generator=gen, dtype=dtype)
     g = torch.randn(1, shape.tokens, shape.hidden, generator=gen, dtype=dtype)
@@ -107,8 +132,10 @@ def step(block: torch.nn.Module, params: dict, x: torch.Tensor, g: torch.Tensor)
     return time.perf_counter() - t0
 
 
-def time_contenders(shape: Shape, dtype: torch.dtype, reps: int, eager_reps: int) -> dict[str, float]:
-    blocks, params, x, g = build(shape, dtype)
+def time_contenders(
+    shape: Shape, dtype: torch.dtype, reps: int, eager_reps: int, family: str = "olmoe"
+) -> dict[str, float]:
+    blocks, params, x, g = build(shape, dtype, family=family)
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for name in ("hf_grouped_mm", "fast"):  # warm-up (eager is slow enough that a warm-up changes nothing)
         step(blocks[name], params, x, g)
@@ -138,10 +165,10 @@ def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def memory_child(shape_key: str, dtype_name: str, contender: str) -> None:
+def memory_child(shape_key: str, dtype_name: str, contender: str, family: str) -> None:
     """Runs in a fresh process: print the peak-RSS increase (MiB) over one forward + backward."""
     shape, dtype = SHAPES[shape_key], getattr(torch, dtype_name)
-    blocks, params, x, g = build(shape, dtype)
+    blocks, params, x, g = build(shape, dtype, family=family)
     keep = blocks[contender]
     del blocks
     gc.collect()
@@ -156,10 +183,12 @@ def memory_child(shape_key: str, dtype_name: str, contender: str) -> None:
     print(json.dumps({"peak_increase_mib": (peak - base) / 1024.0}))
 
 
-def measure_memory(shape_key: str, dtype_name: str, threads: int, contenders=CONTENDERS) -> dict[str, float]:
+def measure_memory(
+    shape_key: str, dtype_name: str, threads: int, contenders=CONTENDERS, family: str = "olmoe"
+) -> dict[str, float]:
     out = {}
     for contender in contenders:
-        cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", shape_key, dtype_name, contender]
+        cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", shape_key, dtype_name, contender, family]
         cmd += ["--threads", str(threads)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[contender] = json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_mib"]
@@ -181,7 +210,10 @@ def main() -> None:
         action="store_true",
         help="also measure hf_eager's memory at the Mula shapes (one F+B there takes minutes on 2 cores)",
     )
-    parser.add_argument("--memory-child", nargs=3, metavar=("SHAPE", "DTYPE", "CONTENDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--families", nargs="+", default=["olmoe"], choices=FAMILIES, help="transformers blocks")
+    parser.add_argument(
+        "--memory-child", nargs=4, metavar=("SHAPE", "DTYPE", "CONTENDER", "FAMILY"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -190,21 +222,22 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {args.threads} threads, device cpu; times are medians of F+B seconds")
     header = (
-        "| shape | dtype | tokens | hf_eager s | hf_grouped_mm s | fast s | fast vs eager | fast vs grouped_mm |"
-        " peak MiB eager / grouped_mm / fast |"
+        "| block | shape | dtype | tokens | hf_eager s | hf_grouped_mm s | fast s | fast vs eager |"
+        " fast vs grouped_mm | peak MiB eager / grouped_mm / fast |"
     )
-    rows = [header, "|" + "---|" * 9]
-    for shape_key in args.shapes:
+    rows = [header, "|" + "---|" * 10]
+    for family, shape_key in [(f, s) for f in args.families for s in args.shapes]:
         shape = SHAPES[shape_key]
         for dtype_name in args.dtypes:
             small = shape_key == "small"
             reps, eager_reps = (args.reps, args.eager_reps) if small else (args.big_reps, args.big_eager_reps)
-            t = time_contenders(shape, getattr(torch, dtype_name), reps, eager_reps)
+            t = time_contenders(shape, getattr(torch, dtype_name), reps, eager_reps, family)
             mem_contenders = CONTENDERS if small or args.eager_memory_everywhere else CONTENDERS[1:]
-            mem = {} if args.no_memory else measure_memory(shape_key, dtype_name, args.threads, mem_contenders)
+            mem = {} if args.no_memory else measure_memory(shape_key, dtype_name, args.threads, mem_contenders, family)
             mem_cell = " / ".join(f"{mem[c]:.0f}" if c in mem else "-" for c in CONTENDERS)
             rows.append(
-                f"| {shape.name} | {dtype_name} | {shape.tokens} | {t['hf_eager']:.3f} | {t['hf_grouped_mm']:.3f} |"
+                f"| {family} | {shape.name} | {dtype_name} | {shape.tokens} | {t['hf_eager']:.3f} |"
+                f" {t['hf_grouped_mm']:.3f} |"
                 f" {t['fast']:.3f} | {t['hf_eager'] / t['fast']:.2f}x | {t['hf_grouped_mm'] / t['fast']:.2f}x |"
                 f" {mem_cell} |"
             )
