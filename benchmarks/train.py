@@ -22,6 +22,21 @@ contender computes the same function), the same random-token batches, AdamW with
 LM loss plus the load-balancing loss, fp32. Tokens/s count all ranks; the first ``--warmup`` steps are excluded; each
 contender runs ``--repeats`` times, interleaved, and the best run is reported with the ratio to HF eager and to HF
 grouped_mm.
+
+Two more columns:
+
+* **fraction of the GEMM limit**: the model FLOPs of a step (``MulaConfig.flops_per_token``: 6 x active parameters
+  + attention, forward and backward, the figure ``MulaLM`` logs for MFU; the same for every contender, which compute
+  the same function) over the step time, divided by the machine's own GEMM rate: a ``torch.mm`` of the model's largest
+  GEMM (the LM head: tokens of a rank's batch x hidden x vocabulary), fp32, timed in ``--procs`` processes at once with
+  ``--threads`` threads each, summed over them, in the same run. On a GPU the same ratio against the GPU's GEMM rate
+  is MFU measured against what the device reaches, not its datasheet;
+* **peak MB/rank**: the largest ``VmHWM`` (peak resident memory) of the contender's ranks after its timed steps
+  (before a profiled step, whose profiler holds every event).
+
+``--profile`` adds one profiled step per contender (after the timed ones) and prints where its time goes, as shares
+(:mod:`step_profile`: forward and backward per part, collectives, optimizer step, the LightningModule's step, the
+Lightning loop and data).
 """
 
 from __future__ import annotations
@@ -29,9 +44,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
+from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_profile, beside this script
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # Lightning accelerator -> process-group backend
 
@@ -115,25 +134,48 @@ def _run(rank, world_size, contender: str, args) -> dict:
             grad_clip=0.0,
             log_grad_norm=False,
         )
-        strategy = EPSOStrategy(ep_size=ep, bucket_numel=10_000_000)
+        strategy = EPSOStrategy(ep_size=ep, bucket_numel=args.bucket_numel)
     else:
         module = _hf_module(config, "eager" if "eager" in contender else "grouped_mm")
         strategy = "ddp"
 
     stamps: list[float] = []
+    profiled = args.warmup + args.steps  # the extra step profiled with --profile
+    profile: dict[str, Any] = {}
 
     class _Clock(Callback):
+        def on_train_start(self, trainer, pl_module):
+            if args.profile:
+                import step_profile
+
+                step_profile.label_parts(pl_module.model, pl_module)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if args.profile and batch_idx == profiled:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
+
+                profile["profiler"] = torch_profile(activities=[ProfilerActivity.CPU])
+                profile["profiler"].__enter__()
+                profile["start"] = time.perf_counter()
+
         def on_train_batch_end(self, trainer, *_):
             synchronize(trainer.strategy.root_device)  # accelerator work of the step finished
             stamps.append(time.perf_counter())
+            if len(stamps) == profiled:  # the timed steps' peak, before a profiler holds its events
+                profile["peak_mb"] = _peak_rss_mb()
+            if "profiler" in profile and "wall_us" not in profile:
+                profile["wall_us"] = (time.perf_counter() - profile["start"]) * 1e6
+                profile["profiler"].__exit__(None, None, None)
 
-    rows = (args.warmup + args.steps) * args.batch * world_size
-    loader = torch.utils.data.DataLoader(_Batches(rows, args.seq_len, args.vocab), batch_size=args.batch)
+    steps = args.warmup + args.steps + (1 if args.profile else 0)
+    loader = torch.utils.data.DataLoader(_Batches(steps * args.batch * world_size, args.seq_len, args.vocab),
+                                         batch_size=args.batch)  # fmt: skip
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=world_size,
         strategy=strategy,
-        max_steps=args.warmup + args.steps,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -141,11 +183,46 @@ def _run(rank, world_size, contender: str, args) -> dict:
         callbacks=[_Clock()],
     )
     trainer.fit(module, loader)
-    elapsed = stamps[-1] - stamps[args.warmup - 1]
-    return {
+    elapsed = stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1]
+    result = {
         "tokens_per_s": args.steps * args.batch * args.seq_len * world_size / elapsed,
         "s_per_step": elapsed / args.steps,
+        "peak_mb": profile["peak_mb"],
     }
+    if "profiler" in profile:
+        import step_profile
+
+        result["profile"] = step_profile.shares(profile["profiler"], profile["wall_us"])
+    return result
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``) in MB; NaN where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _gemm_rate(rank, world_size, m: int, k: int, n: int, threads: int, seconds: float = 2.0) -> float:
+    """FLOP/s of this rank's ``torch.mm`` of (m, k) x (k, n) in fp32 with ``threads`` threads, all ranks at once."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    for _ in range(3):
+        torch.mm(a, b)
+    dist.barrier()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2.0 * m * k * n * count / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -165,6 +242,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--expert-size", type=int, default=256)
     parser.add_argument("--only", nargs="*", help="run only the contenders whose name contains one of these")
+    parser.add_argument("--bucket-numel", type=int, default=1_000_000, help="epso's reduce-scatter bucket (elements)")
+    parser.add_argument("--profile", action="store_true", help="profile one more step per contender: shares")
     args = parser.parse_args()
 
     from mula_lightning.testing import run_distributed_test
@@ -175,12 +254,17 @@ def main() -> None:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name in contenders:  # interleaved: a slow phase of a shared machine hits every contender alike
-            result = run_distributed_test(
+            ranks = run_distributed_test(
                 _run, args.procs, backend=BACKENDS[args.accelerator], timeout=1800, contender=name, args=args
-            )[0]
+            )
+            result = {**ranks[0], "peak_mb": max(r["peak_mb"] for r in ranks)}
             if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = result
     config = _config(args)
+    gemm = (args.batch * args.seq_len, config.hidden_size, config.vocab_size)  # the LM head, the largest GEMM
+    rate = sum(run_distributed_test(_gemm_rate, args.procs, backend="gloo", m=gemm[0], k=gemm[1], n=gemm[2],
+                                    threads=args.threads))  # fmt: skip
+    flops_per_step = config.flops_per_token(args.seq_len) * args.batch * args.seq_len * args.procs
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")
     print(
         f"model: hidden {config.hidden_size}, {config.num_layers} layers, {config.num_experts} experts top-"
@@ -190,13 +274,26 @@ def main() -> None:
     )
     eager = best.get("HF eager, ddp", {}).get("tokens_per_s", float("nan"))
     grouped = best.get("HF grouped_mm, ddp", {}).get("tokens_per_s", float("nan"))
-    print("\n| contender | tokens/s (all ranks) | s/step | vs HF eager | vs HF grouped_mm |\n|---|---|---|---|---|")
+    print(
+        f"GEMM limit: torch.mm {gemm[0]} x {gemm[1]} x {gemm[2]} fp32, {args.procs} processes x {args.threads} "
+        f"thread(s) at once: {rate / 1e9:.1f} GFLOP/s in all; model FLOPs per step {flops_per_step / 1e9:.2f} G"
+    )
+    print(
+        "\n| contender | tokens/s (all ranks) | s/step | vs HF eager | vs HF grouped_mm | fraction of the GEMM limit |"
+        " peak MB/rank |\n|---|---|---|---|---|---|---|"
+    )
     for name in contenders:
         r = best[name]
         print(
             f"| {name} | {r['tokens_per_s']:.0f} | {r['s_per_step']:.3f} | {r['tokens_per_s'] / eager:.2f}x | "
-            f"{r['tokens_per_s'] / grouped:.2f}x |"
+            f"{r['tokens_per_s'] / grouped:.2f}x | {flops_per_step / r['s_per_step'] / rate:.2f} | "
+            f"{r['peak_mb']:.0f} |"
         )
+    if args.profile:
+        import step_profile
+
+        print("\nWhere one step's time goes (rank 0, shares of the profiled step):\n")
+        print(step_profile.table({name: best[name]["profile"] for name in contenders}))
 
 
 if __name__ == "__main__":
