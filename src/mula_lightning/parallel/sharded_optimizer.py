@@ -427,11 +427,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         self.finish_grad_sync()
         norm = self.owned_grad_norm()
-        scale = max_norm / (norm.item() + 1e-6)
-        if scale < 1.0:
-            for buf in self.buffers.values():
-                for lo, hi in buf.owned_ranges():
-                    buf.grads[lo:hi].mul_(scale)
+        scale = clip_coefficient(norm, max_norm)
+        for buf in self.buffers.values():
+            for lo, hi in buf.owned_ranges():
+                buf.grads[lo:hi].mul_(scale)
         return norm
 
     @torch.no_grad()
@@ -481,6 +480,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._synced = False
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` as a tensor on the norm's device, as ``torch.nn.utils.clip_grad_norm_``
+    computes it: the gradients are multiplied by it whether or not they are clipped (by exactly 1.0 when not), so
+    clipping costs no host synchronisation (a ``.item()`` per step would stall an accelerator's queue)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 #: device types whose torch build has the one-pass AdamW kernel ``torch._fused_adamw_``
 FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
@@ -518,8 +524,7 @@ def adamw_update_(
             by_group.setdefault(gi, []).append((lo, hi))
     step_t = torch.tensor(float(step), dtype=torch.float32, device=params.device)
     for gi, ranges in by_group.items():
-        g = param_groups[gi]
-        lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        lr, (b1, b2), eps, wd = _hyper_parameters(param_groups[gi])
         torch._fused_adamw_(
             [params[lo:hi] for lo, hi in ranges],
             [grads[lo:hi] for lo, hi in ranges],
@@ -527,7 +532,7 @@ def adamw_update_(
             [exp_avg_sq[lo:hi] for lo, hi in ranges],
             [],
             [step_t] * len(ranges),
-            lr=float(lr),
+            lr=lr,
             beta1=b1,
             beta2=b2,
             weight_decay=wd,
@@ -550,8 +555,7 @@ def adamw_update_reference_(
     """The AdamW step of :func:`adamw_update_` written out, one pass per operation: the slow, obviously right
     reference the fused kernel is tested against, and the path for what the kernel does not take."""
     for lo, hi, gi in runs:
-        g = param_groups[gi]
-        lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        lr, (b1, b2), eps, wd = _hyper_parameters(param_groups[gi])
         p_s, g_s, m_s, v_s = params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
         p_s.mul_(1 - lr * wd)
         m_s.lerp_(g_s, 1 - b1)
@@ -559,6 +563,11 @@ def adamw_update_reference_(
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         denom = (v_s.sqrt() / math.sqrt(bc2)).add_(eps)
         p_s.addcdiv_(m_s, denom, value=-lr / bc1)
+
+
+def _hyper_parameters(group: dict[str, Any]) -> tuple[float, tuple[float, float], float, float]:
+    """A parameter group's ``(lr, (beta1, beta2), eps, weight_decay)`` (a tensor learning rate as a float)."""
+    return float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
 
 
 def _record(op: str, group: Any, size: int, tensor_in: torch.Tensor, tensor_out: torch.Tensor, fam: str) -> None:

@@ -49,7 +49,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.params import logical_name
-from mula_lightning.parallel.sharded_optimizer import adamw_update_
+from mula_lightning.parallel.sharded_optimizer import adamw_update_, clip_coefficient
 from mula_lightning.parallel.zero.collectives import (
     WeightGather,
     all_gather_chunks,
@@ -394,10 +394,9 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
         norm = self.global_grad_norm()
-        scale = max_norm / (norm.item() + 1e-6)
-        if scale < 1.0:
-            for u in self.units:
-                u.grad_shard.mul_(scale)
+        scale = clip_coefficient(norm, max_norm)  # no host sync: multiplied by exactly 1.0 when not clipping
+        for u in self.units:
+            u.grad_shard.mul_(scale)
         return norm
 
     @torch.no_grad()
