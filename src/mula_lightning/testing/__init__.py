@@ -4,10 +4,12 @@
 initialised process group and returns the per-rank results; ``assert_parity(actual, expected, reduction_len=...)``
 compares a fast or distributed result with its reference under one rule (``reduction_len x eps(dtype) x scale``, see
 :mod:`mula_lightning.testing.parity`); ``requires_gpu`` and ``BACKENDS`` let tests cover CUDA / XPU when present while
-passing on a CPU-only machine; ``one_process_data_parallel`` is the one-process reference of a DP run.
+passing on a CPU-only machine; ``one_process_data_parallel`` is the one-process reference of a DP run;
+``no_host_reads`` proves a hot path reads no tensor value back to the host.
 """
 
 from mula_lightning.testing.distributed import DistributedTestError, run_distributed_test, run_pooled_test
+from mula_lightning.testing.host_reads import no_host_reads
 from mula_lightning.testing.markers import BACKENDS, available_backends, gpu_available, requires_gpu
 from mula_lightning.testing.parity import adamw_parameter_scale, assert_parity, parity_tolerance
 from mula_lightning.testing.reference import one_process_data_parallel
@@ -19,6 +21,7 @@ __all__ = [
     "assert_parity",
     "available_backends",
     "gpu_available",
+    "no_host_reads",
     "one_process_data_parallel",
     "parity_tolerance",
     "requires_gpu",

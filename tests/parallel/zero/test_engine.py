@@ -6,7 +6,8 @@ stepping ``torch.optim.AdamW`` after torch's global-norm clipping (max_norm smal
 Both sides run in float64, so :func:`mula_lightning.testing.assert_parity` compares losses, the gradient norm before
 clipping (the check that sees a wrong gradient scale, which clipping and Adam would hide) and parameters after ten
 steps at ~1e-12; the quantized runs keep their own bound (within 2% of the unquantized loss, not identical). Injected
-bugs (gradients not all-reduced across nodes, a missing 1/world scale) must fail that check.
+bugs (gradients not all-reduced across nodes, a missing 1/world scale) must fail that check. Clipping runs inside
+``no_host_reads()``: it must not read the norm back to the host.
 """
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.zero.quantization import packed_bytes
-from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
+from mula_lightning.testing import adamw_parameter_scale, assert_parity, no_host_reads, run_pooled_test
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 0.05
@@ -101,7 +102,9 @@ def _train_configs(rank, configs):
             with CommLedger() as ledger:
                 loss = model(x, labels=x).loss
                 loss.backward()
-                norms.append(engine.clip_grad_norm_(MAX_NORM).item())
+                with no_host_reads():  # clipping never waits for the device
+                    norm = engine.clip_grad_norm_(MAX_NORM)
+                norms.append(norm.item())
                 engine.step()
             if step == 0:
                 records = [(r.tag, r.level, r.op, r.bytes_sent) for r in ledger.records]
