@@ -500,7 +500,6 @@ def adamw_update_(
     runs: Iterable[tuple[int, int, int]],
     param_groups: list[dict[str, Any]],
     step: int,
-    fused: bool | None = None,
 ) -> None:
     """One AdamW step (decoupled weight decay, bias correction) on flat fp32 shards, in place.
 
@@ -508,14 +507,14 @@ def adamw_update_(
     update math exists once. ``runs`` are ``(start, end, param_group_index)`` ranges of the flat shards (see
     :meth:`FlatBuffer._group_runs`); ``step`` counts from 1.
 
-    By default (``fused=None``) the update goes through torch's fused kernel (``torch._fused_adamw_``, the kernel
+    The update goes through torch's fused kernel (``torch._fused_adamw_``, the kernel
     behind ``torch.optim.AdamW(fused=True)``, on CPU, CUDA, XPU and MPS): one pass over the four shards per parameter
     group instead of the six of :func:`adamw_update_reference_`, the same formula (rounded in another order: 1 ulp);
-    ``fused=False`` or a device or dtype mix the kernel does not take use the reference.
+    a device or dtype mix the kernel does not take uses the reference.
     """
     fusable = params.device.type in FUSED_ADAMW_DEVICES and hasattr(torch, "_fused_adamw_")
     fusable = fusable and params.dtype == grads.dtype == exp_avg.dtype == exp_avg_sq.dtype
-    if fused is False or not fusable:
+    if not fusable:
         adamw_update_reference_(params, grads, exp_avg, exp_avg_sq, runs, param_groups, step)
         return
     by_group: dict[int, list[tuple[int, int]]] = {}
