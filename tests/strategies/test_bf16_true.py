@@ -1,7 +1,9 @@
 """bf16-true against float32 under ``epso`` and ``zero_topo``: 20 optimizer steps of the same model, data and layout
-(4 ranks: DP 2 x EP 2 for epso, and its tensor-parallel layouts: TP 2 x DP 2, TP 2 folded with EP 2, with and
-without sequence parallelism, ETP 2 x EP 2; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2
-micro-batches per step), the relative loss difference printed and bounded.
+(4 ranks: DP 2 x EP 2 for epso, and two of its tensor-parallel layouts: TP 2 + sequence parallelism folded with EP 2,
+ETP 2 x EP 2; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2 micro-batches per step), the
+relative loss difference printed and bounded. The other tensor-parallel layouts (TP 2 x DP 2, TP 2 folded with EP 2
+without sequence parallelism) are left to the float64 parity tests: what bf16 changes (parameter, gradient-reduction
+and optimizer-state dtypes) runs through the same code in them as in these two.
 
 How tight the bound is: on learnable data (arithmetic sequences) at lr 1e-3 a correct bf16-true run stays within
 about 3e-4 of float32 in every step (measured on AMD EPYC); the bound is 2e-3. A run whose optimizer keeps its
@@ -24,8 +26,6 @@ STEPS, MICRO, LR = 20, 2, 1e-3
 BOUND = 2e-3  # largest relative loss difference bf16-true may show against float32 in any of the 20 steps
 EPSO_LAYOUTS = {
     "epso": dict(ep_size=2),
-    "epso tp2": dict(tp_size=2),
-    "epso tp2 ep2": dict(tp_size=2, ep_size=2),
     "epso tp2+sp ep2": dict(tp_size=2, sequence_parallel=True, ep_size=2),
     "epso etp2 ep2": dict(etp_size=2, ep_size=2),
 }

@@ -42,6 +42,8 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
     checkpoint holds the same weights in bf16."""
     from transformers import AutoModelForCausalLM
 
+    from mula_lightning.checkpoint.export import export_to_hf
+
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     config = yaml.safe_load((ROOT / CONFIG).read_text())
     for callback in config["trainer"]["callbacks"]:
@@ -75,12 +77,11 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
     assert len(piped) == 1
     torch.testing.assert_close(torch.tensor(piped[-1]), torch.tensor(plain[-1]), rtol=1e-5, atol=0)
 
+    # exported in this process by the function `mula export` runs (the command itself is the README journey's)
     for cwd in (tmp_path, reference):
-        run_mula_cli(cwd, "export", str(cwd / "checkpoints" / name / "dual"), "--to", "hf", "out")
+        export_to_hf(cwd / "checkpoints" / name / "dual", cwd / "out")
     # the model-only checkpoint of the pipelined run: each stage wrote its layers, bf16
-    run_mula_cli(
-        tmp_path, "export", str(tmp_path / "checkpoints" / name / "weights" / "step-00000004"), "--to", "hf", "w"
-    )
+    export_to_hf(tmp_path / "checkpoints" / name / "weights" / "step-00000004", tmp_path / "w")
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     b = AutoModelForCausalLM.from_pretrained(reference / "out").eval()
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "w").eval()

@@ -30,7 +30,7 @@ def test_folded_example_trains_and_exports(tiny_data, tmp_path):
     two exports hold the same weights, whose logits in transformers equal those of the checkpoint read back."""
     from transformers import AutoModelForCausalLM
 
-    from mula_lightning.checkpoint.export import read_checkpoint
+    from mula_lightning.checkpoint.export import export_to_hf, read_checkpoint
 
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     config = yaml.safe_load((ROOT / CONFIG).read_text())
@@ -48,8 +48,9 @@ def test_folded_example_trains_and_exports(tiny_data, tmp_path):
     assert sorted(losses) == [0, 1, 2, 3] and all(math.isfinite(v) for v in losses.values()), losses
 
     checkpoints = tmp_path / "checkpoints" / "mula-tiny-moe-folded"
-    run_mula_cli(tmp_path, "export", str(checkpoints / "dual"), "--to", "hf", "out/dual")
-    run_mula_cli(tmp_path, "export", str(checkpoints / "weights" / "step-00000004"), "--to", "hf", "out/weights")
+    # exported in this process by the function `mula export` runs (the command itself is the README journey's)
+    export_to_hf(checkpoints / "dual", tmp_path / "out" / "dual")
+    export_to_hf(checkpoints / "weights" / "step-00000004", tmp_path / "out" / "weights")
     dual = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "dual").eval()
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "weights").eval()
     assert dual.state_dict().keys() == weights.state_dict().keys()
