@@ -52,6 +52,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_profile, beside this script
 
+from machine_limits import gemm_rate, peak_rss_mb  # noqa: E402
+
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # Lightning accelerator -> process-group backend
 
 
@@ -163,7 +165,7 @@ def _run(rank, world_size, contender: str, args) -> dict:
             synchronize(trainer.strategy.root_device)  # accelerator work of the step finished
             stamps.append(time.perf_counter())
             if len(stamps) == profiled:  # the timed steps' peak, before a profiler holds its events
-                profile["peak_mb"] = _peak_rss_mb()
+                profile["peak_mb"] = peak_rss_mb()
             if "profiler" in profile and "wall_us" not in profile:
                 profile["wall_us"] = (time.perf_counter() - profile["start"]) * 1e6
                 profile["profiler"].__exit__(None, None, None)
@@ -194,35 +196,6 @@ def _run(rank, world_size, contender: str, args) -> dict:
 
         result["profile"] = step_profile.shares(profile["profiler"], profile["wall_us"])
     return result
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory (``VmHWM``) in MB; NaN where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def _gemm_rate(rank, world_size, m: int, k: int, n: int, threads: int, seconds: float = 2.0) -> float:
-    """FLOP/s of this rank's ``torch.mm`` of (m, k) x (k, n) in fp32 with ``threads`` threads, all ranks at once."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(rank)
-    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    for _ in range(3):
-        torch.mm(a, b)
-    dist.barrier()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        count += 1
-    return 2.0 * m * k * n * count / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -262,7 +235,7 @@ def main() -> None:
                 best[name] = result
     config = _config(args)
     gemm = (args.batch * args.seq_len, config.hidden_size, config.vocab_size)  # the LM head, the largest GEMM
-    rate = sum(run_distributed_test(_gemm_rate, args.procs, backend="gloo", m=gemm[0], k=gemm[1], n=gemm[2],
+    rate = sum(run_distributed_test(gemm_rate, args.procs, backend="gloo", m=gemm[0], k=gemm[1], n=gemm[2],
                                     threads=args.threads))  # fmt: skip
     flops_per_step = config.flops_per_token(args.seq_len) * args.batch * args.seq_len * args.procs
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")

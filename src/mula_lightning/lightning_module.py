@@ -53,6 +53,23 @@ from mula_lightning.strategies.protocol import (
 )
 
 
+def single_device_adamw(params: Any, **hyper: Any) -> torch.optim.AdamW:
+    """torch's AdamW, through its fused kernel (one pass per parameter group: ``torch._fused_adamw_``) where every
+    parameter lives on a device that has one (CPU, CUDA, XPU, ...), else torch's default implementation.
+
+    Why: on one device, under ``ddp`` and in ``benchmarks/model_step.py`` the update is torch's own; its default on
+    CPU is a loop of several elementwise passes per parameter. Parameters on the meta device (the sharded strategies
+    build the model there and replace this optimizer by their own sharded AdamW) take the default, which accepts them.
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    params = list(params)
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    devices = set(_get_fused_kernels_supported_devices())
+    fused = bool(tensors) and all(t.device.type in devices and t.is_floating_point() for t in tensors)
+    return torch.optim.AdamW(params, fused=fused or None, **hyper)
+
+
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, minimum: float) -> float:
     """Learning rate at optimizer step ``step``: linear warm-up to ``peak``, cosine decay to ``minimum``.
 
@@ -358,7 +375,7 @@ class MulaLM(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW on every parameter (a sharded strategy turns it into its sharded AdamW) with warm-up + cosine."""
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
+        optimizer = single_device_adamw(
             self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
         )
         # auxiliary-loss-free balancing after each step of this optimizer (epso / zero_topo install it on theirs)

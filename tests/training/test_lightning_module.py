@@ -154,3 +154,35 @@ def test_lr_zero_is_a_frozen_run_not_a_division_by_zero(tiny_data, tmp_path):
     assert trainer.global_step == 3
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.0]
     assert all(torch.equal(v, before[k]) for k, v in lm.model.state_dict().items())
+
+
+def test_single_device_adamw_takes_the_fused_kernel_and_updates_like_the_default():
+    """On CPU parameters the optimizer MulaLM configures runs torch's fused AdamW, and three steps of it (with weight
+    decay, two parameter groups) leave the parameters torch's default AdamW leaves, to float64 rounding; parameters on
+    the meta device (the sharded strategies' models before they materialise them) get the default, which accepts
+    them."""
+    from mula_lightning.lightning_module import single_device_adamw
+
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64)]
+    grads = [[torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in start] for _ in range(3)]
+    results = []
+    for build in (single_device_adamw, torch.optim.AdamW):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = build([{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.0}], **hyper)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            optimizer.step()
+        results.append((optimizer, params))
+    (fused, mine), (default, reference) = results
+    assert fused.defaults["fused"] is True and not default.defaults.get("fused")
+    for a, b in zip(mine, reference):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert not torch.equal(a, start[0] if a.shape == start[0].shape else start[1])  # they moved
+    meta = torch.nn.Parameter(torch.empty(4, device="meta"))
+    assert not single_device_adamw([meta], **hyper).defaults.get("fused")
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY, decay_steps=10)
+    lm.configure_model()
+    assert lm.configure_optimizers()["optimizer"].defaults["fused"] is True

@@ -1,0 +1,44 @@
+"""What the machine itself can do, measured in the same run as a benchmark: its GEMM rate and a process's peak memory.
+
+Shared by ``benchmarks/train.py`` (``mula fit`` vs Lightning DDP) and ``benchmarks/model_step.py`` (one process):
+"fraction of the GEMM limit" is a step's model FLOPs over its time, divided by :func:`gemm_rate` of the model's
+largest GEMM with the same threads (on a GPU the same ratio is MFU against what the device reaches, not its
+datasheet).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``) in MB; NaN where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def gemm_rate(rank, world_size, m: int, k: int, n: int, threads: int, seconds: float = 2.0) -> float:
+    """FLOP/s of this rank's ``torch.mm`` of (m, k) x (k, n) in fp32 with ``threads`` threads, all ranks at once
+    (a ``run_distributed_test`` function: the ranks start timing together)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    for _ in range(3):
+        torch.mm(a, b)
+    if dist.is_initialized():
+        dist.barrier()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2.0 * m * k * n * count / (time.perf_counter() - start)

@@ -1,0 +1,178 @@
+"""A whole-model training step in one process: ``MulaForCausalLM`` (FastSparseMoE) vs transformers'
+``OlmoeForCausalLM`` with ``grouped_mm`` experts (and its eager per-expert loop), same weights, same batch.
+
+Run::
+
+    python benchmarks/model_step.py                              # both shapes, fp32, 2 threads
+    python benchmarks/model_step.py --shapes tiny --profile      # where the step's time goes, per part
+    python benchmarks/model_step.py --only mula "grouped_mm"     # skip HF eager
+
+Why one process: ``benchmarks/train.py`` measures ``mula fit`` against Lightning DDP, where collectives and the
+sharded optimizer share the step; this one isolates the model (forward, backward) and the optimizer step, the part
+every layout runs on every rank.
+
+Shapes:
+
+* ``tiny``: the demo's ``mula-tiny-moe`` (hidden 128, 4 layers, 8 experts top-2 of width 128, vocabulary 4096);
+* ``7b-a1b-like``: Mula-7B-A1B's layer (hidden 2048, 16 heads of 128, experts of width 1024, top-8, vocabulary
+  50304) at depth 2 and with 32 experts instead of 64, so that two models' training state fits a 24 GiB machine (the
+  experts a token meets, hence the FLOPs per token, are those of the full model).
+
+A step is ``loss = lm_loss + aux_loss; loss.backward(); optimizer.step(); optimizer.zero_grad()`` with torch's AdamW
+as :class:`~mula_lightning.lightning_module.MulaLM` configures it for one device (the fused kernel where the device
+has one) for every contender. Each contender runs in a fresh process (peak memory is its own), ``--repeats`` times,
+interleaved; the best run is reported. The fraction of the GEMM limit is the model FLOPs of a step
+(``MulaConfig.flops_per_token``, forward and backward) over the step time and over the rate of a ``torch.mm`` of the
+model's largest GEMM (the LM head: batch tokens x hidden x vocabulary) with the same threads, measured in the same
+run. ``--profile`` adds one profiled step per contender (:mod:`step_profile`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_profile, beside this script
+
+from machine_limits import gemm_rate, peak_rss_mb  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(preset="mula-tiny-moe", batch=8, seq_len=256, overrides={}),
+    "7b-a1b-like": dict(preset="mula-7b-a1b", batch=2, seq_len=256, overrides=dict(num_layers=2, num_experts=32)),
+}
+CONTENDERS = ("mula (fast)", "HF grouped_mm", "HF eager")
+
+
+def _config(shape: str):
+    from mula_lightning.models import MulaConfig
+
+    spec = SHAPES[shape]
+    return MulaConfig.from_name(spec["preset"], moe_impl="fast", max_seq_len=spec["seq_len"], **spec["overrides"])
+
+
+def _build(config, contender: str):
+    """(model, step function) of a contender; the HF models get the Mula model's weights."""
+    from mula_lightning.lightning_module import single_device_adamw
+    from mula_lightning.models import MulaForCausalLM, init_weights
+
+    model = init_weights(MulaForCausalLM(config), seed=0)
+    if contender.startswith("HF"):
+        from transformers import OlmoeForCausalLM
+
+        from mula_lightning.models.hf_convert import hf_config_from_mula, to_hf
+
+        hf_config = hf_config_from_mula(config)
+        hf_config._experts_implementation = "eager" if "eager" in contender else "grouped_mm"
+        hf_config.output_router_logits = True  # the load-balancing loss, as Mula computes it
+        state = to_hf(model).state_dict()
+        del model
+        model = OlmoeForCausalLM(hf_config)
+        model.load_state_dict(state)
+        del state
+    optimizer = single_device_adamw(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def step(input_ids: torch.Tensor) -> None:
+        if contender.startswith("HF"):
+            loss = model(input_ids=input_ids, labels=input_ids).loss  # includes the router's aux loss
+        else:
+            out = model(input_ids, labels=input_ids)
+            loss = out.loss + out.aux_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def _run(rank, world_size, shape: str, contender: str, args) -> dict[str, Any]:
+    """One contender in this fresh process: warm-up steps, timed steps, an optional profiled step."""
+    torch.set_num_threads(args.threads)
+    config = _config(shape)
+    spec = SHAPES[shape]
+    model, step = _build(config, contender)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (spec["batch"], spec["seq_len"]), generator=gen) for _ in range(4)]
+    for i in range(args.warmup):
+        step(batches[i % len(batches)])
+    start = time.perf_counter()
+    for i in range(args.steps):
+        step(batches[i % len(batches)])
+    seconds = (time.perf_counter() - start) / args.steps
+    result: dict[str, Any] = {"s_per_step": seconds, "peak_mb": peak_rss_mb()}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        import step_profile
+
+        step_profile.label_parts(model)
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            start = time.perf_counter()
+            step(batches[0])
+            wall_us = (time.perf_counter() - start) * 1e6
+        result["profile"] = step_profile.shares(profiler, wall_us)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", nargs="*", help="run only the contenders whose name contains one of these")
+    parser.add_argument("--profile", action="store_true", help="profile one more step per contender: shares")
+    args = parser.parse_args()
+
+    from mula_lightning.testing import run_distributed_test
+
+    contenders = [c for c in CONTENDERS if not args.only or any(o in c for o in args.only)]
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")
+    for shape in args.shapes:
+        config, spec = _config(shape), SHAPES[shape]
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(args.repeats):
+            for name in contenders:  # interleaved: a slow phase of a shared machine hits every contender alike
+                (result,) = run_distributed_test(_run, 1, timeout=3600, shape=shape, contender=name, args=args)
+                if name not in best or result["s_per_step"] < best[name]["s_per_step"]:
+                    best[name] = result
+        tokens = spec["batch"] * spec["seq_len"]
+        gemm = (tokens, config.hidden_size, config.vocab_size)  # the LM head, the largest GEMM
+        (rate,) = run_distributed_test(gemm_rate, 1, m=gemm[0], k=gemm[1], n=gemm[2], threads=args.threads)
+        flops = config.flops_per_token(spec["seq_len"]) * tokens
+        print(
+            f"\n{shape}: hidden {config.hidden_size}, {config.num_layers} layers, {config.num_experts} experts top-"
+            f"{config.top_k} of width {config.intermediate_size}, vocab {config.vocab_size}; batch {spec['batch']} x "
+            f"{spec['seq_len']} tokens; fp32, {args.threads} threads, AdamW; best of {args.repeats}, {args.steps} "
+            f"timed steps after {args.warmup}"
+        )
+        print(
+            f"GEMM limit: torch.mm {gemm[0]} x {gemm[1]} x {gemm[2]} fp32, {args.threads} threads: {rate / 1e9:.1f} "
+            f"GFLOP/s; model FLOPs per step {flops / 1e9:.2f} G"
+        )
+        reference = best.get("HF grouped_mm", {}).get("s_per_step", float("nan"))
+        print(
+            "\n| contender | tokens/s | s/step | vs HF grouped_mm | fraction of the GEMM limit | peak MB |\n"
+            "|---|---|---|---|---|---|"
+        )
+        for name in contenders:
+            r = best[name]
+            print(
+                f"| {name} | {tokens / r['s_per_step']:.0f} | {r['s_per_step']:.3f} | "
+                f"{reference / r['s_per_step']:.2f}x | {flops / r['s_per_step'] / rate:.2f} | {r['peak_mb']:.0f} |"
+            )
+        if args.profile:
+            import step_profile
+
+            print(f"\nWhere one step's time goes ({shape}, shares of the profiled step):\n")
+            print(step_profile.table({name: best[name]["profile"] for name in contenders}))
+
+
+if __name__ == "__main__":
+    main()
