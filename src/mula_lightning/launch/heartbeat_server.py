@@ -69,7 +69,10 @@ class HeartbeatServer:
         if self._closed:
             return
         self._closed = True
-        self._wake_w.send(b"x")
+        # the serving thread may already have seen _closed at its 1 s select timeout and closed the other end: the
+        # wake-up is then unneeded and its send fails (EPIPE), which must not fail the launcher's shutdown
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         self._thread.join(timeout=5.0)
         self._wake_w.close()
 
