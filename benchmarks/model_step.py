@@ -5,7 +5,7 @@ Run::
 
     python benchmarks/model_step.py                              # both shapes, fp32, 2 threads
     python benchmarks/model_step.py --shapes tiny --profile      # where the step's time goes, per part
-    python benchmarks/model_step.py --only mula "grouped_mm"     # skip HF eager
+    python benchmarks/model_step.py --only mula grouped_mm       # skip HF eager
 
 Why one process: ``benchmarks/train.py`` measures ``mula fit`` against Lightning DDP, where collectives and the
 sharded optimizer share the step; this one isolates the model (forward, backward) and the optimizer step, the part
@@ -17,6 +17,10 @@ Shapes:
 * ``7b-a1b-like``: Mula-7B-A1B's layer (hidden 2048, 16 heads of 128, experts of width 1024, top-8, vocabulary
   50304) at depth 2 and with 32 experts instead of 64, so that two models' training state fits a 24 GiB machine (the
   experts a token meets, hence the FLOPs per token, are those of the full model).
+
+``mula (fast)`` computes the loss as :class:`~mula_lightning.lightning_module.MulaLM` does (``return_logits=False``:
+the LM head and the cross-entropy fused in chunks, :mod:`mula_lightning.models.linear_cross_entropy`), ``mula (fast),
+plain loss`` through the whole batch's logits, as transformers does.
 
 A step is ``loss = lm_loss + aux_loss; loss.backward(); optimizer.step(); optimizer.zero_grad()`` with torch's AdamW
 as :class:`~mula_lightning.lightning_module.MulaLM` configures it for one device (the fused kernel where the device
@@ -46,7 +50,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(preset="mula-tiny-moe", batch=8, seq_len=256, overrides={}),
     "7b-a1b-like": dict(preset="mula-7b-a1b", batch=2, seq_len=256, overrides=dict(num_layers=2, num_experts=32)),
 }
-CONTENDERS = ("mula (fast)", "HF grouped_mm", "HF eager")
+CONTENDERS = ("mula (fast)", "mula (fast), plain loss", "HF grouped_mm", "HF eager")
 
 
 def _config(shape: str):
@@ -80,8 +84,8 @@ def _build(config, contender: str):
     def step(input_ids: torch.Tensor) -> None:
         if contender.startswith("HF"):
             loss = model(input_ids=input_ids, labels=input_ids).loss  # includes the router's aux loss
-        else:
-            out = model(input_ids, labels=input_ids)
+        else:  # as MulaLM trains: the loss only (head + loss fused in chunks), or logits then the loss
+            out = model(input_ids, labels=input_ids, return_logits="plain loss" in contender)
             loss = out.loss + out.aux_loss
         loss.backward()
         optimizer.step()

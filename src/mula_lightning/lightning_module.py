@@ -332,7 +332,7 @@ class MulaLM(LightningModule):
             out = self._strategy().pipeline_step(input_ids, batch["labels"], loss_scale=1.0 / accumulate)
             loss, lm_loss, aux_loss = out.loss, out.lm_loss, out.aux_loss
         else:
-            out = self.model(input_ids, labels=batch["labels"])
+            out = self.model(input_ids, labels=batch["labels"], return_logits=False)  # head + loss fused, chunked
             loss, lm_loss, aux_loss = out.loss + out.aux_loss, out.loss, out.aux_loss
         # ThroughputMonitor wants the step's FLOPs over all ranks: one per distinct batch (tp / pp ranks share one)
         sampler = getattr(self.trainer, "distributed_sampler_kwargs", None) if self._trainer is not None else None
@@ -356,7 +356,9 @@ class MulaLM(LightningModule):
         if self._pipeline() is not None:  # the last stage's summed loss, on every rank of the pipeline
             loss_sum = self._strategy().pipeline_eval_step(batch["input_ids"], batch["labels"])
         else:
-            loss_sum = self.model(batch["input_ids"], labels=batch["labels"], loss_reduction="sum").loss
+            loss_sum = self.model(
+                batch["input_ids"], labels=batch["labels"], loss_reduction="sum", return_logits=False
+            ).loss
         tokens = (batch["labels"][:, 1:] != -100).sum()  # MulaDataModule.real_token_count
         self.val_loss.update(loss_sum / tokens.clamp(min=1), weight=tokens)  # token-weighted, synced over ranks
         self.log(f"{prefix}/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)

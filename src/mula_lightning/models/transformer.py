@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mula_lightning.models.config import MulaConfig
+from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
 from mula_lightning.moe.block import FastSparseMoEBlock
 from mula_lightning.moe.reference import MoEAux, ReferenceMoEBlock
 from mula_lightning.utils.precision import upcast
@@ -188,14 +189,15 @@ class MulaOutput:
     """Model output.
 
     Attributes:
-        logits: (B, T, V) in the parameters' dtype.
+        logits: (B, T, V) in the parameters' dtype; None when the model was asked for the loss only
+            (``return_logits=False``: the LM head and the loss ran fused, chunk by chunk).
         loss: mean next-token cross-entropy over labels != -100 (None without labels); the LM loss only.
         aux_loss: MoE auxiliary losses summed over layers, already weighted by their coefficients
             (a zero scalar for dense models).
         moe_aux: per MoE layer side outputs (tokens per expert, drops, unweighted losses).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     moe_aux: list[MoEAux] = field(default_factory=list)
@@ -228,24 +230,52 @@ class MulaForCausalLM(nn.Module):
         #: ``(logits, labels, reduction) -> loss``; a vocabulary-parallel plan swaps in its own (logits are then this
         #: rank's slice of the vocabulary)
         self.loss_function = causal_lm_loss
+        #: rows of logits alive at once when the LM head and the loss run fused (``return_logits=False``); None:
+        #: :data:`~mula_lightning.models.linear_cross_entropy.CHUNK_ELEMENTS` / vocabulary
+        self.loss_chunk_tokens: int | None = None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not any(p.is_meta for p in self.parameters()):
             init_weights(self, seed=0)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, loss_reduction: str = "mean"
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_reduction: str = "mean",
+        return_logits: bool = True,
     ) -> MulaOutput:
+        """Logits and, with ``labels``, the loss. ``return_logits=False`` (training and validation in
+        :class:`~mula_lightning.lightning_module.MulaLM`) asks for the loss only: the LM head and the cross-entropy
+        then run fused in chunks (:func:`~mula_lightning.models.linear_cross_entropy.linear_cross_entropy`), never
+        holding the whole batch's logits, wherever the head is a plain linear layer under the plain loss (a
+        vocabulary-parallel head keeps its own loss over its logits)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         hidden, moe_aux = self.model(input_ids)
-        logits = self.lm_head(hidden)
-        loss = self.loss_function(logits, labels, loss_reduction) if labels is not None else None
+        if labels is not None and not return_logits and self._fused_loss_applies():
+            logits = None
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, labels, loss_reduction, self.loss_chunk_tokens)
+        else:
+            logits = self.lm_head(hidden)
+            loss = self.loss_function(logits, labels, loss_reduction) if labels is not None else None
         if moe_aux:
             aux_loss = torch.stack([a.aux_loss for a in moe_aux]).sum()
         else:
-            aux_loss = logits.new_zeros((), dtype=torch.float32)
+            aux_loss = hidden.new_zeros((), dtype=torch.float32)
         return MulaOutput(logits=logits, loss=loss, aux_loss=aux_loss, moe_aux=moe_aux)
+
+    def _fused_loss_applies(self) -> bool:
+        """The plain loss over a plain ``nn.Linear`` head without bias (a tensor-parallel plan's head holds a DTensor
+        and brings its own loss). The fused path reads the head's weight without calling the head: hooks on
+        ``lm_head`` itself do not run there (hooks on the whole model do)."""
+        head = self.lm_head
+        return (
+            self.loss_function is causal_lm_loss
+            and type(head) is nn.Linear
+            and head.bias is None
+            and type(head.weight) is nn.Parameter
+        )
 
     # Conversion with transformers (implemented in hf_convert).
     @classmethod
