@@ -20,7 +20,9 @@ Shapes:
 
 ``mula (fast)`` computes the loss as :class:`~mula_lightning.lightning_module.MulaLM` does (``return_logits=False``:
 the LM head and the cross-entropy fused in chunks, :mod:`mula_lightning.models.linear_cross_entropy`), ``mula (fast),
-plain loss`` through the whole batch's logits, as transformers does.
+plain loss`` through the whole batch's logits, as transformers does; ``mula (fast), compiled`` with ``epso``'s
+``compile=True`` (``torch.compile`` of every layer's attention and norms; the compilation happens in the warm-up steps,
+which are not timed).
 
 A step is ``loss = lm_loss + aux_loss; loss.backward(); optimizer.step(); optimizer.zero_grad()`` with torch's AdamW
 as :class:`~mula_lightning.lightning_module.MulaLM` configures it for one device (the fused kernel where the device
@@ -50,7 +52,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(preset="mula-tiny-moe", batch=8, seq_len=256, overrides={}),
     "7b-a1b-like": dict(preset="mula-7b-a1b", batch=2, seq_len=256, overrides=dict(num_layers=2, num_experts=32)),
 }
-CONTENDERS = ("mula (fast)", "mula (fast), plain loss", "HF grouped_mm", "HF eager")
+CONTENDERS = ("mula (fast)", "mula (fast), plain loss", "mula (fast), compiled", "HF grouped_mm", "HF eager")
 
 
 def _config(shape: str):
@@ -79,6 +81,10 @@ def _build(config, contender: str):
         model = OlmoeForCausalLM(hf_config)
         model.load_state_dict(state)
         del state
+    if "compiled" in contender:  # epso's compile=True: attention and norms (the MoE blocks stay eager)
+        from mula_lightning.parallel.parallelize import apply_compile
+
+        apply_compile(model)
     optimizer = single_device_adamw(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def step(input_ids: torch.Tensor) -> None:
