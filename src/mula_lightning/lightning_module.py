@@ -44,6 +44,7 @@ from mula_lightning.checkpoint.init_source import InitWeights, init_source_confi
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
+from mula_lightning.parallel.sharded_optimizer import FUSED_ADAMW_DEVICES
 from mula_lightning.parallel.topology import check_divisible
 from mula_lightning.strategies.protocol import (
     ShardingStrategy,
@@ -55,18 +56,16 @@ from mula_lightning.strategies.protocol import (
 
 def single_device_adamw(params: Any, **hyper: Any) -> torch.optim.AdamW:
     """torch's AdamW, through its fused kernel (one pass per parameter group: ``torch._fused_adamw_``) where every
-    parameter lives on a device that has one (CPU, CUDA, XPU, ...), else torch's default implementation.
+    parameter lives on a device that has one (``FUSED_ADAMW_DEVICES``, the list the sharded optimizers use), else
+    torch's default implementation.
 
     Why: on one device, under ``ddp`` and in ``benchmarks/model_step.py`` the update is torch's own; its default on
     CPU is a loop of several elementwise passes per parameter. Parameters on the meta device (the sharded strategies
     build the model there and replace this optimizer by their own sharded AdamW) take the default, which accepts them.
     """
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
     params = list(params)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    devices = set(_get_fused_kernels_supported_devices())
-    fused = bool(tensors) and all(t.device.type in devices and t.is_floating_point() for t in tensors)
+    fused = bool(tensors) and all(t.device.type in FUSED_ADAMW_DEVICES and t.is_floating_point() for t in tensors)
     return torch.optim.AdamW(params, fused=fused or None, **hyper)
 
 
