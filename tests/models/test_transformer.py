@@ -85,6 +85,40 @@ def test_initialisation_depends_on_seed_and_name_only():
     assert a["lm_head.weight"].std().item() == pytest.approx(0.02, rel=0.1)
 
 
+@pytest.mark.parametrize("block", [64, 1000, None], ids=["block-64", "block-1000", "default-block"])
+def test_any_element_range_of_an_initial_value_equals_the_full_draw(monkeypatch, block):
+    """``fill_initial_`` of random element ranges (inside one block, across several, the tensor's tail, empty) equals
+    the same elements of ``init_parameter``, bit for bit, in float32 and cast to bf16 / float64; a tensor of at most
+    one block is one generator draw (the values before blocks existed); a range outside the tensor is named."""
+    from mula_lightning.models import transformer
+    from mula_lightning.models.transformer import fill_initial_, init_parameter, stable_seed
+
+    if block is not None:
+        monkeypatch.setattr(transformer, "INIT_BLOCK_NUMEL", block)
+    config = _tiny(init_std=0.03)
+    shape = (97, 43) if block is not None else (2**20 + 777, 3)  # several blocks and a partial last one
+    full = init_parameter("model.embed_tokens.weight", shape, config, seed=7).reshape(-1)
+    n = full.numel()
+    g = torch.Generator().manual_seed(11)
+    ranges = [(0, n), (0, 0), (n - 5, n), (n, n)] + [
+        tuple(sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())) for _ in range(6)
+    ]
+    for start, stop in ranges:
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            out = torch.full((stop - start,), float("nan"), dtype=dtype)
+            fill_initial_(out, "model.embed_tokens.weight", shape, config, seed=7, start=start)
+            assert torch.equal(out, full[start:stop].to(dtype)), (start, stop, dtype)
+    small = (5, 7)
+    one_draw = torch.empty(small).normal_(0.0, 0.03, generator=torch.Generator().manual_seed(stable_seed(7, "w")))
+    assert torch.equal(init_parameter("w", small, config, seed=7), one_draw)
+    other = init_parameter("model.embed_tokens.weight", shape, config, seed=8).reshape(-1)
+    assert not torch.equal(full[-100:], other[-100:])
+    norm = torch.empty(4)
+    assert torch.equal(fill_initial_(norm, "model.norm.weight", (10,), config, seed=0, start=6), torch.ones(4))
+    with pytest.raises(ValueError, match=r"\[8, 12\) are outside 'model.norm.weight', of shape \(10,\)"):
+        fill_initial_(norm, "model.norm.weight", (10,), config, seed=0, start=8)
+
+
 def test_rmsnorm_matches_its_formula():
     """RMSNorm(x) = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
     norm = RMSNorm(16, eps=1e-5)

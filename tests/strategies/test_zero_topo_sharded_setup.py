@@ -21,6 +21,8 @@ from mula_lightning.testing import assert_parity, one_process_data_parallel, run
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP, STEPS, T = 0.05, 4, 12
 DTYPE = torch.float64
+#: the 3-level layout (weights over GCD pairs) and ZeRO-3, on 4 processes
+LAYOUTS_OF_4 = [dict(ranks_per_node=2, ranks_per_gpu=2), dict(ranks_per_node=4, weight_size=4, grad_size=4)]
 
 
 def _config(**overrides):
@@ -136,11 +138,7 @@ def _reference(world_size):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "sizes",
-    [dict(ranks_per_node=2, ranks_per_gpu=2), dict(ranks_per_node=4, weight_size=4, grad_size=4)],
-    ids=["3-level", "zero3"],
-)
+@pytest.mark.parametrize("sizes", LAYOUTS_OF_4, ids=["3-level", "zero3"])
 def test_fabric_setup_of_a_meta_model_is_sharded_and_trains_like_one_process(sizes):
     """``fabric.setup(model, AdamW)`` of a meta model on 4 processes (the 3-level layout and ZeRO-3): 4 clipped
     AdamW steps give every rank the losses one process computes on its micro-batches (float64)."""
@@ -253,3 +251,53 @@ def test_init_from_is_read_once_per_tensor_spread_over_the_ranks(tmp_path):
     for state, _, via_fabric in results:
         for k, v in source.state_dict().items():
             assert torch.equal(state[k], v) and torch.equal(via_fabric[k], v), k
+
+
+def _chunk_draws(rank, world_size, layout):
+    """Engine setup of a meta model on this rank: the element ranges its initializer drew, the units' weight-chunk
+    ranges, and whether each chunk equals the chunk of an engine built on a real model (``init_weights``)."""
+    from mula_lightning.parallel.parallelize import ParameterInitializer
+
+    class Recording(ParameterInitializer):
+        def __call__(self, param):
+            raise AssertionError(f"the whole value of {self.table[id(param)][1]} was asked for")
+
+        def fill_(self, param, out, start):
+            drawn.append((self.table[id(param)][1], start, out.numel()))
+            return super().fill_(param, out, start)
+
+    # a big vocabulary: the root unit (embeddings and head) is several initializer blocks, cut by the chunks
+    config = _config(vocab_size=40_000, hidden_size=64)
+    lay = ZeroTopoLayout(world_size, **layout)
+    with torch.device("meta"):
+        meta = MulaForCausalLM(config)
+    drawn = []
+    table = parameter_initializer(meta, seed=5).table
+    engine = HierarchicalZeroAdamW(meta, lay, **HP, block_size=16, initializer=Recording(table, seed=5))
+    reference = HierarchicalZeroAdamW(init_weights(MulaForCausalLM(config), seed=5), lay, **HP, block_size=16)
+    equal = [torch.equal(u.primary, r.primary) for u, r in zip(engine.units, reference.units)]
+    chunks = [(u.nw, u.buf.numel) for u in engine.units]
+    weight = lay.positions(rank).weight
+    in_chunk = 0  # parameter elements (not padding) inside this rank's weight chunks
+    for u in engine.units:
+        lo, hi = weight * u.nw, (weight + 1) * u.nw
+        in_chunk += sum(max(0, min(hi, s.end) - max(lo, s.start)) for s in u.buf.slots)
+    return drawn, chunks, equal, in_chunk
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS_OF_4, ids=["3-level", "zero3"])
+def test_each_rank_draws_only_its_weight_chunk(layout):
+    """4 processes, a meta model whose root unit spans several initializer blocks: no rank asks for a parameter's
+    whole value; the elements each rank draws are exactly its weight chunk of every unit (1/2 of the model in the
+    3-level layout, 1/4 under ZeRO-3), never a whole unit; and every chunk equals, bit for bit, the chunk the engine
+    cuts from a real model initialised by ``init_weights``. (Drawing a unit whole before cutting it cost one unit
+    above the rank's share at setup.)"""
+    results = run_pooled_test(_chunk_draws, 4, layout=layout, timeout=300)
+    weight_size = ZeroTopoLayout(4, **layout).weight_size
+    for rank, (drawn, chunks, equal, in_chunk) in enumerate(results):
+        assert all(equal), f"rank {rank}: chunks differ from the whole-model path: {equal}"
+        kept = sum(nw for nw, _ in chunks)
+        assert kept * weight_size == sum(numel for _, numel in chunks)
+        assert 0 < sum(count for _, _, count in drawn) == in_chunk <= kept  # padding is zero, never drawn
+        assert max(count for _, _, count in drawn) < max(numel for _, numel in chunks)

@@ -308,19 +308,58 @@ def stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+#: elements drawn per generator when a matrix is initialised: a parameter's values are a function of (seed, name) in
+#: blocks of this many elements (block ``b`` of the flattened tensor from its own generator), so any element range
+#: can be drawn without the rest (:func:`fill_initial_`); a tensor of at most one block is one draw, as before
+INIT_BLOCK_NUMEL = 2**20
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    return stable_seed(seed, name if block == 0 else f"{name}#init-block-{block}")
+
+
+def fill_initial_(
+    out: torch.Tensor, name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int, start: int = 0
+) -> torch.Tensor:
+    """Write elements ``[start, start + out.numel())`` of the flattened initial value of parameter ``name`` (full
+    shape ``shape``) into the contiguous tensor ``out``, drawing only the blocks that range touches.
+
+    This is how a shard owner materialises its part of a parameter without the full tensor: the extra memory is at
+    most one block (:data:`INIT_BLOCK_NUMEL` float32 elements), whatever the parameter's size. Every element equals
+    the same element of :func:`init_parameter` (cast to ``out``'s dtype), bit for bit.
+    """
+    numel = math.prod(shape)
+    stop = start + out.numel()
+    if start < 0 or stop > numel:
+        raise ValueError(f"elements [{start}, {stop}) are outside {name!r}, of shape {tuple(shape)} ({numel} elements)")
+    flat = out.view(-1)
+    if flat.numel() == 0:
+        return out
+    if name.endswith("norm.weight") or name.endswith(".bias"):
+        return flat.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+    first, last = start // INIT_BLOCK_NUMEL, -(-stop // INIT_BLOCK_NUMEL)
+    for block in range(first, last):
+        lo = block * INIT_BLOCK_NUMEL
+        hi = min(lo + INIT_BLOCK_NUMEL, numel)
+        gen = torch.Generator().manual_seed(_block_seed(seed, name, block))
+        whole = lo >= start and hi <= stop and out.dtype == torch.float32 and out.device.type == "cpu"
+        # a whole block of a float32 CPU target is drawn in place; any other is drawn into a block-sized temporary
+        target = flat[lo - start : hi - start] if whole else torch.empty(hi - lo)
+        target.normal_(0.0, config.init_std, generator=gen)
+        if not whole:
+            s, e = max(lo, start), min(hi, stop)
+            flat[s - start : e - start].copy_(target[s - lo : e - lo])
+    return out
+
+
 def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int) -> torch.Tensor:
     """The initial value of one full (unsharded) parameter, a function of (seed, name) alone.
 
-    Norm weights start at one, biases at zero; every matrix is drawn from ``N(0, init_std^2)`` with a generator
-    seeded by ``(seed, name)``. One process, DDP and any sharded layout therefore start bit-identical: shard owners
-    draw the full tensor and keep their slice.
+    Norm weights start at one, biases at zero; every matrix is drawn from ``N(0, init_std^2)``, block by block
+    (:func:`fill_initial_`) with generators seeded by ``(seed, name, block)``. One process, DDP and any sharded
+    layout therefore start bit-identical: shard owners draw only the blocks their part touches.
     """
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    gen = torch.Generator().manual_seed(stable_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, config.init_std, generator=gen)
+    return fill_initial_(torch.empty(shape), name, shape, config, seed)
 
 
 #: the one buffer a Mula model holds: each router's selection bias (auxiliary-loss-free balancing)

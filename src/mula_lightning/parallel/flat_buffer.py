@@ -104,6 +104,9 @@ class FlatBuffer:
             parameter's value exists at a time besides the buffer) and a new ``nn.Parameter`` viewing the buffer
             takes its place in the slot; :attr:`replaced` maps ``id(old)`` to it, for the owner to swap into modules
             and optimizer param groups.
+        defer_initial_values: with ``initial_value``, leave the new buffer unwritten (allocated with
+            ``torch.empty``: on the host its pages are not even touched) for the owner to write only the range it
+            keeps with :meth:`fill_initial`, so that a shard owner never holds a whole unit's values.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class FlatBuffer:
         allocate_grads: bool = True,
         device: torch.device | str | None = None,
         initial_value: Callable[[nn.Parameter], torch.Tensor] | None = None,
+        defer_initial_values: bool = False,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatBuffer needs at least one parameter")
@@ -162,12 +166,19 @@ class FlatBuffer:
             close_bucket()
         self.numel = offset
 
-        self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        deferred = defer_initial_values and initial_value is not None
+        allocate = torch.empty if deferred else torch.zeros
+        self.params = allocate(self.numel, dtype=self.dtype, device=self.device)
+        #: per slot, the meta parameter whose initial value :meth:`fill_initial` writes (deferred values only)
+        self.initial_sources: list[nn.Parameter | None] = []
+        self.initial_value = initial_value if deferred else None
         with torch.no_grad():
             for slot in self.slots:
                 view = self.params[slot.start : slot.end].view_as(local_tensor(slot.param))
+                self.initial_sources.append(slot.param if deferred and slot.param.is_meta else None)
                 if slot.param.is_meta and initial_value is not None:
-                    view.copy_(initial_value(slot.param))
+                    if not deferred:
+                        view.copy_(initial_value(slot.param))
                     # .data, as for a real parameter below: a Parameter built on the view would share the buffer's
                     # version counter, and the owner's in-place gathers would invalidate tensors autograd saved
                     new = nn.Parameter(view.new_empty(0), requires_grad=slot.param.requires_grad)
@@ -184,6 +195,31 @@ class FlatBuffer:
         self.segments = self.segments_for(shard_index)
         self.owned_numel = sum(b.shard_numel for b in self.buckets)
         self.runs = self._group_runs()
+
+    @torch.no_grad()
+    def fill_initial(self, out: torch.Tensor, start: int) -> torch.Tensor:
+        """Write buffer elements ``[start, start + out.numel())`` into ``out`` from the deferred initial values
+        (padding zero; a parameter that was not on the meta device gives its current values).
+
+        Asks the initializer for every slot in layout order, with an empty range where ``out`` holds nothing of it,
+        since an initializer that reads weights is a collective (every rank asks for every parameter in one order).
+        """
+        if self.initial_value is None:
+            raise RuntimeError("fill_initial needs a buffer built with initial_value and defer_initial_values=True")
+        stop = start + out.numel()
+        out.zero_()
+        fill = getattr(self.initial_value, "fill_", None)
+        for slot, source in zip(self.slots, self.initial_sources):
+            s, e = max(start, slot.start), min(stop, slot.end)
+            target = out[s - start : e - start] if s < e else out[:0]
+            first = s - slot.start if s < e else 0
+            if source is None:
+                target.copy_(local_tensor(slot.param).detach().reshape(-1)[first : first + target.numel()])
+            elif fill is not None:
+                fill(source, target, first)
+            else:  # a plain callable: its full value, sliced
+                target.copy_(self.initial_value(source).reshape(-1)[first : first + target.numel()])
+        return out
 
     def _group_runs(self) -> list[tuple[int, int, int]]:
         """Owned elements as maximal (local_start, local_end, group_index) runs; padding joins its neighbours.
@@ -226,6 +262,14 @@ class FlatBuffer:
         if len(ranges) == 1:
             return buffer[ranges[0][0] : ranges[0][1]]
         return torch.cat([buffer[lo:hi] for lo, hi in ranges])
+
+    def gather_owned_into(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`gather_owned` written into ``out`` (any dtype: cast on the way), without a concatenated copy."""
+        offset = 0
+        for lo, hi in self.owned_ranges():
+            out[offset : offset + hi - lo].copy_(buffer[lo:hi])
+            offset += hi - lo
+        return out
 
     def scatter_owned(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
         """Write concatenated owned elements back into ``buffer`` (inverse of :meth:`gather_owned`)."""

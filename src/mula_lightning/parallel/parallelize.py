@@ -22,7 +22,6 @@ Materialisation (meta device -> real tensors) and the initial broadcast are in :
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from mula_lightning.models.transformer import (
     BIAS_BUFFER,
     MulaDecoderLayer,
     MulaForCausalLM,
+    fill_initial_,
     init_buffer,
     init_parameter,
 )
@@ -190,7 +190,62 @@ def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]]
     return table
 
 
-def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Parameter], torch.Tensor] | None:
+class ParameterInitializer:
+    """The initial value of any meta parameter of a Mula model, drawn on demand from (seed, single-device name).
+
+    Calling it gives a parameter's full value; :meth:`fill_` writes an element range of it, drawing only the blocks
+    that range touches (:func:`~mula_lightning.models.transformer.fill_initial_`): a shard owner materialises its
+    part without ever holding the whole tensor.
+    """
+
+    def __init__(self, table: dict[int, tuple[MulaConfig, str]], seed: int) -> None:
+        self.table, self.seed = table, seed
+
+    def __call__(self, param: nn.Parameter) -> torch.Tensor:
+        config, name = self.table[id(param)]
+        return init_parameter(name, param.shape, config, self.seed)
+
+    def fill_(self, param: nn.Parameter, out: torch.Tensor, start: int) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of ``param``'s flattened initial value, written into ``out``."""
+        config, name = self.table[id(param)]
+        return fill_initial_(out, name, param.shape, config, self.seed, start)
+
+
+class WeightsInitializer:
+    """Like :class:`ParameterInitializer`, with the values read from ``weights`` (``init_from``, an
+    :class:`~mula_lightning.checkpoint.init_source.InitWeights`): the ``i``-th parameter asked for is read by rank
+    ``i % world_size`` alone and broadcast to the others, so the reads are spread over the ranks, each tensor is read
+    once, and no rank holds more than the parameter in flight besides what the caller keeps.
+
+    Collective: every rank must ask for the same parameters in the same order (the engine materialises its units in
+    one order on every rank), :meth:`fill_` included, with an empty ``out`` where a rank keeps nothing of one.
+    """
+
+    def __init__(
+        self, table: dict[int, tuple[MulaConfig, str]], weights: Any, rank: int, world_size: int, device: Any
+    ) -> None:
+        self.table, self.weights, self.rank, self.world_size, self.device = table, weights, rank, world_size, device
+        self.asked = 0
+
+    def __call__(self, param: nn.Parameter) -> torch.Tensor:
+        config, name = self.table[id(param)]
+        reader, self.asked = self.asked % self.world_size, self.asked + 1
+        if self.rank == reader:
+            value = self.weights.read(config, name).to(device=self.device, dtype=param.dtype)
+        else:
+            value = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+        if is_distributed() and self.world_size > 1:
+            dist.broadcast(value, src=reader)
+        return value
+
+    def fill_(self, param: nn.Parameter, out: torch.Tensor, start: int) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of ``param``'s flattened value, written into ``out`` (the whole
+        tensor is read and broadcast: a collective, one parameter in flight)."""
+        value = self(param).reshape(-1)
+        return out.view(-1).copy_(value[start : start + out.numel()])
+
+
+def parameter_initializer(model: nn.Module, seed: int = 0) -> ParameterInitializer | None:
     """The initial full value of any meta parameter of ``model``, drawn on demand from (seed, single-device name):
     exactly what :func:`materialize_and_broadcast` gives it, so a strategy can materialise one shard at a time.
 
@@ -199,45 +254,16 @@ def parameter_initializer(model: nn.Module, seed: int = 0) -> Callable[[nn.Param
     model's are set by :func:`init_mula_buffers`); the caller then materialises the whole model as before.
     """
     table = _meta_parameter_table(model)
-    if table is None:
-        return None
-
-    def initial_value(param: nn.Parameter) -> torch.Tensor:
-        config, name = table[id(param)]
-        return init_parameter(name, param.shape, config, seed)
-
-    return initial_value
+    return None if table is None else ParameterInitializer(table, seed)
 
 
 def weights_initializer(
     model: nn.Module, weights: Any, rank: int, world_size: int, device: torch.device | str = "cpu"
-) -> Callable[[nn.Parameter], torch.Tensor] | None:
-    """Like :func:`parameter_initializer`, with the values read from ``weights`` (``init_from``, an
-    :class:`~mula_lightning.checkpoint.init_source.InitWeights`): the ``i``-th parameter asked for is read by rank
-    ``i % world_size`` alone and broadcast to the others, so the reads are spread over the ranks, each tensor is read
-    once, and no rank holds more than the parameter in flight besides what the caller keeps.
-
-    Collective: every rank must ask for the same parameters in the same order (the engine materialises its units in
-    one order on every rank). None in the cases :func:`parameter_initializer` names.
-    """
+) -> WeightsInitializer | None:
+    """A :class:`WeightsInitializer` for the meta parameters of ``model`` (collective: see there). None in the cases
+    :func:`parameter_initializer` names."""
     table = _meta_parameter_table(model)
-    if table is None:
-        return None
-    asked = 0
-
-    def initial_value(param: nn.Parameter) -> torch.Tensor:
-        nonlocal asked
-        config, name = table[id(param)]
-        reader, asked = asked % world_size, asked + 1
-        if rank == reader:
-            value = weights.read(config, name).to(device=device, dtype=param.dtype)
-        else:
-            value = torch.empty(param.shape, dtype=param.dtype, device=device)
-        if is_distributed() and world_size > 1:
-            dist.broadcast(value, src=reader)
-        return value
-
-    return initial_value
+    return None if table is None else WeightsInitializer(table, weights, rank, world_size, device)
 
 
 def move_real_tensors(model: nn.Module, device: torch.device) -> None:
@@ -293,11 +319,11 @@ def _initialise(model: nn.Module, topology: MoETopology, seed: int, weights: Any
                 local_tensor(param).copy_(local_part(param, full))
             elif weights is not None:
                 param.copy_(weights.read(config, name, rows))
-            elif sliced:
-                full = init_parameter(name, (config.num_experts, *shape[1:]), config, seed)
-                param.copy_(full[rows].to(param.dtype))
+            elif sliced:  # this rank's experts: a contiguous range of the full tensor, drawn alone
+                full_shape = (config.num_experts, *shape[1:])
+                fill_initial_(param, name, full_shape, config, seed, start=rows.start * param[0].numel())
             else:
-                param.copy_(init_parameter(name, shape, config, seed).to(param.dtype))
+                fill_initial_(param, name, shape, config, seed)  # block by block, straight into the parameter
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         if own and not all(id(p) in covered for p in own) and hasattr(module, "reset_parameters"):

@@ -317,9 +317,11 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _init_state(self) -> None:
         self.shards: dict[str, dict[str, torch.Tensor]] = {}
         for fam, buf in self.buffers.items():
-            owned = buf.gather_owned(buf.params)
             state_dtype = at_least_float32(buf.dtype)
-            master = owned.to(state_dtype) if buf.dtype != state_dtype else None
+            master = None
+            if buf.dtype != state_dtype:  # written range by range: no concatenated copy of the owned elements
+                master = torch.empty(buf.owned_numel, dtype=state_dtype, device=buf.device)
+                buf.gather_owned_into(buf.params, master)
             moments = ("exp_avg", "exp_avg_sq")
             eager = {"master": master} if master is not None else {}
             self.shards[fam] = ZerosOnFirstUse(moments, buf.owned_numel, state_dtype, buf.device, eager)

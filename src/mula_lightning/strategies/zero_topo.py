@@ -216,7 +216,7 @@ class ZeroTopoOptions(ShardingOptions):
     def _sharded_initializer(self, module: nn.Module):
         """What gives a meta parameter its value when setup can be sharded (every meta parameter in a Mula model and
         trained), else None: drawn from the seed, or with ``init_from`` read by one rank (round robin over the
-        parameters) and broadcast; the engine keeps each rank's chunks of one unit at a time."""
+        parameters) and broadcast; each rank writes only its weight chunk of each unit."""
         weights = self.init_weights()
         if weights is not None:
             return weights_initializer(module, weights, self.global_rank, self.world_size, self.root_device)
@@ -271,8 +271,8 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None):
         """``fabric.setup(model, optimizer)``: a meta model is materialised by the engine one unit at a time (this
-        rank keeps its chunks only); otherwise (``fabric.setup_module`` alone, modules outside a Mula model) the whole
-        model first, as :meth:`setup_module` does."""
+        rank draws its weight chunks only); otherwise (``fabric.setup_module`` alone, modules outside a Mula model)
+        the whole model first, as :meth:`setup_module` does."""
         initializer = self._sharded_initializer(module) if len(optimizers) == 1 else None
         if initializer is None:
             return super().setup_module_and_optimizers(module, optimizers, scheduler)

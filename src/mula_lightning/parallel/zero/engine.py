@@ -100,7 +100,10 @@ class _Unit:
             n // lay.grad_size,
             n // (lay.optimizer_size),
         )
-        self.primary = buf.params[pos.weight * self.nw : (pos.weight + 1) * self.nw].clone()
+        if buf.initial_value is not None:  # a meta unit: draw (or read) this rank's weight chunk alone
+            self.primary = buf.fill_initial(buf.params.new_empty(self.nw), pos.weight * self.nw)
+        else:
+            self.primary = buf.params[pos.weight * self.nw : (pos.weight + 1) * self.nw].clone()
         self.opt_offset = pos.optimizer * self.no - pos.weight * self.nw  # optimizer chunk inside the primary
         self.grad_offset = pos.optimizer * self.no - pos.grad * self.ng  # optimizer chunk inside the gradient shard
         own = self.primary[self.opt_offset : self.opt_offset + self.no]
@@ -169,10 +172,11 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         quantize_grads: INT4 (``grad_bits``) all-to-all gradient reduce-scatter.
         block_size: elements per quantization block.
         unit_pattern: regular expression of the module names that become units.
-        initializer: for a model on the meta device, the full initial value of a (meta) parameter; the engine then
-            materialises one unit at a time (each value drawn straight into the unit's flat buffer, which lives
-            until this rank's chunks are cut from it), so no rank ever holds more than its chunks plus one unit
-            (see :func:`~mula_lightning.parallel.parallelize.parameter_initializer`).
+        initializer: for a model on the meta device, the full initial value of a (meta) parameter; with a
+            ``fill_(param, out, start)`` method (an element range of it) each rank writes only its weight chunk of
+            each unit, the unit's buffer never written, so no rank holds more than its chunks plus one initializer
+            block (see :class:`~mula_lightning.parallel.parallelize.ParameterInitializer`); a plain callable costs
+            one parameter's full value at a time.
         device: where meta parameters are materialised (default: CPU).
     """
 
@@ -228,10 +232,11 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         owners = _parameter_owners(model)
         self.units: list[_Unit] = []
         for i in sorted(by_unit):
-            meta_unit = any(p.is_meta for _, p, _ in by_unit[i])  # drawn into its buffer, which lives until chunked
+            meta_unit = any(p.is_meta for _, p, _ in by_unit[i])  # each rank draws its weight chunk only
             buf = FlatBuffer(
                 by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align, allocate_grads=False,
                 device=torch.device(device or "cpu") if meta_unit else None, initial_value=initializer,
+                defer_initial_values=True,
             )  # fmt: skip
             self._swap_parameters(buf.replaced, owners)
             module = _root_module(model, [s.param for s in buf.slots]) if i == 0 else modules[i - 1]

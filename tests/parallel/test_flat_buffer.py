@@ -1,0 +1,60 @@
+"""FlatBuffer on one process: deferred initial values written range by range equal the eagerly written buffer, and
+the owned elements gathered into a preallocated tensor equal the concatenated gather."""
+
+import pytest
+import torch
+from torch import nn
+
+from mula_lightning.models import MulaConfig
+from mula_lightning.parallel.flat_buffer import FlatBuffer
+from mula_lightning.parallel.parallelize import ParameterInitializer
+
+CONFIG = MulaConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=8)
+
+
+def _params(real_values):
+    """Three meta parameters and one real one (its values given), in one param group and a second."""
+    shapes = {"a.weight": (13, 7), "b.norm.weight": (7,), "c.weight": (40, 9)}
+    with torch.device("meta"):
+        meta = {n: nn.Parameter(torch.empty(s)) for n, s in shapes.items()}
+    real = nn.Parameter(real_values.clone())
+    items = [("a.weight", meta["a.weight"], 0), ("real", real, 0), ("b.norm.weight", meta["b.norm.weight"], 1)]
+    items.append(("c.weight", meta["c.weight"], 1))
+    table = {id(p): (CONFIG, n) for n, p in meta.items()}
+    return items, table
+
+
+@pytest.mark.parametrize("kind", ["ranged", "plain callable"])
+def test_deferred_initial_values_equal_the_eager_buffer_in_any_range(kind):
+    """A buffer built with ``defer_initial_values`` writes nothing at construction; ``fill_initial`` of random ranges
+    (buckets, padding, a real parameter's slot included) equals the same elements of a buffer whose initial values
+    were written at construction, padding zero; with a plain callable (no ``fill_``) the full value is sliced."""
+    real_values = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    items, table = _params(real_values)
+    init = ParameterInitializer(table, seed=4)
+    eager = FlatBuffer(items, 4, 1, bucket_numel=100, align=3, device="cpu", initial_value=init)
+    items, table = _params(real_values)
+    init = ParameterInitializer(table, seed=4)
+    asked = init if kind == "ranged" else (lambda p: init(p))
+    lazy = FlatBuffer(items, 4, 1, bucket_numel=100, align=3, device="cpu", initial_value=asked,
+                      defer_initial_values=True)  # fmt: skip
+    assert lazy.numel == eager.numel > sum(p.numel() for _, p, _ in items)  # padding exists
+    g = torch.Generator().manual_seed(1)
+    ranges = [(0, lazy.numel), (lazy.numel, lazy.numel)]
+    ranges += [tuple(sorted(torch.randint(0, lazy.numel + 1, (2,), generator=g).tolist())) for _ in range(10)]
+    for start, stop in ranges:
+        out = torch.full((stop - start,), float("nan"))
+        lazy.fill_initial(out, start)
+        assert torch.equal(out, eager.params[start:stop]), (start, stop)
+    assert all(not p.is_meta for p in (s.param for s in lazy.slots))
+    with pytest.raises(RuntimeError, match="defer_initial_values=True"):
+        eager.fill_initial(torch.empty(3), 0)
+
+
+def test_owned_elements_gathered_into_a_tensor_equal_the_concatenation():
+    """``gather_owned_into`` (several buckets, cast to float64 on the way) equals ``gather_owned``."""
+    params = [(f"p{i}", nn.Parameter(torch.randn(11, i + 2)), 0) for i in range(5)]
+    buf = FlatBuffer(params, 3, 2, bucket_numel=30)
+    assert len(buf.buckets) > 1
+    out = torch.empty(buf.owned_numel, dtype=torch.float64)
+    assert torch.equal(buf.gather_owned_into(buf.params, out), buf.gather_owned(buf.params).double())
