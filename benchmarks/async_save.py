@@ -1,7 +1,7 @@
 """What a checkpoint costs the training loop: synchronous vs asynchronous ``DualCheckpoint`` saves, per strategy.
 
 Run: ``.venv/bin/python benchmarks/async_save.py`` (CPU, gloo, 2 processes; about two minutes). Options:
-``--world 2``, ``--models moe dense``, ``--layouts zero3 epso``, ``--steps 4``.
+``--world 2`` (or 1), ``--models moe dense``, ``--layouts zero3 epso``, ``--steps 4``.
 
 Why: a synchronous save stops every rank for as long as storage takes; ``DualCheckpoint(async_save=True)`` stages
 the state to host memory at the step and writes it in a background thread. The issue's target: a training step
@@ -16,8 +16,9 @@ steps of one 64-token sequence per rank, contenders in one run, each after a war
 * ``during`` = (that call + the ``--steps`` steps that follow + waiting for the write to finish) / ``--steps``: the
   cost of a step while a save is in flight, when saves are ``--steps`` steps apart; ratio to ``step``.
 
-On a 2-core CPU the background writer competes with training for the same cores; on a GPU node the step runs on the
-device and the writer on the host.
+On a 2-core CPU with ``--world 2`` the background writer competes with training for the same cores (every core
+trains); ``--world 1`` leaves the writer the second core, as a GPU node leaves it idle host cores while the step runs
+on the device (EP = 1 there: one process holds every expert).
 """
 
 from __future__ import annotations

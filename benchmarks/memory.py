@@ -105,7 +105,7 @@ def _strategy(layout: str, model: str, world_size: int):
         return FabricZeroTopoStrategy(weight_size=world_size, grad_size=world_size, optimizer_size=world_size)
     if layout == "zero_topo":
         return FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2)
-    return FabricEPSOStrategy(ep_size=2 if model == "moe" else 1)
+    return FabricEPSOStrategy(ep_size=2 if model == "moe" and world_size > 1 else 1)
 
 
 def _phases(fabric, config, path: str) -> dict:
