@@ -92,7 +92,9 @@ def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=
     losses, norms = _steps(fabric, model, optimizer, range(steps))
     topo = fabric.strategy.topology
     state = _local_state(model)
-    return losses, norms, state, (topo.ep_rank, topo.ep_size), fabric.strategy.distributed_sampler_kwargs
+    runner = fabric.strategy.pipeline
+    fused = runner.last, runner.fused_loss, [m.hidden_out for _, m in runner.stages]
+    return losses, norms, state, (topo.ep_rank, topo.ep_size), fabric.strategy.distributed_sampler_kwargs, fused
 
 
 def _reference(dp, steps=STEPS, kind="moe"):
@@ -117,7 +119,7 @@ def _reference(dp, steps=STEPS, kind="moe"):
 def _compare(results, reference, stage_size, dp, tp=1):
     ref_losses, ref_norms, ref_state = reference
     seen = set()
-    for rank, (losses, norms, state, (ep_rank, ep_size), sampler) in enumerate(results):
+    for rank, (losses, norms, state, (ep_rank, ep_size), sampler, *_) in enumerate(results):
         # expert-parallel peers read their own batch, tensor-parallel ones (and a pipeline's ranks) the same
         assert sampler == {"num_replicas": dp, "rank": rank % stage_size // tp}
         expected = torch.tensor([step[sampler["rank"]] for step in ref_losses], dtype=torch.float64)
@@ -152,12 +154,16 @@ LAYOUTS = {
 def test_pipeline_parallel_epso_matches_one_process(layout):
     """5 clipped AdamW steps with the MoE losses on, float64: every rank's step loss, the pre-clip global norms and
     each parameter a rank holds equal one process; every rank of a pipeline reads the same batch and the stages
-    cover the model."""
+    cover the model. The last stage runs the LM head fused with the loss (the reference's plain head + loss), except
+    under TP, whose vocabulary-parallel head keeps its loss over its logits."""
     spec = dict(LAYOUTS[layout])
     world = spec.pop("world")
     results = run_pooled_test(_train, world, **spec, timeout=300)
     stage, tp = world // spec["pp"], spec.get("tp", 1)
     _compare(results, _reference(stage // tp, kind=spec.get("kind", "moe")), stage, stage // tp, tp)
+    for *_, (last, fused, hidden_out) in results:  # the LM head runs fused with the loss, except TP's vocab-parallel
+        assert fused == (last and tp == 1)
+        assert hidden_out == [fused and i == len(hidden_out) - 1 for i in range(len(hidden_out))]
 
 
 @pytest.mark.parametrize(

@@ -211,8 +211,9 @@ class PipelineStageModule(nn.Module):
     ``model``), with the embedding on the first stage and the final norm and LM head on the last.
 
     ``forward`` takes token ids (first stage) or hidden states (the others) and returns hidden states, or logits on
-    the last stage. The MoE side outputs of its last forward are in :attr:`last_aux` (detached, for statistics), and
-    :attr:`aux_history` holds the weighted auxiliary loss of every forward since it was last emptied (for logging).
+    the last stage (its normed hidden states with :attr:`hidden_out`). The MoE side outputs of its last forward are
+    in :attr:`last_aux` (detached, for statistics), and :attr:`aux_history` holds the weighted auxiliary loss of
+    every forward since it was last emptied (for logging).
     """
 
     #: the gradient each micro-batch's auxiliary loss gets in its backward (set by :func:`build_schedule`: the
@@ -221,6 +222,9 @@ class PipelineStageModule(nn.Module):
     #: the ways tensor parallelism's sequence parallelism splits the activations a stage passes on along the
     #: sequence (1 without it): the rotary tables are those of the whole sequence
     sequence_split: int = 1
+    #: the last stage returns the normed hidden states instead of logits, for a loss that runs the LM head fused
+    #: with the cross-entropy (set by :class:`~mula_lightning.parallel.pipeline_runner.PipelineRunner`)
+    hidden_out: bool = False
 
     def __init__(self, model: MulaForCausalLM, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -281,7 +285,7 @@ class PipelineStageModule(nn.Module):
             self.aux_history.append(total.detach())
             x = _StageAuxLoss.apply(x, total, self.aux_grad_scale)
         if self.norm is not None:
-            x = self.lm_head(self.norm(x))
+            x = self.norm(x) if self.hidden_out else self.lm_head(self.norm(x))
         return x
 
 

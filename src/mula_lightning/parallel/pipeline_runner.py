@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
 from mula_lightning.models.transformer import MulaForCausalLM
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
@@ -87,14 +88,25 @@ class PipelineRunner:
             module.sequence_split = topology.tp_size if topology.sequence_parallel else 1
         self.first = any(index == 0 for index, _ in self.stages)
         self.last = any(index == self.num_stages - 1 for index, _ in self.stages)
+        # the last stage's loss runs the LM head fused with the cross-entropy, in chunks, as MulaForCausalLM does
+        # with return_logits=False (a tensor-parallel head keeps its vocabulary-parallel loss over its logits)
+        self.fused_loss = self.last and model._fused_loss_applies()
+        for index, module in self.stages:
+            module.hidden_out = self.fused_loss and index == self.num_stages - 1
         self.device = torch.device(device)
         self._schedules: dict[int, Any] = {}  # by micro-batch count (a last, shorter batch gets its own)
         self._raw: list[torch.Tensor] = []
         self._reduction = "mean"
         self._scale = 1.0
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.model.loss_function(logits, labels, self._reduction)
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss from the last stage's output: its normed hidden states when the loss is fused (the
+        LM head's weight gradient is computed here, in chunks, and reaches the head in the backward), else logits."""
+        if self.fused_loss:
+            weight = self.model.lm_head.weight
+            loss = linear_cross_entropy(output, weight, labels, self._reduction, self.model.loss_chunk_tokens)
+        else:
+            loss = self.model.loss_function(output, labels, self._reduction)
         self._raw.append(loss.detach())
         return loss * self._scale
 
