@@ -58,3 +58,27 @@ def test_owned_elements_gathered_into_a_tensor_equal_the_concatenation():
     assert len(buf.buckets) > 1
     out = torch.empty(buf.owned_numel, dtype=torch.float64)
     assert torch.equal(buf.gather_owned_into(buf.params, out), buf.gather_owned(buf.params).double())
+
+
+@pytest.mark.parametrize("shards,index", [(1, 0), (3, 0), (3, 2), (4, 1)])
+def test_owned_places_are_the_owned_elements_where_they_live(shards, index):
+    """``owned_places`` cuts the owned runs (two param groups, several buckets) at the owned ranges' seams: in order
+    they cover the owned elements exactly once, each place's buffer range holds what the concatenated gather holds at
+    its local range, with the run's group; with one shard the places are the runs themselves (one range)."""
+    params = [(f"p{i}", nn.Parameter(torch.randn(7, i + 3)), i % 2) for i in range(6)]
+    buf = FlatBuffer(params, shards, index, bucket_numel=40)
+    assert len(buf.buckets) > 2
+    buf.params.copy_(torch.arange(buf.numel, dtype=buf.params.dtype))
+    owned = buf.gather_owned(buf.params)
+    places = buf.owned_places()
+    assert [lo for lo, *_ in places] == [0] + [hi for _, hi, *_ in places[:-1]]
+    assert places[-1][1] == buf.owned_numel
+    group_at = {}
+    for lo, hi, group in buf.runs:
+        group_at.update({i: group for i in range(lo, hi)})
+    for lo, hi, at, group in places:
+        assert torch.equal(buf.params[at : at + hi - lo], owned[lo:hi])
+        assert {group_at[i] for i in range(lo, hi)} == {group}
+    if shards == 1:
+        assert [(lo, hi, group) for lo, hi, _, group in places] == buf.runs
+        assert all(at == lo for lo, _, at, _ in places)

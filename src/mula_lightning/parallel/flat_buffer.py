@@ -256,6 +256,27 @@ class FlatBuffer:
         """Buffer ranges this rank owns, one per bucket (padding included)."""
         return [b.shard_range(self.shard_index) for b in self.buckets]
 
+    def owned_places(self) -> list[tuple[int, int, int, int]]:
+        """Where each owned run lives: ``(local_start, local_end, buffer_start, group_index)``, the runs of
+        :attr:`runs` (coordinates of the concatenated owned elements) cut where the owned elements stop being one
+        range of the buffer. With one shard (a replicated family) the owned ranges join into the whole buffer and the
+        places are the runs themselves; an update through them needs no concatenated copy of the owned elements."""
+        merged: list[list[int]] = []  # [buffer_lo, buffer_hi, local_lo]
+        local = 0
+        for lo, hi in self.owned_ranges():
+            if merged and merged[-1][1] == lo:
+                merged[-1][1] = hi
+            else:
+                merged.append([lo, hi, local])
+            local += hi - lo
+        places = []
+        for run_lo, run_hi, group in self.runs:
+            for lo, hi, offset in merged:
+                s, e = max(run_lo, offset), min(run_hi, offset + hi - lo)
+                if s < e:
+                    places.append((s, e, lo + s - offset, group))
+        return places
+
     def gather_owned(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's owned elements of ``buffer`` (``params`` or ``grads``) concatenated (a view if one bucket)."""
         ranges = self.owned_ranges()

@@ -451,13 +451,21 @@ class ShardedAdamW(torch.optim.Optimizer):
         return loss
 
     def _adamw_update(self, fam: str, buf: FlatBuffer) -> None:
+        """The owned shard's AdamW step in place, run by run (:meth:`FlatBuffer.owned_places`): the buffers' own
+        elements, no concatenated copy of the owned gradients and weights and no copy back."""
         state = self.shards[fam]
-        grads = buf.gather_owned(buf.grads).to(state["exp_avg"].dtype)
-        params = state.get("master")
-        if params is None:
-            params = buf.gather_owned(buf.params)
-        adamw_update_(params, grads, state["exp_avg"], state["exp_avg_sq"], buf.runs, self.param_groups, self._step)
-        buf.scatter_owned(buf.params, params.to(buf.dtype) if params.dtype != buf.dtype else params)
+        master, exp_avg, exp_avg_sq = state.get("master"), state["exp_avg"], state["exp_avg_sq"]
+        places = buf.owned_places()
+        pieces = []
+        for lo, hi, at, group in places:
+            grads = buf.grads[at : at + hi - lo]
+            grads = grads if grads.dtype == exp_avg.dtype else grads.to(exp_avg.dtype)
+            params = master[lo:hi] if master is not None else buf.params[at : at + hi - lo]
+            pieces.append((params, grads, exp_avg[lo:hi], exp_avg_sq[lo:hi], group))
+        adamw_update_pieces_(pieces, self.param_groups, self._step)
+        if master is not None:  # the half-precision weights from their float32 master
+            for lo, hi, at, _ in places:
+                buf.params[at : at + hi - lo].copy_(master[lo:hi])
 
     def _all_gather(self, fam: str, buf: FlatBuffer) -> None:
         plan = self.plans[fam]
@@ -514,25 +522,42 @@ def adamw_update_(
     group instead of the six of :func:`adamw_update_reference_`, the same formula (rounded in another order: 1 ulp);
     a device or dtype mix the kernel does not take uses the reference.
     """
-    fusable = params.device.type in FUSED_ADAMW_DEVICES and hasattr(torch, "_fused_adamw_")
-    fusable = fusable and params.dtype == grads.dtype == exp_avg.dtype == exp_avg_sq.dtype
-    if not fusable:
-        adamw_update_reference_(params, grads, exp_avg, exp_avg_sq, runs, param_groups, step)
+    pieces = [(params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], gi) for lo, hi, gi in runs]
+    adamw_update_pieces_(pieces, param_groups, step)
+
+
+#: one piece of an AdamW update: equal-length 1-D views of weights, gradients and both moments, and the index of the
+#: param group whose hyper-parameters apply
+AdamWPiece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+@torch.no_grad()
+def adamw_update_pieces_(pieces: list[AdamWPiece], param_groups: list[dict[str, Any]], step: int) -> None:
+    """:func:`adamw_update_` on pieces that need not be one range of one tensor each (a sharded optimizer's owned
+    elements straight in its flat buffers): one fused kernel call per param group over all its pieces."""
+    pieces = [piece for piece in pieces if piece[0].numel()]
+    if not pieces:
         return
-    by_group: dict[int, list[tuple[int, int]]] = {}
-    for lo, hi, gi in runs:
-        if hi > lo:
-            by_group.setdefault(gi, []).append((lo, hi))
-    step_t = torch.tensor(float(step), dtype=torch.float32, device=params.device)
-    for gi, ranges in by_group.items():
+    device = pieces[0][0].device
+    fusable = device.type in FUSED_ADAMW_DEVICES and hasattr(torch, "_fused_adamw_")
+    fusable = fusable and all(p.dtype == g.dtype == m.dtype == v.dtype for p, g, m, v, _ in pieces)
+    if not fusable:
+        for p, g, m, v, gi in pieces:
+            adamw_update_reference_(p, g, m, v, [(0, p.numel(), gi)], param_groups, step)
+        return
+    by_group: dict[int, list[AdamWPiece]] = {}
+    for piece in pieces:
+        by_group.setdefault(piece[4], []).append(piece)
+    step_t = torch.tensor(float(step), dtype=torch.float32, device=device)
+    for gi, group in by_group.items():
         lr, (b1, b2), eps, wd = _hyper_parameters(param_groups[gi])
         torch._fused_adamw_(
-            [params[lo:hi] for lo, hi in ranges],
-            [grads[lo:hi] for lo, hi in ranges],
-            [exp_avg[lo:hi] for lo, hi in ranges],
-            [exp_avg_sq[lo:hi] for lo, hi in ranges],
+            [piece[0] for piece in group],
+            [piece[1] for piece in group],
+            [piece[2] for piece in group],
+            [piece[3] for piece in group],
             [],
-            [step_t] * len(ranges),
+            [step_t] * len(group),
             lr=lr,
             beta1=b1,
             beta2=b2,
