@@ -255,3 +255,49 @@ def test_fused_adamw_update_equals_the_written_out_reference(dtype):
     for name, got, expected in zip(("params", "exp_avg", "exp_avg_sq"), fused, reference):
         bound = 16 * torch.finfo(dtype).eps * expected.double().abs().max().item()
         assert (got.double() - expected.double()).abs().max().item() <= bound, name
+
+
+def _norms(rank, world_size, ep, bucket_numel):
+    """The global norm taken twice (logging, then clipping) and after clipping, with the all-reduces each took."""
+    import mula_lightning.parallel.sharded_optimizer as sharded
+
+    topo = build_topology(ep)
+    full = _full_params()
+    model = _Model({n: (_slice(t, topo.ep_rank, ep) if n in EXPERT_SHAPES else t) for n, t in full.items()})
+    params = dict(model.named_parameters())
+    opt = ShardedAdamW(model, topo, "ep_aware", bucket_numel=bucket_numel, **HP)
+    sum(((p * _grad(n, p.shape, (0, 0), rank)).sum() for n, p in params.items())).backward()
+    opt.finish_grad_sync()
+    calls = []
+    all_reduce = sharded.dist.all_reduce
+    sharded.dist.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
+    try:
+        first, second = opt.owned_grad_norm(), opt.owned_grad_norm()
+        before_clip = len(calls)
+        clipped = opt.clip_grad_norm_(0.5 * first.item())
+        after = opt.owned_grad_norm()
+    finally:
+        sharded.dist.all_reduce = all_reduce
+    return first.item(), second.item(), clipped.item(), after.item(), before_clip, len(calls)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("bucket_numel", [None, 20])
+def test_global_norm_is_reduced_once_until_the_gradients_change(bucket_numel):
+    """4 ranks, EP=2, one bucket or many: the global gradient norm equals the norm of the summed gradients (float64);
+    asked twice (logged, then clipped by) it costs one all-reduce; clipping changes the gradients, so the next norm
+    is taken again (one more all-reduce) and is the clipped value, half the first."""
+    results = run_pooled_test(_norms, 4, ep=2, bucket_numel=bucket_numel, timeout=120)
+    squares = 0.0
+    for n, p in _full_params().items():
+        total = torch.zeros_like(p)
+        for rank in range(4):
+            g = _grad(n, _slice(p, rank % 2, 2).shape if n in EXPERT_SHAPES else p.shape, (0, 0), rank)
+            (_slice(total, rank % 2, 2) if n in EXPERT_SHAPES else total).add_(g)
+        squares += (total / 4).pow(2).sum().item()
+    expected = squares**0.5
+    for first, second, clipped, after, before_clip, calls in results:
+        assert first == second == clipped
+        assert first == pytest.approx(expected, rel=1e-12)
+        assert after == pytest.approx(0.5 * expected, rel=1e-6)  # torch's clip coefficient: max / (norm + 1e-6)
+        assert (before_clip, calls) == (1, 2)

@@ -244,6 +244,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.keep_grads = False
         self._step = 0
         self._synced = False  # reductions of this step finished (clip_grad_norm_ may run them before step)
+        self._grad_norm: torch.Tensor | None = None  # of the reduced gradients, until they change (see owned_grad_norm)
 
         by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {"non_expert": [], "tensor_parallel": [],
                                                                      "expert": []}  # fmt: skip
@@ -334,6 +335,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _on_grad(self, param: nn.Parameter) -> None:
         fam, bucket, start, end = self._bucket_of[id(param)]
         buf = self.buffers[fam]
+        self._grad_norm = None  # a new gradient: a norm taken before no longer holds
         grad, factor = local_gradient(param, self.topology.tp_size, self.topology.sequence_parallel)
         buf.grads[start:end].add_(grad.reshape(-1), alpha=factor)
         param.grad = None
@@ -371,6 +373,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._synced:
             return
         self._synced = True
+        self._grad_norm = None
         for fam, buf in self.buffers.items():
             plan = self.plans[fam]
             for b in buf.buckets:
@@ -409,15 +412,25 @@ class ShardedAdamW(torch.optim.Optimizer):
         return out
 
     def owned_grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced gradients, every element of the model counted exactly once."""
+        """Global L2 norm of the reduced gradients, every element of the model counted exactly once.
+
+        Squares are summed over the owned elements where they live, a bounded chunk at a time (no concatenated copy,
+        no shard-sized temporary). The norm is kept until the gradients change (a backward, clipping, ``zero_grad``):
+        logging it and clipping by it in one step cost one all-reduce, not two.
+        """
+        if self._grad_norm is not None:
+            return self._grad_norm
         dtype = at_least_float32(next(iter(self.buffers.values())).grads.dtype)
         total = torch.zeros((), dtype=dtype, device=next(iter(self.buffers.values())).device)
         for fam, buf in self.buffers.items():
-            owned = buf.gather_owned(buf.grads).to(dtype)
-            total += owned.pow(2).sum() / self.plans[fam].cross_size
+            family = torch.zeros((), dtype=dtype, device=total.device)
+            for lo, hi, at, _ in buf.owned_places():
+                family += _sum_of_squares(buf.grads[at : at + hi - lo], dtype)
+            total += family / self.plans[fam].cross_size
         if self.world_size > 1:  # every stage's elements (pipeline parallelism: each stage holds other layers)
             dist.all_reduce(total, group=self.topology.world_group)
-        return total.sqrt()
+        self._grad_norm = total.sqrt()
+        return self._grad_norm
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -433,6 +446,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for buf in self.buffers.values():
             for lo, hi in buf.owned_ranges():
                 buf.grads[lo:hi].mul_(scale)
+        self._grad_norm = None  # the gradients changed
         return norm
 
     @torch.no_grad()
@@ -488,6 +502,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ready.clear()
         self._pending.clear()
         self._synced = False
+        self._grad_norm = None
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -495,6 +510,14 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     computes it: the gradients are multiplied by it whether or not they are clipped (by exactly 1.0 when not), so
     clipping costs no host synchronisation (a ``.item()`` per step would stall an accelerator's queue)."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 22) -> torch.Tensor:
+    """``sum(x**2)`` in ``dtype``, ``chunk`` elements at a time (the temporaries stay small whatever ``x``'s size)."""
+    total = torch.zeros((), dtype=dtype, device=x.device)
+    for lo in range(0, x.numel(), chunk):
+        total += x[lo : lo + chunk].to(dtype).pow(2).sum()
+    return total
 
 
 #: device types whose torch build has the one-pass AdamW kernel ``torch._fused_adamw_``
