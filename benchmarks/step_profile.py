@@ -7,7 +7,9 @@ alike: both name their modules as transformers does). How a microsecond is attri
   the modules of each part (``embed_tokens`` -> embedding, ``self_attn`` -> attention, the layer norms, ``mlp.gate``
   -> router, ``mlp.experts`` -> experts, shared experts, ``lm_head``); an MoE block's own time outside its router and
   experts is its dispatch and combine (Mula's block runs through ``forward_with_aux``, wrapped the same way), the
-  top model's own time outside its layers is residual adds and the loss over the vocabulary;
+  top model's own time outside its layers is residual adds and the loss over the vocabulary; Mula's fused LM head +
+  loss (``linear_cross_entropy``, whose forward runs the head's backward GEMMs too) is its own part, by its
+  ``mula::linear_cross_entropy`` range;
 * **backward, per part**: each autograd node's ``evaluate_function`` event carries the sequence number of the
   forward op that created it; the forward op's part names the backward one (``MmBackward0`` of an expert GEMM is
   "experts"). ``AccumulateGrad`` (where the sharded optimizer's gradient hooks run) is its own row;
@@ -50,6 +52,9 @@ PARTS = (
     (re.compile(r"\.mlp$"), "mlp"),  # an MoE block (its own time: dispatch + combine) or a dense MLP
     (re.compile(r"(^|\.)lm_head$"), "LM head"),
 )
+#: the fused LM head + loss's own range (:data:`mula_lightning.models.linear_cross_entropy.PROFILER_RANGE`): the head's
+#: three GEMMs and the loss run in its forward, so it is a part of its own rather than "model: residuals + loss"
+FUSED_HEAD_LOSS = ("mula::linear_cross_entropy", "LM head + loss (fused: its backward GEMMs run in the forward)")
 COLLECTIVE = re.compile(r"c10d::|^gloo:|^nccl:|record_param_comms|ProcessGroup")
 EVALUATE = "autograd::engine::evaluate_function: "
 
@@ -113,6 +118,8 @@ def _category(event: Any, forward_part: dict[int, str]) -> str | None:
             return f"backward: {forward_part.get(node.sequence_nr, 'other')}"
         if name.startswith("part::"):
             return f"forward: {name[6:]}"
+        if name == FUSED_HEAD_LOSS[0]:
+            return f"forward: {FUSED_HEAD_LOSS[1]}"
         if name == "mula::gradient_sync":  # the sharded optimizer waiting for its reduce-scatters
             return "gradient sync (waits for the reduce-scatters)"
         if name == "mula::weight_all_gather":
@@ -148,6 +155,8 @@ def _forward_parts(events: list[Any]) -> dict[int, str]:
                 break
             if part is None and node.name.startswith("part::"):
                 part = node.name[6:]
+            if part is None and node.name == FUSED_HEAD_LOSS[0]:
+                part = FUSED_HEAD_LOSS[1]
             node = node.cpu_parent
         else:
             start = e.time_range.start

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 
 from mula_lightning.utils.precision import at_least_float32
 
@@ -32,6 +33,8 @@ __all__ = ["CHUNK_ELEMENTS", "linear_cross_entropy"]
 #: rows per chunk cost speed on CPU (256 rows of a 50k vocabulary: 0.92x the plain path), more cost memory
 CHUNK_ELEMENTS = 2**25
 IGNORE_INDEX = -100
+#: the ``record_function`` range around every call, for profiles (``benchmarks/step_profile.py`` reads it)
+PROFILER_RANGE = "mula::linear_cross_entropy"
 
 
 def _chunk_loss(
@@ -121,14 +124,15 @@ def linear_cross_entropy(
         chunk_tokens = max(1, CHUNK_ELEMENTS // weight.shape[0])
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        with torch.no_grad():
-            total = sum(
-                (_chunk_loss(flat[s : s + chunk_tokens], weight, targets[s : s + chunk_tokens], False)[0].sum()
-                 for s in range(0, flat.shape[0], chunk_tokens)),
-                torch.zeros((), dtype=at_least_float32(flat.dtype), device=flat.device),
-            )  # fmt: skip
-        return total / (targets != IGNORE_INDEX).sum() if reduction == "mean" else total
-    return _LinearCrossEntropy.apply(flat, weight, targets, reduction, chunk_tokens)
+    with record_function(PROFILER_RANGE):  # a profile can tell the fused head + loss (and its GEMMs) apart
+        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+            with torch.no_grad():
+                total = sum(
+                    (_chunk_loss(flat[s : s + chunk_tokens], weight, targets[s : s + chunk_tokens], False)[0].sum()
+                     for s in range(0, flat.shape[0], chunk_tokens)),
+                    torch.zeros((), dtype=at_least_float32(flat.dtype), device=flat.device),
+                )  # fmt: skip
+            return total / (targets != IGNORE_INDEX).sum() if reduction == "mean" else total
+        return _LinearCrossEntropy.apply(flat, weight, targets, reduction, chunk_tokens)
