@@ -424,8 +424,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         total = torch.zeros((), dtype=dtype, device=next(iter(self.buffers.values())).device)
         for fam, buf in self.buffers.items():
             family = torch.zeros((), dtype=dtype, device=total.device)
-            for lo, hi, at, _ in buf.owned_places():
-                family += _sum_of_squares(buf.grads[at : at + hi - lo], dtype)
+            for lo, hi in buf.owned_ranges():
+                family += _sum_of_squares(buf.grads[lo:hi], dtype)
             total += family / self.plans[fam].cross_size
         if self.world_size > 1:  # every stage's elements (pipeline parallelism: each stage holds other layers)
             dist.all_reduce(total, group=self.topology.world_group)
