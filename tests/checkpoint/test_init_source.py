@@ -127,3 +127,37 @@ def test_bad_sources_are_named(tmp_path):
     other = MulaConfig(**{**_model().config.to_dict(), "hidden_size": 48})
     with pytest.raises(ValueError, match=r"does not fit the model config.*source \(80, 32\) vs model \(80, 48\)"):
         InitWeights(path).load_into(MulaForCausalLM(other))
+
+
+def _sources(tmp_path, source):
+    """The same weights as a model-only directory, a Lightning ``.ckpt`` and a one-process DCP directory."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"model.{k}": v for k, v in source.state_dict().items()}
+    ckpt = tmp_path / "run.ckpt"
+    torch.save({"state_dict": state, "mula": {"config": source.config.to_dict()}}, ckpt)
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    return {"model-only": save_model_only(source, tmp_path / "weights"), ".ckpt": ckpt, "dcp": tmp_path / "dcp"}
+
+
+@pytest.mark.parametrize("kind", ["model-only", ".ckpt", "dcp"])
+def test_read_range_reads_only_the_range_from_every_source(tmp_path, kind):
+    """``InitWeights.read_range`` (what a ZeRO weight chunk reads): random flat ranges of every parameter, inside a
+    row, across rows, whole tensors and empty, equal the flattened parameter's elements in the buffer's dtype, and
+    the store counts exactly the range's bytes (no whole tensor is read to cut a range out of it)."""
+    source = _model()
+    weights = InitWeights(_sources(tmp_path, source)[kind])
+    g = torch.Generator().manual_seed(1)
+    for name, value in source.named_parameters():
+        flat = value.detach().reshape(-1)
+        for start, count in [(0, flat.numel()), (flat.numel() // 2, 0)] + [
+            (s := int(torch.randint(0, flat.numel(), (1,), generator=g)),
+             int(torch.randint(0, flat.numel() - s + 1, (1,), generator=g))) for _ in range(3)
+        ]:  # fmt: skip
+            out = torch.full((count,), float("nan"), dtype=torch.float64)
+            before = weights.store.bytes_read
+            weights.read_range(source.config, name, out, start)
+            assert torch.equal(out, flat[start : start + count].double()), (name, start, count)
+            assert weights.store.bytes_read - before == count * flat.element_size()
+    (tmp_path / "again").mkdir()
+    _assert_same(InitWeights(_sources(tmp_path / "again", source)[kind]).load_into(_fresh(source.config)), source)

@@ -208,22 +208,28 @@ def test_trainer_fit_sets_up_sharded_and_trains_bit_identical_to_the_whole_model
             assert torch.equal(sharded[key], value), key
 
 
-def _init_from_rank(rank, world_size, path):
+def _init_from_rank(rank, world_size, path, layout):
     from mula_lightning.checkpoint.init_source import InitWeights
     from mula_lightning.parallel.parallelize import weights_initializer
     from mula_lightning.strategies import FabricZeroTopoStrategy
 
     weights = InitWeights(path)
+    lay = ZeroTopoLayout(world_size, **layout)
     with torch.device("meta"):
         model = MulaForCausalLM(_config())
-    initializer = weights_initializer(model, weights, rank, world_size)
-    engine = HierarchicalZeroAdamW(model, ZeroTopoLayout(world_size, world_size, world_size), **HP,
-                                   block_size=16, initializer=initializer)  # fmt: skip
+    initializer = weights_initializer(model, weights, rank, world_size, replica_groups=lay.weight_replica_groups())
+    engine = HierarchicalZeroAdamW(model, lay, **HP, block_size=16, initializer=initializer)
+    initializer.close()
+    weight = lay.positions(rank).weight
+    in_chunk = 0  # parameter elements inside this rank's weight chunks
+    for u in engine.units:
+        lo, hi = weight * u.nw, (weight + 1) * u.nw
+        in_chunk += sum(max(0, min(hi, s.end) - max(lo, s.start)) for s in u.buf.slots)
     with engine.full_parameters():
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     read = weights.store.bytes_read
     # the same through the strategy: Fabric with init_from set on it
-    strategy = FabricZeroTopoStrategy(block_size=16)
+    strategy = FabricZeroTopoStrategy(block_size=16, **layout)
     strategy.init_from = path
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
@@ -232,24 +238,39 @@ def _init_from_rank(rank, world_size, path):
     net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
     with fabric.strategy.engine.full_parameters():
         via_fabric = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
-    return state, read, via_fabric
+    return state, read, in_chunk, via_fabric
 
 
 @pytest.mark.distributed
-def test_init_from_is_read_once_per_tensor_spread_over_the_ranks(tmp_path):
-    """init_from under the sharded setup (2 processes): every tensor is read by exactly one rank (the bytes read over
-    the ranks add up to the source once, each rank reading part of it) and broadcast; the engine's weights equal the
-    source bit for bit, directly and through Fabric with the strategy's init_from."""
+@pytest.mark.parametrize(
+    "layout, source", [(LAYOUTS_OF_4[0], "dcp"), (LAYOUTS_OF_4[1], "model-only")], ids=["3-level-dcp", "zero3"]
+)
+def test_init_from_reads_each_weight_chunk_once_and_broadcasts_it_to_its_replicas(tmp_path, layout, source):
+    """init_from under the sharded setup (4 processes; the 3-level layout from a DCP checkpoint, ZeRO-3 from a
+    model-only directory): the ranks that keep the same weight chunk (one per weight group) read it together exactly
+    once, each a part, and nobody reads anything else (bytes read per replica group = that chunk's parameter bytes,
+    over the job = the source once); the engine's weights equal the source bit for bit, directly and through Fabric
+    with the strategy's init_from. (Each tensor used to be read whole by one rank and broadcast to every rank.)"""
+    import torch.distributed.checkpoint as dcp
+
     from mula_lightning.models.checkpoint_io import save_model_only
 
-    source = init_weights(MulaForCausalLM(_config()), seed=7)
-    path = str(save_model_only(source, tmp_path / "weights"))
-    total = sum(v.numel() * v.element_size() for k, v in source.state_dict().items())
-    results = run_pooled_test(_init_from_rank, 2, path=path)
-    reads = [read for _, read, _ in results]
-    assert sum(reads) == total and all(0 < r < total for r in reads), (reads, total)
-    for state, _, via_fabric in results:
-        for k, v in source.state_dict().items():
+    reference = init_weights(MulaForCausalLM(_config()), seed=7)
+    if source == "dcp":
+        path = str(tmp_path / "dcp")
+        dcp.save({f"model.{k}": v for k, v in reference.state_dict().items()}, checkpoint_id=path, no_dist=True)
+    else:
+        path = str(save_model_only(reference, tmp_path / "weights"))
+    total = sum(v.numel() * v.element_size() for k, v in reference.state_dict().items())
+    results = run_pooled_test(_init_from_rank, 4, path=path, layout=layout, timeout=300)
+    lay = ZeroTopoLayout(4, **layout)
+    assert sum(read for _, read, _, _ in results) == total
+    for ranks in lay.weight_replica_groups():
+        chunk_bytes = results[ranks[0]][2] * 4  # float32 source
+        assert all(results[r][2] == results[ranks[0]][2] and results[r][1] > 0 for r in ranks)
+        assert sum(results[r][1] for r in ranks) == chunk_bytes, (ranks, [results[r][1] for r in ranks])
+    for state, _, _, via_fabric in results:
+        for k, v in reference.state_dict().items():
             assert torch.equal(state[k], v) and torch.equal(via_fabric[k], v), k
 
 

@@ -121,7 +121,7 @@ def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def _strip_prefix(flat: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    prefix = _model_prefix(flat, path)
+    prefix = model_prefix(flat, path)
     return {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
 
 
@@ -149,7 +149,9 @@ def _dcp_extra(path: Path) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
-def _model_prefix(keys: Any, path: Path) -> str:
+def model_prefix(keys: Any, path: Path) -> str:
+    """The key prefix of the Mula model's tensors in a full checkpoint (``"model."`` for ``MulaLM``'s), found from the
+    embedding's key; ``KeyError`` naming some keys when there is none."""
     anchors = [k for k in keys if k.endswith(_ANCHOR)]
     if not anchors:
         raise KeyError(f"{path}: no Mula model tensors (no key ending in {_ANCHOR!r}) among {sorted(keys)[:6]}")
@@ -177,7 +179,7 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, config: Any = None) ->
             extra = _dcp_extra(path)
             resolved = _resolve_config(path, extra, config)
             keys = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
-            out_dir, parameters = export_dcp_to_hf(path, Path(out), resolved, _model_prefix(keys, path))
+            out_dir, parameters = export_dcp_to_hf(path, Path(out), resolved, model_prefix(keys, path))
             stored = extra.get(CHECKPOINT_KEY) if isinstance(extra.get(CHECKPOINT_KEY), dict) else {}
             return out_dir, parameters, stored.get("data")
     model, data = read_checkpoint(checkpoint, config)

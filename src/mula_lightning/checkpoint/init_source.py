@@ -11,28 +11,35 @@ Sources, recognised by what the path holds:
 * **full checkpoint** written by ``mula fit``: a :class:`~mula_lightning.callbacks.DualCheckpoint` directory (its
   newest complete slot), one slot, a DCP directory of a sharded strategy or a Lightning ``.ckpt``. Only the model's
   tensors are read (the optimizer states stay on disk): the run starts with a fresh optimizer and schedule. The
-  config is the one ``MulaLM`` stored under ``checkpoint["mula"]``.
+  config is the one ``MulaLM`` stored under ``checkpoint["mula"]``. A DCP directory is read one tensor, expert slice
+  or flat range at a time (:class:`~mula_lightning.checkpoint.dcp_store.DcpStore`), whatever layout wrote it; a
+  ``.ckpt`` is memory-mapped.
 
 The model config always comes from the source (:func:`init_source_config` reads only the config file or the
 checkpoint's metadata, so ``MulaLM.__init__`` stays cheap). Weights are read by the ranks that initialise (one per
-shard under ``epso`` / ``zero_topo``, which then broadcast; every rank under plain DDP, whose wrapper broadcasts
-rank 0's anyway) through :class:`InitWeights`, which checks every name and shape against the model before the first
-copy. Everything is read as data (:mod:`mula_lightning.utils.safe_load`).
+shard under ``epso``, which then broadcasts; under ``zero_topo`` each weight chunk by one of the ranks that keep it,
+only its element range (:meth:`InitWeights.read_range`), then broadcast to them; every rank under plain DDP, whose
+wrapper broadcasts rank 0's anyway) through :class:`InitWeights`, which checks every name and shape against the
+model before the first copy. Everything is read as data (:mod:`mula_lightning.utils.safe_load`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mula_lightning.checkpoint.export import full_checkpoint_path, read_checkpoint, stored_entry
+from mula_lightning.checkpoint.dcp_store import DcpStore
+from mula_lightning.checkpoint.export import full_checkpoint_path, model_prefix, stored_entry
 from mula_lightning.models.checkpoint_io import WEIGHTS_NAME, is_model_only_dir, load_config
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.transformer import MulaForCausalLM, init_buffer
 from mula_lightning.models.upcycle_source import DictStore, SafetensorsStore, TensorStore
+from mula_lightning.parallel.tensor_pieces import flat_range_boxes
+from mula_lightning.utils.safe_load import load_torch_file
 
 __all__ = ["InitWeights", "init_source_config", "init_source_kind"]
 
@@ -130,8 +137,16 @@ class InitWeights:
 
             _, state = load_hf_directory(self.path)
             return DictStore(hf_to_mula_state_dict(state, init_source_config(self.path)))
-        model, _ = read_checkpoint(self.path)
-        return DictStore({**dict(model.named_parameters()), **dict(model.named_buffers())})
+        path = full_checkpoint_path(self.path)
+        if path.is_dir():  # a sharded checkpoint: each tensor (or part of one) read when asked for
+            return DcpStore(path)
+        ckpt = load_torch_file(path, mmap=True)  # a .ckpt: memory-mapped, the pages of what is read come in
+        state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else None
+        if not isinstance(state, dict):
+            raise ValueError(f"{path}: not a checkpoint (a torch file holding {type(ckpt).__name__}, not a dict)")
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        prefix = model_prefix(tensors, path)
+        return DictStore({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
 
     def check(self, config: MulaConfig) -> None:
         """Every parameter of ``MulaForCausalLM(config)`` is in the source with its shape (else ``ValueError``)."""
@@ -159,6 +174,22 @@ class InitWeights:
         if rows is None:
             return self.store.read(name)
         return self.store.read(name, (rows,))
+
+    def read_range(self, config: MulaConfig, name: str, out: torch.Tensor, start: int) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of the flattened parameter ``name``, written into the 1-D
+        ``out`` (cast to its dtype), checked against ``config`` first: a ZeRO weight chunk reads only its part.
+
+        A sharded checkpoint loads the range straight into ``out``; the other sources read the few boxes that cover
+        it (partial leading row, whole rows, partial trailing row), so only the range's bytes are read.
+        """
+        self.check(config)
+        store = self.store
+        if isinstance(store, DcpStore):
+            return store.read_range(name, out, start)
+        for offset, (offsets, sizes) in flat_range_boxes(store.shape(name), start, start + out.numel()):
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            out[offset - start : offset - start + math.prod(sizes)].copy_(store.read(name, box).reshape(-1))
+        return out
 
     def read_buffer(self, config: MulaConfig, name: str) -> torch.Tensor | None:
         """Buffer ``name`` of the source (a router's selection bias), or None where the source has none (a dense or

@@ -213,18 +213,35 @@ class ParameterInitializer:
 
 class WeightsInitializer:
     """Like :class:`ParameterInitializer`, with the values read from ``weights`` (``init_from``, an
-    :class:`~mula_lightning.checkpoint.init_source.InitWeights`): the ``i``-th parameter asked for is read by rank
-    ``i % world_size`` alone and broadcast to the others, so the reads are spread over the ranks, each tensor is read
-    once, and no rank holds more than the parameter in flight besides what the caller keeps.
+    :class:`~mula_lightning.checkpoint.init_source.InitWeights`), each part read once and broadcast to the ranks that
+    keep the same part.
+
+    :meth:`fill_` (what a sharded engine asks for: one element range of a parameter per rank) reads the range alone
+    (``weights.read_range``) on one rank of ``replicas``, the ranks that keep the same ranges (the engine's weight
+    chunk at the same position in every weight group), round robin over the parameters, and broadcasts it inside
+    them: the model is read once over the job, each rank reading about ``1 / world_size`` of it, and no rank holds
+    more of a parameter than the range it keeps. Without ``replicas`` (ranges that may differ between ranks), and
+    for :meth:`__call__`, the parameter's whole value is read by rank ``i % world_size`` and broadcast to every rank.
 
     Collective: every rank must ask for the same parameters in the same order (the engine materialises its units in
-    one order on every rank), :meth:`fill_` included, with an empty ``out`` where a rank keeps nothing of one.
+    one order on every rank), :meth:`fill_` included, with an empty ``out`` where a rank keeps nothing of one, and
+    the ranks of one replica group with the same ranges. :meth:`close` releases the replica groups.
+
+    Args:
+        replicas: this rank's replica group: ``(process group, its global ranks)``; see :func:`weights_initializer`.
     """
 
     def __init__(
-        self, table: dict[int, tuple[MulaConfig, str]], weights: Any, rank: int, world_size: int, device: Any
+        self,
+        table: dict[int, tuple[MulaConfig, str]],
+        weights: Any,
+        rank: int,
+        world_size: int,
+        device: Any,
+        replicas: tuple[Any, list[int]] | None = None,
     ) -> None:
         self.table, self.weights, self.rank, self.world_size, self.device = table, weights, rank, world_size, device
+        self.replicas = replicas
         self.asked = 0
 
     def __call__(self, param: nn.Parameter) -> torch.Tensor:
@@ -239,10 +256,27 @@ class WeightsInitializer:
         return value
 
     def fill_(self, param: nn.Parameter, out: torch.Tensor, start: int) -> torch.Tensor:
-        """Elements ``[start, start + out.numel())`` of ``param``'s flattened value, written into ``out`` (the whole
-        tensor is read and broadcast: a collective, one parameter in flight)."""
-        value = self(param).reshape(-1)
-        return out.view(-1).copy_(value[start : start + out.numel()])
+        """Elements ``[start, start + out.numel())`` of ``param``'s flattened value, written into ``out`` (collective
+        over the replica group: one member reads the range, the others receive it)."""
+        if self.replicas is None:
+            value = self(param).reshape(-1)
+            return out.view(-1).copy_(value[start : start + out.numel()])
+        group, ranks = self.replicas
+        reader, self.asked = ranks[self.asked % len(ranks)], self.asked + 1
+        if out.numel() == 0:  # the whole replica group keeps nothing of this parameter
+            return out
+        config, name = self.table[id(param)]
+        if self.rank == reader:
+            self.weights.read_range(config, name, out.view(-1), start)
+        if group is not None:
+            dist.broadcast(out, src=reader, group=group)
+        return out
+
+    def close(self) -> None:
+        """Release the replica groups (a communicator each on NCCL / XCCL); the initializer is done."""
+        if self.replicas is not None and self.replicas[0] is not None:
+            dist.destroy_process_group(self.replicas[0])
+        self.replicas = None
 
 
 def parameter_initializer(model: nn.Module, seed: int = 0) -> ParameterInitializer | None:
@@ -258,12 +292,37 @@ def parameter_initializer(model: nn.Module, seed: int = 0) -> ParameterInitializ
 
 
 def weights_initializer(
-    model: nn.Module, weights: Any, rank: int, world_size: int, device: torch.device | str = "cpu"
+    model: nn.Module,
+    weights: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device | str = "cpu",
+    replica_groups: list[list[int]] | None = None,
 ) -> WeightsInitializer | None:
     """A :class:`WeightsInitializer` for the meta parameters of ``model`` (collective: see there). None in the cases
-    :func:`parameter_initializer` names."""
+    :func:`parameter_initializer` names.
+
+    Args:
+        replica_groups: a partition of the ranks into the sets that keep the same element ranges of every parameter
+            (``ZeroTopoLayout.weight_replica_groups``); every rank creates their process groups, in this order. None:
+            whole parameters are read and broadcast to every rank.
+    """
     table = _meta_parameter_table(model)
-    return None if table is None else WeightsInitializer(table, weights, rank, world_size, device)
+    if table is None:
+        return None
+    replicas = None
+    if replica_groups is not None:
+        mine = next((list(ranks) for ranks in replica_groups if rank in ranks), None)
+        if mine is None or sorted(r for ranks in replica_groups for r in ranks) != list(range(world_size)):
+            raise ValueError(f"replica_groups {replica_groups} must partition the {world_size} ranks")
+        group = None
+        if is_distributed() and any(len(ranks) > 1 for ranks in replica_groups):
+            for ranks in replica_groups:  # every rank creates every group, in one order
+                created = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                if rank in ranks:
+                    group = created
+        replicas = (group, mine)
+    return WeightsInitializer(table, weights, rank, world_size, device, replicas)
 
 
 def move_real_tensors(model: nn.Module, device: torch.device) -> None:

@@ -215,12 +215,23 @@ class ZeroTopoOptions(ShardingOptions):
 
     def _sharded_initializer(self, module: nn.Module):
         """What gives a meta parameter its value when setup can be sharded (every meta parameter in a Mula model and
-        trained), else None: drawn from the seed, or with ``init_from`` read by one rank (round robin over the
-        parameters) and broadcast; each rank writes only its weight chunk of each unit."""
+        trained), else None: drawn from the seed, or with ``init_from`` each weight chunk read by one rank of the
+        ranks that keep it (round robin over the parameters) and broadcast to the others; each rank writes only its
+        weight chunk of each unit. Call :func:`_release` on it once the engine is built."""
         weights = self.init_weights()
         if weights is not None:
-            return weights_initializer(module, weights, self.global_rank, self.world_size, self.root_device)
+            groups = self.settings.layout(self.world_size).weight_replica_groups()
+            return weights_initializer(
+                module, weights, self.global_rank, self.world_size, self.root_device, replica_groups=groups
+            )
         return parameter_initializer(module, self.settings.seed)
+
+
+def _release(initializer: Any) -> None:
+    """Release what a sharded initializer holds once the engine has materialised the model (its process groups)."""
+    close = getattr(initializer, "close", None)
+    if close is not None:
+        close()
 
 
 class _NoReduceControl(_BackwardSyncControl):
@@ -282,6 +293,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         self.engine = build_engine(
             module, optimizers[0], self.settings, self.world_size, self._names, initializer, self.root_device
         )
+        _release(initializer)
         init_mula_buffers(module, self.init_weights(), self.root_device)  # the routers' selection bias, if any
         if scheduler is not None:
             repoint_scheduler(scheduler, self.engine)
@@ -368,6 +380,7 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
             engine = build_engine(
                 self.model, self.optimizers[0], self.settings, self.world_size, names, initializer, self.root_device
             )
+            _release(initializer)
             for config in self.lr_scheduler_configs:
                 repoint_scheduler(config.scheduler, engine)
             self.optimizers = [engine]

@@ -278,7 +278,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def dcp_load(targets: dict[str, Any], path: str | Path, strict: bool = True, no_dist: bool = False) -> None:
+def dcp_load(
+    targets: dict[str, Any], path: str | Path, strict: bool = True, no_dist: bool = False, reader: Any = None
+) -> None:
     """``torch.distributed.checkpoint.load`` of ``targets`` from ``path`` with :class:`SafeFileSystemReader` and
     :class:`SafeLoadPlanner`; a refused item raises :class:`UnsafeCheckpointError` itself (DCP wraps the errors of
     its ranks in a ``CheckpointException``).
@@ -288,13 +290,15 @@ def dcp_load(targets: dict[str, Any], path: str | Path, strict: bool = True, no_
         path: the DCP directory.
         strict: every target must be in the checkpoint (``False``: load what is there).
         no_dist: load in this process only, even when a process group exists.
+        reader: a :class:`SafeFileSystemReader` of ``path`` to use (one that keeps the metadata it read, for many
+            small loads from one checkpoint); default: a new one.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     planner = SafeLoadPlanner(allow_partial_load=not strict, source=path)
     try:
-        dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)), planner=planner, no_dist=no_dist)
+        dcp.load(targets, storage_reader=reader or SafeFileSystemReader(str(path)), planner=planner, no_dist=no_dist)
     except CheckpointException as err:
         for failure in err.failures.values():
             exc = failure[0] if isinstance(failure, tuple) else failure

@@ -165,6 +165,11 @@ class ZeroTopoLayout:
         """Ranks holding the same gradient chunk in the other gradient groups (the all-reduce group)."""
         return list(range(rank % self.grad_size, self.world_size, self.grad_size))
 
+    def weight_replica_groups(self) -> list[list[int]]:
+        """The ranks holding the same weight chunk, one list per chunk position (every weight group's member at
+        that position): where a chunk is read once and broadcast at setup."""
+        return [list(range(p, self.world_size, self.weight_size)) for p in range(self.weight_size)]
+
     def post_step_ranks(self, rank: int) -> list[int]:
         """Ranks of this optimizer group whose optimizer chunks tile this rank's weight chunk."""
         return [r for r in self._block(rank, self.optimizer_size) if r % self.weight_size == rank % self.weight_size]
