@@ -2,7 +2,9 @@
 
 Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; about a minute). Options: ``--world 4 8``,
 ``--models dense moe``, ``--layouts zero3 zero_topo epso``; ``--export``: instead, ``mula export`` of a checkpoint
-saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh process.
+saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh process;
+``--init-from``: instead, the setup of a run that starts from existing weights (``init_from``: a DCP checkpoint and
+a transformers directory of the model, written by one process), per layout.
 
 Why: the presets go to 220B parameters; a rank that holds the whole model (or several copies of it) at any phase
 cannot start or checkpoint such a run. For each phase every rank samples its resident memory (``/proc/self/statm``,
@@ -196,6 +198,62 @@ def _export_rank(rank: int, world_size: int, model: str, path: str, out: str, st
     return {"rise": phase.rise}
 
 
+def _init_from_rank(rank: int, world_size: int, layout: str, model: str, source: str) -> dict:
+    """Setup of the model from ``source`` (``init_from``), after a warm-up setup of a tiny model drawn from the seed:
+    the rise and what setup kept (bytes)."""
+    from lightning.fabric import Fabric
+
+    from mula_lightning.models import MulaConfig, MulaForCausalLM
+
+    fixed_mmap_threshold()
+    torch.set_num_threads(1)
+    strategy = _strategy(layout, model, world_size)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    tiny = dict(MODELS[model], vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
+    tiny["intermediate_size"] = 64
+    with fabric.init_module(empty_init=True):
+        net = MulaForCausalLM(MulaConfig(**tiny))
+    fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+    fabric.barrier()
+    strategy.init_from = source
+    with fabric.init_module(empty_init=True):
+        net = MulaForCausalLM(_config(model))
+    with PhaseSampler() as phase:
+        fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+    fabric.barrier()
+    return {"setup": phase.rise, "kept": phase.kept}
+
+
+def init_from_table(models: list[str], worlds: list[int], layouts: list[str]) -> None:
+    """Setup from existing weights (a DCP checkpoint, a transformers directory) per layout: rise / full fp32 bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    from mula_lightning.models import MulaForCausalLM, init_weights
+    from mula_lightning.models.hf_convert import save_hf
+
+    print("setup from init_from; ratios = largest rise over the ranks / full fp32 bytes (kept: what setup holds)")
+    print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} {'source':>13} {'setup':>8} {'kept':>8}")
+    for model in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            source = init_weights(MulaForCausalLM(_config(model)), seed=1)
+            full = sum(p.numel() * 4 for p in source.parameters())
+            state = {f"model.{k}": v for k, v in source.state_dict().items()}
+            dcp.save(state, checkpoint_id=f"{tmp}/dcp", no_dist=True)
+            save_hf(source, f"{tmp}/hf")
+            del source, state
+            for world in worlds:
+                for layout in layouts:
+                    for kind in ("dcp", "hf"):
+                        results = run_distributed_test(
+                            _init_from_rank, world, layout=layout, model=model, source=f"{tmp}/{kind}", timeout=900
+                        )
+                        setup, kept = (max(r[c] for r in results) / full for c in ("setup", "kept"))
+                        name = "DCP" if kind == "dcp" else "transformers"
+                        print(f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {name:>13} {setup:>7.2f}x "
+                              f"{kept:>7.2f}x", flush=True)  # fmt: skip
+
+
 def _sizes(model: str) -> tuple[int, int]:
     """(full model, largest tensor) bytes in fp32."""
     from mula_lightning.models import MulaForCausalLM
@@ -236,7 +294,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["dense", "moe"])
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--export", action="store_true", help="measure mula export instead (streamed vs in memory)")
+    parser.add_argument("--init-from", action="store_true", help="measure setup from existing weights instead")
     args = parser.parse_args()
+    if args.init_from:
+        init_from_table(args.models, args.world, args.layouts)
+        return
     if args.export:
         export_table(args.models, args.world[0])
         return

@@ -130,17 +130,19 @@ def test_bad_sources_are_named(tmp_path):
 
 
 def _sources(tmp_path, source):
-    """The same weights as a model-only directory, a Lightning ``.ckpt`` and a one-process DCP directory."""
+    """The same weights as a model-only directory, a Lightning ``.ckpt``, a one-process DCP directory and a
+    transformers directory."""
     import torch.distributed.checkpoint as dcp
 
     state = {f"model.{k}": v for k, v in source.state_dict().items()}
     ckpt = tmp_path / "run.ckpt"
     torch.save({"state_dict": state, "mula": {"config": source.config.to_dict()}}, ckpt)
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    return {"model-only": save_model_only(source, tmp_path / "weights"), ".ckpt": ckpt, "dcp": tmp_path / "dcp"}
+    return {"model-only": save_model_only(source, tmp_path / "weights"), ".ckpt": ckpt, "dcp": tmp_path / "dcp",
+            "transformers": save_hf(source, tmp_path / "hf")}  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["model-only", ".ckpt", "dcp"])
+@pytest.mark.parametrize("kind", ["model-only", ".ckpt", "dcp", "transformers"])
 def test_read_range_reads_only_the_range_from_every_source(tmp_path, kind):
     """``InitWeights.read_range`` (what a ZeRO weight chunk reads): random flat ranges of every parameter, inside a
     row, across rows, whole tensors and empty, equal the flattened parameter's elements in the buffer's dtype, and

@@ -27,22 +27,12 @@ from typing import Any
 
 import torch
 
+from mula_lightning.models.hf_keys import SAFETENSORS_DTYPE_NAMES
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load
 
 __all__ = ["SAFETENSORS_DTYPES", "check_against_config", "export_dcp_to_hf", "write_safetensors_streaming"]
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPE_NAMES.items()}
 
 
 def write_safetensors_streaming(

@@ -6,8 +6,9 @@ Sources, recognised by what the path holds:
   :class:`~mula_lightning.callbacks.ModelOnlyCheckpoint` and ``mula upcycle`` write. Read tensor by tensor from the
   memory-mapped file; an expert tensor is sliced to the reading rank's experts (``get_slice``), so under expert
   parallelism no rank copies experts it does not own.
-* **transformers** (a ``config.json`` with ``model_type``: OLMoE, Mixtral, Llama, Qwen MoE): converted to Mula names
-  on the reading rank (:func:`~mula_lightning.models.hf_convert.hf_to_mula_state_dict`).
+* **transformers** (a ``config.json`` with ``model_type``: OLMoE, Mixtral, Llama, Qwen MoE): each tensor, expert
+  slice or range converted to Mula names as it is read (:class:`~mula_lightning.models.hf_store.HfStore`; Hub-style
+  per-expert tensors are read for the experts asked for only).
 * **full checkpoint** written by ``mula fit``: a :class:`~mula_lightning.callbacks.DualCheckpoint` directory (its
   newest complete slot), one slot, a DCP directory of a sharded strategy or a Lightning ``.ckpt``. Only the model's
   tensors are read (the optimizer states stay on disk): the run starts with a fresh optimizer and schedule. The
@@ -36,6 +37,7 @@ from mula_lightning.checkpoint.dcp_store import DcpStore
 from mula_lightning.checkpoint.export import full_checkpoint_path, model_prefix, stored_entry
 from mula_lightning.models.checkpoint_io import WEIGHTS_NAME, is_model_only_dir, load_config
 from mula_lightning.models.config import MulaConfig
+from mula_lightning.models.hf_store import HfStore
 from mula_lightning.models.transformer import MulaForCausalLM, init_buffer
 from mula_lightning.models.upcycle_source import DictStore, SafetensorsStore, TensorStore
 from mula_lightning.parallel.tensor_pieces import flat_range_boxes
@@ -132,11 +134,8 @@ class InitWeights:
     def _open(self) -> TensorStore:
         if self.kind == MODEL_ONLY:
             return SafetensorsStore(self.path)
-        if self.kind == TRANSFORMERS:
-            from mula_lightning.models.hf_convert import hf_to_mula_state_dict, load_hf_directory
-
-            _, state = load_hf_directory(self.path)
-            return DictStore(hf_to_mula_state_dict(state, init_source_config(self.path)))
+        if self.kind == TRANSFORMERS:  # converted per tensor on read: nobody loads the whole directory
+            return HfStore(self.path, init_source_config(self.path))
         path = full_checkpoint_path(self.path)
         if path.is_dir():  # a sharded checkpoint: each tensor (or part of one) read when asked for
             return DcpStore(path)

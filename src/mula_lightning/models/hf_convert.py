@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.hf_config import mula_config_values
+from mula_lightning.models.hf_keys import MIXTRAL_EXPERT_KEY, MIXTRAL_NAMES, OLMOE_EXPERT_KEY, checked_expert_ids
 
 if TYPE_CHECKING:  # the model class is handed in by MulaForCausalLM.from_hf: no import cycle with transformer.py
     from mula_lightning.models.transformer import MulaForCausalLM
@@ -215,20 +215,12 @@ def _qwen_config(config: MulaConfig, family: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ state dicts
-_OLMOE_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_MIXTRAL_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _fuse_per_expert(per_expert: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for prefix, experts in per_expert.items():
-        ids = sorted(experts)
-        if ids != list(range(len(ids))):
-            raise KeyError(f"{prefix}: expert ids are not contiguous from 0: {ids}")
-        missing = [(e, n) for e in ids for n in ("gate_proj", "up_proj", "down_proj") if n not in experts[e]]
-        if missing:
-            raise KeyError(f"{prefix}: missing per-expert weights {missing}")
+        ids = checked_expert_ids(prefix, experts)
         out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
             [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in ids]
         )
@@ -241,10 +233,10 @@ def normalize_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, value in state_dict.items():
-        if m := _OLMOE_EXPERT.match(key):
+        if m := OLMOE_EXPERT_KEY.match(key):
             prefix, e, name = m.group(1), int(m.group(2)), m.group(3)
-        elif m := _MIXTRAL_EXPERT.match(key):
-            prefix, e, name = f"{m.group(1)}.mlp", int(m.group(2)), _MIXTRAL_NAMES[m.group(3)]
+        elif m := MIXTRAL_EXPERT_KEY.match(key):
+            prefix, e, name = f"{m.group(1)}.mlp", int(m.group(2)), MIXTRAL_NAMES[m.group(3)]
         else:
             out[key.replace(".block_sparse_moe.", ".mlp.")] = value
             continue

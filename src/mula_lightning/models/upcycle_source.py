@@ -109,6 +109,20 @@ class SafetensorsStore(TensorStore):
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
+    def entries(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every key's shape and safetensors dtype name (``"F32"``, ``"BF16"``, ...), each file's header read once
+        (no tensor data): for planning reads of a checkpoint of many files and keys."""
+        by_file: dict[str, list[str]] = {}
+        for key, file in self.weight_map.items():
+            by_file.setdefault(file, []).append(key)
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for file, keys in by_file.items():
+            with self._open(file) as f:
+                for key in keys:
+                    part = f.get_slice(key)
+                    out[key] = (tuple(part.get_shape()), part.get_dtype())
+        return out
+
     def shape(self, key: str) -> tuple[int, ...]:
         with self._open(self.weight_map[key]) as f:
             return tuple(f.get_slice(key).get_shape())
