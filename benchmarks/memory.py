@@ -229,8 +229,10 @@ def init_from_table(models: list[str], worlds: list[int], layouts: list[str]) ->
     """Setup from existing weights (a DCP checkpoint, a transformers directory) per layout: rise / full fp32 bytes."""
     import torch.distributed.checkpoint as dcp
 
+    from mula_lightning.checkpoint.export import CHECKPOINT_KEY
     from mula_lightning.models import MulaForCausalLM, init_weights
     from mula_lightning.models.hf_convert import save_hf
+    from mula_lightning.utils.safe_load import dumps_data
 
     print("setup from init_from; ratios = largest rise over the ranks / full fp32 bytes (kept: what setup holds)")
     print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} {'source':>13} {'setup':>8} {'kept':>8}")
@@ -238,7 +240,8 @@ def init_from_table(models: list[str], worlds: list[int], layouts: list[str]) ->
         with tempfile.TemporaryDirectory() as tmp:
             source = init_weights(MulaForCausalLM(_config(model)), seed=1)
             full = sum(p.numel() * 4 for p in source.parameters())
-            state = {f"model.{k}": v for k, v in source.state_dict().items()}
+            state = {f"model.{k}": v for k, v in source.state_dict().items()}  # as MulaLM's checkpoints hold it
+            state["metadata"] = dumps_data({CHECKPOINT_KEY: {"config": source.config.to_dict()}})
             dcp.save(state, checkpoint_id=f"{tmp}/dcp", no_dist=True)
             save_hf(source, f"{tmp}/hf")
             del source, state
