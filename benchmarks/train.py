@@ -12,7 +12,7 @@ Contenders (each a Lightning ``Trainer(devices=N)`` on N fresh processes started
 
 * ``mula epso EP=N``: :class:`~mula_lightning.lightning_module.MulaLM` exactly as ``mula fit`` builds it (meta
   device, materialised and expert-sharded by the strategy, EP-aware sharded AdamW, FastSparseMoE blocks with the
-  all-gather dispatcher), experts split over the N ranks;
+  all-gather dispatcher, or ``--dispatcher alltoall``), experts split over the N ranks;
 * ``mula epso EP=1``: the same with DP=N (every rank holds all experts);
 * ``HF eager, ddp``: ``OlmoeForCausalLM`` (transformers' per-expert loop) in a minimal LightningModule, ``ddp``;
 * ``HF grouped_mm, ddp``: the same with ``experts_implementation="grouped_mm"``.
@@ -136,7 +136,7 @@ def _run(rank, world_size, contender: str, args) -> dict:
             grad_clip=0.0,
             log_grad_norm=False,
         )
-        strategy = EPSOStrategy(ep_size=ep, bucket_numel=args.bucket_numel)
+        strategy = EPSOStrategy(ep_size=ep, bucket_numel=args.bucket_numel, dispatcher=args.dispatcher)
     else:
         module = _hf_module(config, "eager" if "eager" in contender else "grouped_mm")
         strategy = "ddp"
@@ -216,6 +216,8 @@ def main() -> None:
     parser.add_argument("--expert-size", type=int, default=256)
     parser.add_argument("--only", nargs="*", help="run only the contenders whose name contains one of these")
     parser.add_argument("--bucket-numel", type=int, default=1_000_000, help="epso's reduce-scatter bucket (elements)")
+    parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather",
+                        help="epso's MoE token dispatcher (EP > 1)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="profile one more step per contender: shares")
     args = parser.parse_args()
 

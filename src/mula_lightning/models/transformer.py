@@ -26,6 +26,8 @@ from torch import nn
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
+from mula_lightning.models.rms_norm import rms_norm
+from mula_lightning.models.rotary import apply_rotary
 from mula_lightning.moe.block import FastSparseMoEBlock
 from mula_lightning.moe.reference import MoEAux, ReferenceMoEBlock
 from mula_lightning.utils.precision import upcast
@@ -50,10 +52,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = upcast(x)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)  # one autograd node in fp32 / fp64 (models/rms_norm.py)
 
 
 def rope_inv_freq(config: MulaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -82,16 +81,6 @@ def rotary_cos_sin(config: MulaConfig, seq_len: int, device: torch.device, dtype
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, heads, T, hd) by position (non-interleaved halves, as in Llama / OLMoE)."""
-    return x * cos + _rotate_half(x) * sin
 
 
 class MulaAttention(nn.Module):
