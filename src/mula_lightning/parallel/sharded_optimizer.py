@@ -456,11 +456,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         with record_function("mula::gradient_sync"):  # waits for the reduce-scatters (named in profiles)
             self.finish_grad_sync()
         self._step += 1
+        gathers: list[Any] = []
         for fam, buf in self.buffers.items():
             with record_function("mula::adamw_update"):
                 self._adamw_update(fam, buf)
             with record_function("mula::weight_all_gather"):
-                self._all_gather(fam, buf)
+                gathers += self._all_gather(fam, buf)  # in flight while the next family updates
+        with record_function("mula::weight_all_gather"):
+            for work, _ in gathers:
+                work.wait()
         self.zero_grad()
         return loss
 
@@ -481,16 +485,19 @@ class ShardedAdamW(torch.optim.Optimizer):
             for lo, hi, at, _ in places:
                 buf.params[at : at + hi - lo].copy_(master[lo:hi])
 
-    def _all_gather(self, fam: str, buf: FlatBuffer) -> None:
+    def _all_gather(self, fam: str, buf: FlatBuffer) -> list[tuple[Any, torch.Tensor]]:
+        """Start every bucket's weight all-gather; returns (work, its input) to wait for (the caller's)."""
         plan = self.plans[fam]
         if plan.shard_size == 1:
-            return
+            return []
+        works = []
         for b in buf.buckets:
             lo, hi = b.shard_range(plan.shard_rank)
             full = buf.params[b.start : b.start + b.numel]
-            shard = buf.params[lo:hi].clone()
-            all_gather_single(full, shard, group=plan.shard_group)
+            shard = buf.params[lo:hi].clone()  # the input may not alias the output; held until the wait
+            works.append((all_gather_single(full, shard, group=plan.shard_group, async_op=True), shard))
             _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
+        return works
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.keep_grads:
