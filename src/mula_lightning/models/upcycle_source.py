@@ -83,28 +83,36 @@ class DictStore(TensorStore):
 
 
 class SafetensorsStore(TensorStore):
-    """A directory of ``model.safetensors`` or index-listed shards, opened per key."""
+    """A directory of ``model.safetensors`` or index-listed shards; each file opened (memory-mapped, its header
+    parsed) once, on its first read, and kept open: reading a checkpoint of thousands of per-expert tensors then
+    parses each header once, not once per tensor (1.4 ms per open of a 2000-key file, 0.01 ms per read after)."""
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
+        self._handles: dict[str, Any] = {}
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.path / "model.safetensors").is_file():
-            with self._open("model.safetensors") as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+            self.weight_map = dict.fromkeys(self._open("model.safetensors").keys(), "model.safetensors")
         else:
             raise FileNotFoundError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
 
     def _open(self, name: str) -> Any:
+        """The open file ``name`` of the directory (opened on first use, then kept)."""
+        handle = self._handles.get(name)
+        if handle is not None:
+            return handle
         file = self.path / name
         if not file.is_file():
             raise FileNotFoundError(f"{file}: listed in the index but missing")
         try:
-            return safe_open(str(file), framework="pt")
+            handle = safe_open(str(file), framework="pt")
         except Exception as err:  # safetensors raises its own error types for truncated headers
             raise ValueError(f"{file}: cannot read safetensors file ({err})") from err
+        self._handles[name] = handle
+        return handle
 
     def keys(self) -> set[str]:
         return set(self.weight_map)
@@ -117,19 +125,18 @@ class SafetensorsStore(TensorStore):
             by_file.setdefault(file, []).append(key)
         out: dict[str, tuple[tuple[int, ...], str]] = {}
         for file, keys in by_file.items():
-            with self._open(file) as f:
-                for key in keys:
-                    part = f.get_slice(key)
-                    out[key] = (tuple(part.get_shape()), part.get_dtype())
+            f = self._open(file)
+            for key in keys:
+                part = f.get_slice(key)
+                out[key] = (tuple(part.get_shape()), part.get_dtype())
         return out
 
     def shape(self, key: str) -> tuple[int, ...]:
-        with self._open(self.weight_map[key]) as f:
-            return tuple(f.get_slice(key).get_shape())
+        return tuple(self._open(self.weight_map[key]).get_slice(key).get_shape())
 
     def _read(self, key: str, index: Index) -> torch.Tensor:
-        with self._open(self.weight_map[key]) as f:
-            return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        f = self._open(self.weight_map[key])
+        return f.get_tensor(key) if index is None else f.get_slice(key)[index]
 
 
 @dataclass
