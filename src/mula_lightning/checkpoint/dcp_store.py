@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mula_lightning.checkpoint.export import model_prefix
-from mula_lightning.models.upcycle_source import Index, TensorStore
+from mula_lightning.models.upcycle_source import Index, TensorStore, index_bounds
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load
 
@@ -77,10 +77,6 @@ class DcpStore(TensorStore):
     def shape(self, key: str) -> tuple[int, ...]:
         return self._meta[key][0]
 
-    def dtype(self, key: str) -> torch.dtype:
-        """The stored dtype of ``key``."""
-        return self._meta[key][1]
-
     def _load(self, key: str, target: torch.Tensor) -> None:
         dcp_load({self.prefix + key: target}, self.path, strict=True, no_dist=True, reader=self._reader)
 
@@ -90,17 +86,10 @@ class DcpStore(TensorStore):
             out = torch.empty(shape, dtype=dtype)
             self._load(key, out)
             return out
-        offsets, sizes = [], []
-        for dim, size in enumerate(shape):
-            part = index[dim] if dim < len(index) else slice(None)
-            start, stop, step = part.indices(size)
-            if step != 1:
-                raise ValueError(f"{key}: only contiguous slices can be read from a checkpoint, got step {step}")
-            offsets.append(start)
-            sizes.append(max(stop - start, 0))
-        out = torch.empty(sizes, dtype=dtype)
+        bounds = index_bounds(index, shape, key)
+        out = torch.empty([stop - start for start, stop in bounds], dtype=dtype)
         if out.numel():
-            self._load(key, TensorPieces(shape, [(tuple(offsets), out)]))
+            self._load(key, TensorPieces(shape, [(tuple(start for start, _ in bounds), out)]))
         return out
 
     def read_range(self, key: str, out: torch.Tensor, start: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from mula_lightning.models.hf_keys import (
     checked_expert_ids,
     hf_key_to_mula,
 )
-from mula_lightning.models.upcycle_source import Index, SafetensorsStore, TensorStore
+from mula_lightning.models.upcycle_source import Index, SafetensorsStore, TensorStore, index_bounds
 
 __all__ = ["HfStore"]
 
@@ -59,17 +59,6 @@ class _Plan:
     dtype: torch.dtype
     parts: tuple[Any, ...]
     stacked: bool = False
-
-
-def _bounds(index: Index, shape: tuple[int, ...], key: str) -> list[tuple[int, int]]:
-    out = []
-    for dim, size in enumerate(shape):
-        part = index[dim] if index is not None and dim < len(index) else slice(None)
-        start, stop, step = part.indices(size)
-        if step != 1:
-            raise ValueError(f"{key}: only contiguous slices can be read, got step {step}")
-        out.append((start, max(stop, start)))
-    return out
 
 
 class HfStore(TensorStore):
@@ -162,7 +151,7 @@ class HfStore(TensorStore):
 
     def _read(self, key: str, index: Index) -> torch.Tensor:
         plan = self._plans[key]
-        bounds = _bounds(index, plan.shape, key)
+        bounds = index_bounds(index, plan.shape, key)
         if not plan.shape:  # a scalar: read whole
             return self.files.read(plan.parts[0].key)
         if not plan.stacked:

@@ -35,6 +35,20 @@ Index = tuple[slice, ...] | None
 _MOE_KEY = re.compile(r"(\.mlp\.(experts|gate)\.|\.block_sparse_moe\.)")
 
 
+def index_bounds(index: Index, shape: tuple[int, ...], key: str) -> list[tuple[int, int]]:
+    """``(start, stop)`` per dimension of the box ``tensor[index]`` selects (``index`` a tuple of slices, possibly
+    shorter than ``shape``, or None for the whole tensor); ``ValueError`` naming ``key`` for a strided slice, which no
+    reader can address as one box."""
+    out = []
+    for dim, size in enumerate(shape):
+        part = index[dim] if index is not None and dim < len(index) else slice(None)
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ValueError(f"{key}: only contiguous slices can be read, got step {step}")
+        out.append((start, max(stop, start)))
+    return out
+
+
 class TensorStore:
     """Named tensors read one at a time; ``reads`` lists every (key, shape read) in order."""
 
@@ -118,17 +132,12 @@ class SafetensorsStore(TensorStore):
         return set(self.weight_map)
 
     def entries(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Every key's shape and safetensors dtype name (``"F32"``, ``"BF16"``, ...), each file's header read once
-        (no tensor data): for planning reads of a checkpoint of many files and keys."""
-        by_file: dict[str, list[str]] = {}
-        for key, file in self.weight_map.items():
-            by_file.setdefault(file, []).append(key)
+        """Every key's shape and safetensors dtype name (``"F32"``, ``"BF16"``, ...), from the headers alone (no
+        tensor data): for planning reads of a checkpoint of many files and keys."""
         out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for file, keys in by_file.items():
-            f = self._open(file)
-            for key in keys:
-                part = f.get_slice(key)
-                out[key] = (tuple(part.get_shape()), part.get_dtype())
+        for key, file in self.weight_map.items():
+            part = self._open(file).get_slice(key)
+            out[key] = (tuple(part.get_shape()), part.get_dtype())
         return out
 
     def shape(self, key: str) -> tuple[int, ...]:
