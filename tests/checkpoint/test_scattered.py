@@ -15,6 +15,7 @@ from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.testing import run_pooled_test
 from mula_lightning.testing.fabric_run import tiny_moe_config
+from mula_lightning.utils.safe_load import SafeFileSystemReader
 
 DP, EP = 2, 2
 
@@ -36,7 +37,7 @@ def _save_then_load(rank, world_size, path):
             p.fill_(float("nan"))  # whatever this rank does not read must arrive by broadcast
 
     reads, opens = [], []
-    read_data, create_stream = filesystem.FileSystemReader.read_data, filesystem.FileSystem.create_stream
+    read_data, create_stream = SafeFileSystemReader.read_data, filesystem.FileSystem.create_stream
 
     def counting_read(self, plan, planner):
         reads.extend(item.dest_index.fqn for item in plan.items)
@@ -47,12 +48,12 @@ def _save_then_load(rank, world_size, path):
             opens.append(Path(str(file)).name)
         return create_stream(self, file, mode)
 
-    filesystem.FileSystemReader.read_data = counting_read
+    SafeFileSystemReader.read_data = counting_read  # the reader fabric.load uses
     filesystem.FileSystem.create_stream = counting_open
     try:
         fabric.load(path, {"model": model, "optimizer": optimizer})
     finally:
-        filesystem.FileSystemReader.read_data, filesystem.FileSystem.create_stream = read_data, create_stream
+        SafeFileSystemReader.read_data, filesystem.FileSystem.create_stream = read_data, create_stream
     loaded = gather_expert_parallel_state_dict(model.module, ep_group)
     same = all(torch.equal(loaded[k], v) for k, v in saved.items())
     return {"reads": sorted(set(reads)), "opens": opens, "same": same, "keys": sorted(saved)}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
-from mula_lightning.models import upcycle_source as source_module
 from mula_lightning.models.checkpoint_io import load_model_only, save_model_only
 from mula_lightning.models.hf_convert import save_hf
+from mula_lightning.models.safetensors_file import SafetensorsFile
 from mula_lightning.models.upcycle import UpcycleSpec, expert_scale, upcycle, upcycle_state_dict
 
 VOCAB = 211
@@ -237,70 +237,39 @@ def test_online_ranks_equal_offline_upcycling_then_slicing(ep_size, llama_dir):
         assert local.config.num_experts == 8  # the config describes the global MoE
 
 
-class _CountingSafeOpen:
-    """Wraps ``safetensors.safe_open`` and records every tensor read: (key, shape read)."""
+def _count_file_reads(monkeypatch) -> list:
+    """Record every tensor box read from a safetensors file, at the file: (key, shape read, bytes read)."""
+    reads, read_into = [], SafetensorsFile.read_into
 
-    def __init__(self, real):
-        self.real, self.reads = real, []
+    def counting(self, key, bounds, out):
+        reads.append((key, tuple(out.shape), out.numel() * out.element_size()))
+        return read_into(self, key, bounds, out)
 
-    def __call__(self, file, framework):
-        handle, reads = self.real(file, framework=framework), self.reads
-
-        class Slice:
-            def __init__(self, key):
-                self.key, self.inner = key, handle.get_slice(key)
-
-            def get_shape(self):
-                return self.inner.get_shape()
-
-            def __getitem__(self, index):
-                t = self.inner[index]
-                reads.append((self.key, tuple(t.shape), t.numel() * t.element_size()))
-                return t
-
-        class Handle:
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return False
-
-            def keys(self):
-                return handle.keys()
-
-            def get_slice(self, key):
-                return Slice(key)
-
-            def get_tensor(self, key):
-                t = handle.get_tensor(key)
-                reads.append((key, tuple(t.shape), t.numel() * t.element_size()))
-                return t
-
-        return Handle()
+    monkeypatch.setattr(SafetensorsFile, "read_into", counting)
+    return reads
 
 
 def test_sharded_directory_reads_only_the_ffn_slices_a_rank_needs(llama_dir, monkeypatch):
     """E8, G4, EP4: rank 1 holds experts 2-3 = slices 2 and 3 of copy 0, so it reads half of each FFN matrix,
     every other tensor once, and nothing else; with G1 every FFN tensor is read once, not once per expert."""
     path, hf = llama_dir
-    counter = _CountingSafeOpen(source_module.safe_open)
-    monkeypatch.setattr(source_module, "safe_open", counter)
+    reads = _count_file_reads(monkeypatch)
     upcycle(str(path), num_experts=8, top_k=4, granularity=4, ep_rank=1, ep_size=4)
-    ffn = [(k, s) for k, s, _ in counter.reads if ".mlp." in k]
+    ffn = [(k, s) for k, s, _ in reads if ".mlp." in k]
     assert sorted(ffn) == sorted(
         (f"model.layers.{i}.mlp.{n}", shape)
         for i in range(2)
         for n, shape in (("gate_proj.weight", (24, 64)), ("up_proj.weight", (24, 64)), ("down_proj.weight", (64, 24)))
         for _ in range(2)  # slices 2 and 3
     )
-    others = [k for k, _, _ in counter.reads if ".mlp." not in k]
+    others = [k for k, _, _ in reads if ".mlp." not in k]
     assert sorted(others) == sorted(k for k in hf.state_dict() if ".mlp." not in k)
-    ffn_bytes = sum(b for k, _, b in counter.reads if ".mlp." in k)
+    ffn_bytes = sum(b for k, _, b in reads if ".mlp." in k)
     dense_ffn_bytes = sum(v.numel() * 4 for k, v in hf.state_dict().items() if ".mlp." in k)
     assert ffn_bytes * 2 == dense_ffn_bytes
-    counter.reads.clear()
+    reads.clear()
     upcycle(str(path), num_experts=8, top_k=2, ep_rank=0, ep_size=2)
-    keys = [k for k, _, _ in counter.reads]
+    keys = [k for k, _, _ in reads]
     assert sorted(keys) == sorted(hf.state_dict()) and len(keys) == len(set(keys))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
+from mula_lightning.models.safetensors_file import SAFETENSORS_DTYPE_NAMES  # safetensors' dtype names
 
 __all__ = [
     "MIXTRAL_EXPERT_KEY",
@@ -24,19 +24,6 @@ __all__ = [
 OLMOE_EXPERT_KEY = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MIXTRAL_EXPERT_KEY = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-#: safetensors' dtype names
-SAFETENSORS_DTYPE_NAMES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def hf_key_to_mula(key: str) -> str:

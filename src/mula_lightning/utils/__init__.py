@@ -1,8 +1,9 @@
 """Leaf helpers shared across the package; they import nothing else from it.
 
 ``device`` (device and backend selection), ``dist`` (process-group and object-collective helpers), ``io`` (atomic
-writes), ``precision`` (the compute dtype of sensitive steps), ``safe_load`` (checkpoint readers that build data only),
-``launch_env`` (what ``mula launch`` and its ranks agree on).
+writes), ``precision`` (the compute dtype of sensitive steps), ``safe_load`` (checkpoint readers that build data
+only), ``dcp_box_read`` (the part of a stored DCP chunk a request needs, read alone), ``launch_env`` (what ``mula
+launch`` and its ranks agree on).
 
 The device helpers are re-exported here but imported on first use (PEP 562): importing a torch-free leaf such as
 ``mula_lightning.utils.launch_env`` or ``mula_lightning.utils.io`` must not import torch, so that ``mula launch``,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
+from mula_lightning.utils.dcp_box_read import DamagedCheckpointError, read_data_by_box
 from mula_lightning.utils.plain_data import check_plain_data, to_plain_data
 
 __all__ = [
@@ -238,7 +239,11 @@ def loads_data(data: bytes, source: str | Path) -> Any:
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is read by the allow-list unpickler (DCP's classes, torch sizes and
-    dtypes, plain values) instead of ``pickle.load``."""
+    dtypes, plain values) instead of ``pickle.load``, and whose tensor requests read only their box's bytes of a
+    stored chunk (:mod:`~mula_lightning.utils.dcp_box_read`), not the whole chunk."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return read_data_by_box(self, plan, planner, fallback=super().read_data)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -282,8 +287,9 @@ def dcp_load(
     targets: dict[str, Any], path: str | Path, strict: bool = True, no_dist: bool = False, reader: Any = None
 ) -> None:
     """``torch.distributed.checkpoint.load`` of ``targets`` from ``path`` with :class:`SafeFileSystemReader` and
-    :class:`SafeLoadPlanner`; a refused item raises :class:`UnsafeCheckpointError` itself (DCP wraps the errors of
-    its ranks in a ``CheckpointException``).
+    :class:`SafeLoadPlanner`; a refused item raises :class:`UnsafeCheckpointError` itself, a cut or damaged data
+    file :class:`~mula_lightning.utils.dcp_box_read.DamagedCheckpointError` (DCP wraps the errors of its ranks in a
+    ``CheckpointException``).
 
     Args:
         targets: the state dict to fill in place (non-tensor entries are replaced by what was stored).
@@ -302,7 +308,7 @@ def dcp_load(
     except CheckpointException as err:
         for failure in err.failures.values():
             exc = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(exc, UnsafeCheckpointError):
+            if isinstance(exc, (UnsafeCheckpointError, DamagedCheckpointError)):
                 raise exc from None
         raise
 
