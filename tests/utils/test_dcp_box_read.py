@@ -131,7 +131,8 @@ def test_a_box_reads_its_own_bytes_not_the_stored_chunk(tmp_path):
 
 def test_a_truncated_data_file_is_named(tmp_path):
     """A data file cut inside a tensor's bytes, and one cut inside its zip record's directory, raise an error that
-    names the file and the item, instead of returning partial values."""
+    names the file and the item, instead of returning partial values, whether the whole stored chunk or a box of it
+    is asked for."""
     dcp.save({"w": torch.randn(128, 128)}, checkpoint_id=str(tmp_path), no_dist=True)
     (data,) = Path(tmp_path).glob("*.distcp")
     size = data.stat().st_size
@@ -140,8 +141,9 @@ def test_a_truncated_data_file_is_named(tmp_path):
         copy.mkdir()
         (copy / ".metadata").write_bytes((tmp_path / ".metadata").read_bytes())
         (copy / data.name).write_bytes(data.read_bytes()[:keep])
-        with pytest.raises(DamagedCheckpointError, match=rf"{data.name} \(item 'w' at byte 0\)"):
-            dcp_load({"w": torch.empty(128, 128)}, copy, no_dist=True)
+        for target in (torch.empty(128, 128), TensorPieces((128, 128), [((64, 0), torch.empty(8, 128))])):
+            with pytest.raises(DamagedCheckpointError, match=rf"{data.name} \(item 'w' at byte 0\)"):
+                dcp_load({"w": target}, copy, no_dist=True)
 
 
 def test_records_that_cannot_be_addressed_are_loaded_whole_and_narrowed(tmp_path, monkeypatch):

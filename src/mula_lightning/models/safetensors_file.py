@@ -49,7 +49,12 @@ def _pread_into(fd: int, buffer: memoryview, offset: int, where: str) -> None:
     """Fill ``buffer`` with the file's bytes from ``offset`` (several reads where the kernel returns fewer)."""
     done = 0
     while done < len(buffer):
-        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if hasattr(os, "preadv"):  # straight into the buffer
+            got = os.preadv(fd, [buffer[done:]], offset + done)
+        else:  # platforms without preadv: one copy more
+            data = os.pread(fd, len(buffer) - done, offset + done)
+            buffer[done : done + len(data)] = data
+            got = len(data)
         if got <= 0:
             raise ValueError(
                 f"{where}: the file ends at byte {offset + done}, before the {len(buffer)} bytes asked for"

@@ -10,9 +10,10 @@ offset of its storage inside the record (``_checkpoint_offset``), so the request
 from its first element to its last (exactly the box when it cuts the leading dimension, as expert slices and
 row-major flat ranges do) and copied into the target.
 
-A record it cannot address this way (torch gives no offset: an older torch; written in the other byte order) is
-loaded whole and narrowed, as torch does; an item stored with a transform (compression) goes to torch's own reader.
-Every data file is opened once per load, its items read in file order.
+A request for a whole stored chunk (a resume in the layout that saved), and a record this cannot address (torch
+gives no offset: an older torch; written in the other byte order), are loaded whole and narrowed, as torch does; an
+item stored with a transform (compression) goes to torch's own reader. Every data file is opened once per load, its
+items read in file order.
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def _byteorder(record: Any) -> str:
         return archive.read(name).decode() if name is not None else "little"
 
 
+def _load_record(record: Any, map_location: str, where: str) -> Any:
+    """``torch.load`` of a stored item (tensors as data only); a cut or damaged record raises
+    :class:`DamagedCheckpointError` naming ``where`` (torch's own message does not name the file)."""
+    record.seek(0)
+    try:
+        return torch.load(record, map_location=map_location, weights_only=True)
+    except RuntimeError as err:
+        raise DamagedCheckpointError(
+            f"{where}: the stored item cannot be read (truncated or damaged file?): {err}"
+        ) from None
+
+
 def read_box(record: Any, offsets: Any, lengths: Any, where: str = "") -> torch.Tensor | None:
     """The box ``[offsets, offsets + lengths)`` of the tensor saved (``torch.save``) in the seekable ``record``,
     reading the record's pickle and the box's byte span only; None when the record cannot be addressed that way.
@@ -84,11 +97,7 @@ def read_box(record: Any, offsets: Any, lengths: Any, where: str = "") -> torch.
             file); the message starts with ``where``.
         ValueError: the box lies outside the stored tensor.
     """
-    try:
-        meta = torch.load(record, map_location="meta", weights_only=True)
-    except RuntimeError as err:  # a cut or damaged record: torch's message does not name the file
-        message = f"{where}: the stored item cannot be read (truncated or damaged file?): {err}"
-        raise DamagedCheckpointError(message) from None
+    meta = _load_record(record, "meta", where)
     if not isinstance(meta, torch.Tensor):
         return None
     storage_offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
@@ -117,10 +126,21 @@ def read_box(record: Any, offsets: Any, lengths: Any, where: str = "") -> torch.
     return buffer.view(meta.dtype).as_strided(lengths, strides)
 
 
-def _whole_then_narrow(record: Any, offsets: Any, lengths: Any) -> torch.Tensor:
-    """torch's own way: the whole stored chunk, then the box of it (a record :func:`read_box` cannot address)."""
-    record.seek(0)
-    stored = torch.load(record, map_location="cpu", weights_only=True)
+def _whole_chunk(reader: Any, request: Any) -> bool:
+    """Whether ``request`` asks for the whole stored chunk (a resume in the layout that saved): then the chunk is
+    read whole, as torch does, with no header pass of its own."""
+    metadata = getattr(reader, "load_metadata", None)
+    index = request.storage_index
+    try:
+        sizes = metadata.state_dict_metadata[index.fqn].chunks[index.index].sizes
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return False
+    return list(request.lengths) == list(sizes) and not any(request.storage_offsets)
+
+
+def _whole_then_narrow(record: Any, offsets: Any, lengths: Any, where: str) -> torch.Tensor:
+    """torch's own way: the whole stored chunk, then the box of it."""
+    stored = _load_record(record, "cpu", where)
     for dim, (offset, length) in enumerate(zip(offsets, lengths)):
         stored = stored.narrow(dim, offset, length)
     return stored
@@ -147,9 +167,11 @@ def read_data_by_box(reader: Any, plan: Any, planner: Any, fallback: Any) -> Fut
                     planner.load_bytes(request, io.BytesIO(record.read()))
                     continue
                 where = f"{path} (item {request.storage_index.fqn!r} at byte {stored.offset})"
-                box = read_box(record, request.storage_offsets, request.lengths, where)
+                box = None
+                if not _whole_chunk(reader, request):
+                    box = read_box(record, request.storage_offsets, request.lengths, where)
                 if box is None:
-                    box = _whole_then_narrow(record, request.storage_offsets, request.lengths)
+                    box = _whole_then_narrow(record, request.storage_offsets, request.lengths, where)
                 target = planner.resolve_tensor(request).detach()
                 if target.size() != box.size():
                     sizes = f"{tuple(box.size())} != its target {tuple(target.size())}"

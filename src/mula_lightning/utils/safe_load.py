@@ -242,6 +242,10 @@ class SafeFileSystemReader(FileSystemReader):
     dtypes, plain values) instead of ``pickle.load``, and whose tensor requests read only their box's bytes of a
     stored chunk (:mod:`~mula_lightning.utils.dcp_box_read`), not the whole chunk."""
 
+    def set_up_storage_reader(self, metadata: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, *args, **kwargs)
+        self.load_metadata = metadata  # the stored chunks' sizes: a request for a whole chunk is read as torch does
+
     def read_data(self, plan: Any, planner: Any) -> Any:
         return read_data_by_box(self, plan, planner, fallback=super().read_data)
 
