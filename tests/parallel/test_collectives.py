@@ -172,3 +172,47 @@ def test_collectives_with_four_ranks_and_subgroups_within_and_across_nodes() -> 
         for name, level in (("world", "inter_node"), ("pairs", "intra_node"), ("strided", "inter_node")):
             members, records = result[name]
             _check_ledger(records, members, rank, level=level)
+
+
+def _reduce_scatter_on_gloo(rank: int, world_size: int) -> None:
+    from mula_lightning.parallel.collectives import reduce_scatter_single
+
+    n = 6  # elements each rank keeps
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64):
+        inputs = []
+        for r in range(world_size):  # every rank's input, distinct per rank, from its seed
+            g = torch.Generator().manual_seed(100 * r + 7)
+            if dtype.is_floating_point:
+                inputs.append(torch.randn(world_size * n, generator=g).to(dtype))
+            else:
+                inputs.append(torch.randint(-100, 100, (world_size * n,), generator=g).to(dtype))
+        chunks = torch.stack([x.view(world_size, n)[rank] for x in inputs])  # (ranks, n): what lands here
+        expected = chunks.sum(0, dtype=dtype)  # int8 wraps, as the backends' sums do
+        for async_op in (False, True):
+            out = torch.full((n,), 99, dtype=dtype)
+            work = reduce_scatter_single(out, inputs[rank].clone(), group=None, async_op=async_op)
+            if async_op:
+                assert work.wait() and work.is_completed()
+            assert torch.equal(out, expected), (dtype, async_op, out, expected)
+    # in place: the output a view of the input's own chunk, as callers may pass
+    x = torch.arange(world_size * n, dtype=torch.float64) * (rank + 1)
+    out = x.view(world_size, n)[rank]
+    reduce_scatter_single(out, x)
+    full = sum(torch.arange(world_size * n, dtype=torch.float64) * (r + 1) for r in range(world_size))
+    assert torch.equal(out, full.view(world_size, n)[rank])
+    # another reduction goes to the backend's own reduce-scatter
+    y = torch.full((world_size * n,), float(rank))
+    out = torch.empty(n)
+    reduce_scatter_single(out, y, op=dist.ReduceOp.MAX)
+    assert torch.equal(out, torch.full((n,), float(world_size - 1)))
+    with pytest.raises(ValueError, match=rf"input of {world_size * n + 1} torch.float32 elements for an output of {n}"):
+        reduce_scatter_single(torch.empty(n), torch.empty(world_size * n + 1))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_scatter_on_gloo_sums_every_rank_exactly(world_size: int) -> None:
+    """On gloo, ``reduce_scatter_single`` (an all-to-all and a local sum there) gives every rank the exact sum of its
+    chunk over the ranks (distinct per-rank inputs; fp32, fp64, bf16, wrapping int8, int64; blocking and
+    asynchronous; the output a view into the input), other reductions still reach the backend, and an input that
+    is not world_size x the output is refused with both sizes."""
+    run_pooled_test(_reduce_scatter_on_gloo, world_size=world_size, timeout=90)

@@ -52,8 +52,62 @@ __all__ = [
 # torch >= 2.14 renamed the tensor collectives; older versions (the project supports torch >= 2.9) have the old names.
 #: ``dist.all_gather_single(out, x, group=..., async_op=...)`` under either name (no autograd, no ledger record).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-#: ``dist.reduce_scatter_single(out, x, op=..., group=..., async_op=...)`` under either name (no autograd, no ledger).
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _SumOnWait:
+    """The work of :func:`reduce_scatter_single` on gloo: waits for the all-to-all, then sums what arrived."""
+
+    def __init__(self, work: Any, recv: torch.Tensor, out: torch.Tensor, size: int) -> None:
+        self.work, self.recv, self.out, self.size, self.done = work, recv, out, size, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout)
+            _sum_chunks(self.recv, self.out, self.size)
+            self.recv, self.done = None, True
+        return True
+
+
+def _sum_chunks(recv: torch.Tensor, out: torch.Tensor, size: int) -> None:
+    """``out = recv[0] + recv[1] + ...`` over the ``size`` equal chunks of ``recv``, in rank order, in the dtype."""
+    torch.sum(recv.view(size, -1), dim=0, dtype=out.dtype, out=out.view(-1))
+
+
+def reduce_scatter_single(
+    out: torch.Tensor, x: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Any:
+    """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.14): no autograd, no ledger record.
+
+    On gloo a SUM goes as an all-to-all of the chunks and a local sum (in rank order) instead: gloo emulates its
+    reduce-scatter, and measured on 2 cores (fp32 inputs of 1-16 MiB) the all-to-all + sum takes 0.47-0.51 of its
+    time at 2 ranks and 0.24-0.47 at 4. Each rank sends the same ``(d - 1) / d`` of its input as the ring algorithm,
+    so the ledger's records stand; NCCL and XCCL keep their native reduce-scatter. With ``async_op=True`` the
+    returned work's ``wait`` completes the sum.
+    """
+    size = dist.get_world_size(group)
+    if x.numel() != out.numel() * size or x.dtype != out.dtype:
+        raise ValueError(
+            f"reduce-scatter over {size} ranks: input of {x.numel()} {x.dtype} elements for an output of "
+            f"{out.numel()} {out.dtype} (the input must hold {size} x the output, same dtype)"
+        )
+    native = op != dist.ReduceOp.SUM or x.device.type != "cpu" or "gloo" not in str(dist.get_backend(group))
+    if native or size == 1:
+        return _torch_reduce_scatter_single(out, x, op=op, group=group, async_op=async_op)
+    x = x.contiguous()
+    recv = torch.empty_like(x)
+    work = dist.all_to_all_single(recv, x, group=group, async_op=async_op)
+    if async_op:
+        return _SumOnWait(work, recv, out, size)
+    _sum_chunks(recv, out, size)
+    return None
+
 
 # Dtypes NCCL, XCCL and gloo all move and reduce natively; anything else is moved as bytes and never reduced.
 _NATIVE_DTYPES = frozenset(
