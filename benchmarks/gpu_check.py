@@ -13,7 +13,8 @@ What it prints, one table:
    (:func:`mula_lightning.testing.assert_parity`: reduction length x eps(dtype) x scale);
 2. speed: forward + backward of one MoE block, FastSparseMoE vs transformers eager and grouped_mm (median of
    ``--reps`` runs, interleaved, the device synchronised around each), with the ratios;
-3. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
+3. host synchronisations: none in FastSparseMoE's forward + backward on one device (CUDA's sync debug mode);
+4. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
    freshly prepared corpus: exit code, steps, first and last loss, wall time.
 
 Record the table in BENCHMARKS.md with the device named. Nothing here runs in ``make test``.
@@ -108,6 +109,27 @@ def speed(shape: Shape, dtype: torch.dtype, device: torch.device, reps: int) -> 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def host_syncs(shape: Shape, dtype: torch.dtype, device: torch.device) -> str:
+    """FastSparseMoE's forward + backward on one device, dropless, through the grouped kernel: it must never wait
+    for the device (no ``.item()`` / ``.tolist()`` / data-dependent allocation on the host), as CUDA's sync debug
+    mode checks; a synchronisation stalls the host's kernel queue once per MoE layer."""
+    if device.type != "cuda":
+        return "n/a (CUDA's sync debug mode only)"
+    blocks, _, x, g = _on_device(shape, dtype, device)
+    block = blocks["fast"]
+    params = dict(block.named_parameters())
+    _forward_backward(block, params, x, g)  # warm-up: kernels, lazy state
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _forward_backward(block, params, x, g)
+    except RuntimeError as err:
+        return f"synchronises: {str(err).splitlines()[0][:90]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return "none"
+
+
 def fit(device: torch.device, steps: int) -> str:
     """`mula fit` of the tiny MoE on one device with epso, bf16-true; returns a one-line summary."""
     import csv
@@ -170,6 +192,7 @@ def main() -> None:
         row = ", ".join(f"{n} {t[n] * 1e3:.2f} ms" for n in CONTENDERS)
         ratios = f"fast vs eager {t['hf_eager'] / t['fast']:.2f}x, vs grouped_mm {t['hf_grouped_mm'] / t['fast']:.2f}x"
         print(f"{'fwd+bwd, ' + str(dtype)[6:]:<34}{row}; {ratios}")
+    print(f"{'host syncs in fwd+bwd, bfloat16':<34}{host_syncs(shape, torch.bfloat16, device)}")
     print(f"{'mula fit tiny MoE, epso, 1 device':<34}{fit(device, args.steps)}")
 
 

@@ -245,3 +245,40 @@ def test_both_reduction_methods_match_a_loop(method, n_start, n_end, drop):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     unweighted = reduce_rows_to_tokens(rows, plan, None, method=method)
     torch.testing.assert_close(unweighted, reduce_rows_to_tokens(rows, plan, torch.ones(T, K), method=method))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 4, 0], [0, 6, 1, 5], [2, 2, 2, 2]])
+def test_device_group_sizes_give_the_host_sizes_results_without_reading_them(counts, monkeypatch):
+    """``grouped_mm`` given the plan's sizes as a device tensor (``GroupSizes``, what an accelerator step passes)
+    equals the same call with host sizes in both forms, with the weight gradients of empty groups zero (kernel
+    garbage first poisoned with NaN); the sizes are never read to the host while the grouped kernel runs, and are
+    read once when a fallback needs them."""
+    from mula_lightning.moe.experts import GroupSizes
+
+    rows = sum(counts)
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    a, b = torch.randn(rows, 16), torch.randn(len(counts), 16, 8)
+    g = torch.randn(rows, 8)
+    assert grouped_mm_available(a, b) and grouped_mm_available(a.t(), g)
+    sizes = GroupSizes(torch.tensor(counts))
+    torch.testing.assert_close(grouped_mm(a, b, offs, sizes), grouped_mm(a, b, offs, counts), rtol=0, atol=0)
+    host_grad = grouped_mm(a.t(), g, offs, counts)
+    from mula_lightning.moe import experts as experts_module
+
+    real = experts_module._GROUPED_MM
+
+    def poisoned(x, y, offs):  # what an uninitialised output may hold in the empty groups
+        out = real(x, y, offs=offs)
+        for e, n in enumerate(counts):
+            if n == 0:
+                out[e] = float("nan")
+        return out
+
+    monkeypatch.setattr(experts_module, "_GROUPED_MM", poisoned)
+    device_grad = grouped_mm(a.t(), g, offs, sizes)
+    monkeypatch.undo()
+    torch.testing.assert_close(device_grad, host_grad, rtol=0, atol=0)
+    assert not sizes.read_to_host  # never synchronised
+    fallback = grouped_mm(a, b, offs, sizes, use_grouped=False)
+    torch.testing.assert_close(fallback, grouped_mm(a, b, offs, counts), rtol=1e-6, atol=1e-6)
+    assert sizes.read_to_host and sizes.host() == counts

@@ -101,3 +101,17 @@ def test_a_failing_test_reports_like_fresh_ranks_and_the_next_runs_on_a_fresh_gr
         assert "Traceback" in info.value.failures[1] and "_raises" in info.value.failures[1]
     after = _pids(2)
     assert not before & after
+
+
+def test_a_death_is_named_before_the_lost_connections_it_causes():
+    """The failure order both runners report: a rank that died comes before a peer's earlier-reported "connection
+    reset" (the death caused it; the parent sees a death only when its wait wakes), but not before an unrelated
+    error reported earlier; without a death, errors keep their time order."""
+    from mula_lightning.testing.processes import first_failure_first
+
+    reset = "RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"
+    assert first_failure_first({0: ("error", reset, 1.0), 1: ("died", "exited with code 7", 2.0)}) == [1, 0]
+    assert first_failure_first({0: ("error", "ValueError: bad", 1.0), 1: ("died", "exited with code 7", 2.0)}) == [0, 1]
+    assert first_failure_first({0: ("error", reset, 1.0), 1: ("error", "ValueError: bad", 2.0)}) == [0, 1]
+    three = {2: ("error", reset, 0.5), 0: ("died", "killed", 3.0), 1: ("error", "x", 1.0)}
+    assert first_failure_first(three) == [1, 0, 2]

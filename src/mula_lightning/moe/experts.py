@@ -28,6 +28,7 @@ largest) when that saves more than the padding costs (:func:`padded_bmm_pays`), 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +82,49 @@ def grouped_mm_available(*tensors: torch.Tensor) -> bool:
     return all(t.numel() > 0 and _aligned(t) for t in tensors)
 
 
+class GroupSizes:
+    """The rows per group (a dispatch plan's ``token_counts``), on the device, read to the host only when a path
+    needs them there: the per-group fallback loop and the padded batched fallback. The grouped kernel itself takes
+    the device offsets, so a step on an accelerator whose experts all run through it has no host synchronisation
+    in its expert computation (``tolist()`` waits for every queued kernel)."""
+
+    def __init__(self, sizes: torch.Tensor) -> None:
+        self.tensor = sizes
+        self._host: list[int] | None = None
+
+    @property
+    def read_to_host(self) -> bool:
+        """Whether :meth:`host` has run (a synchronisation on an accelerator)."""
+        return self._host is not None
+
+    def host(self) -> list[int]:
+        """The sizes as a host list (read once)."""
+        if self._host is None:
+            self._host = self.tensor.tolist()
+        return self._host
+
+
+def _host_sizes(counts: Sequence[int] | GroupSizes) -> list[int]:
+    return counts.host() if isinstance(counts, GroupSizes) else list(counts)
+
+
+def _zero_empty_groups(out: torch.Tensor, counts: Sequence[int] | GroupSizes) -> None:
+    """``out[e] = 0`` for every group without rows (the grouped kernel leaves them unwritten in the weight-gradient
+    form): from host sizes, touching those groups only; from :class:`GroupSizes`, by a mask of the device sizes
+    (one pass over ``out`` at memory speed, no host synchronisation)."""
+    if isinstance(counts, GroupSizes):
+        out.masked_fill_(counts.tensor.eq(0).view(-1, *([1] * (out.dim() - 1))), 0.0)
+        return
+    if 0 in counts:
+        out.index_fill_(0, torch.tensor([e for e, n in enumerate(counts) if n == 0], device=out.device), 0.0)
+
+
 def grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list[int], use_grouped: bool = True
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    counts: Sequence[int] | GroupSizes,
+    use_grouped: bool = True,
 ) -> torch.Tensor:
     """Grouped matrix product over the jagged row groups given by ``offs``.
 
@@ -96,20 +138,20 @@ def grouped_mm(
         a: left operand.
         b: right operand.
         offs: (NR,) int32 cumulative group ends (no leading 0).
-        counts: the NR group sizes on the host (for the fallback loop and the empty-group fix-up).
+        counts: the NR group sizes: a host list, or :class:`GroupSizes` (read to the host only if a fallback runs).
         use_grouped: allow the grouped kernel and the padded batched fallback (``False`` forces the per-group
             loop, the reference path).
     """
     weight_grad = b.dim() == 2
     if use_grouped and grouped_mm_available(a, b):
         out = _GROUPED_MM(a, b, offs=offs)
-        if weight_grad and 0 in counts:
-            empty = torch.tensor([e for e, n in enumerate(counts) if n == 0], device=out.device)
-            out.index_fill_(0, empty, 0.0)
+        if weight_grad:
+            _zero_empty_groups(out, counts)
         return out
-    if use_grouped and padded_bmm_pays(counts, a.shape[0 if weight_grad else 1] * b.shape[-1], a.dtype):
-        return padded_bmm(a, b, counts)
-    return per_group_mm(a, b, counts)
+    sizes = _host_sizes(counts)
+    if use_grouped and padded_bmm_pays(sizes, a.shape[0 if weight_grad else 1] * b.shape[-1], a.dtype):
+        return padded_bmm(a, b, sizes)
+    return per_group_mm(a, b, sizes)
 
 
 def padded_bmm_pays(counts: list[int], row_work: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -279,7 +321,9 @@ class GroupedExperts(ExpertWeights):
             x_SH = x_SH.to(gate_up_proj.dtype)
         if plan.num_rows == 0:  # no rows: keep the weights in the graph with zero gradients
             return x_SH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum() + x_SH.sum())
-        counts = plan.token_counts.tolist()
+        # host sizes on CPU (reading them costs nothing there, and they let the weight gradients' fix-up touch only
+        # the empty experts); on an accelerator they stay on the device unless a fallback needs them
+        counts = plan.token_counts.tolist() if x_SH.device.type == "cpu" else GroupSizes(plan.token_counts)
         return GroupedSwiGLU.apply(
             x_SH, gate_up_proj, down_proj, plan, counts, self.use_grouped_mm, self.reuse_dead_activations
         )

@@ -42,6 +42,7 @@ from mula_lightning.testing.processes import (
     child_env,
     exit_description,
     exit_when_parent_dies,
+    first_failure_first,
     start_context,
 )
 
@@ -289,8 +290,8 @@ def _wait_for_ranks(outcomes: list[_Outcome], done: threading.Condition, timeout
             done.wait(limit - now)
         # Snapshot under the lock: watcher threads may still be writing after the children get killed.
         running = [r for r, o in enumerate(outcomes) if o.status == "running"]
-        failed = sorted(
-            (r for r, o in enumerate(outcomes) if o.status in ("error", "died")), key=lambda r: outcomes[r].reported_at
+        failed = first_failure_first(
+            {r: (o.status, o.detail, o.reported_at) for r, o in enumerate(outcomes) if o.status in ("error", "died")}
         )
         details = {r: outcomes[r].detail for r in failed}
         raised = {r for r in failed if outcomes[r].status == "error"}

@@ -43,6 +43,7 @@ from mula_lightning.testing.processes import (
     child_env,
     exit_description,
     exit_when_parent_dies,
+    first_failure_first,
     start_context,
 )
 
@@ -179,7 +180,7 @@ class WorkerGroup:
                 results[rank] = message
                 if message[0] != "ok" and first_failure is None:
                     first_failure = time.monotonic()
-        failed = sorted((r for r, m in results.items() if m[0] != "ok"), key=lambda r: results[r][2])
+        failed = first_failure_first({r: m for r, m in results.items() if m[0] != "ok"})
         running = sorted(pending.values())
         if failed or running or not self._healthy():
             self.close(kill=True)

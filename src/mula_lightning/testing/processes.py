@@ -5,6 +5,7 @@ neither)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -18,6 +19,7 @@ __all__ = [
     "child_env",
     "exit_description",
     "exit_when_parent_dies",
+    "first_failure_first",
     "start_context",
 ]
 
@@ -36,6 +38,26 @@ class DistributedTestError(RuntimeError):
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+#: what a rank's error says when a peer's process went away under a collective (gloo's TCP pairs, NCCL / XCCL)
+_LOST_PEER = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|remote process exited", re.I)
+
+
+def first_failure_first(failures: dict[int, tuple[str, str, float]]) -> list[int]:
+    """The failed ranks (``{rank: (status, detail, when)}``, status ``"error"`` or ``"died"``), the cause first.
+
+    By time, except that a rank whose error says a peer's connection was lost comes after the ranks that died: the
+    death caused it, but the parent sees a death only when its wait wakes for it, which can be after the peer's
+    error report arrived (a death cannot be dated more precisely from outside)."""
+    died = any(status == "died" for status, _, _ in failures.values())
+
+    def key(rank: int) -> tuple[bool, float]:
+        status, detail, when = failures[rank]
+        consequence = died and status == "error" and bool(_LOST_PEER.search(detail))
+        return consequence, when
+
+    return sorted(failures, key=key)
 
 
 def exit_description(exitcode: int | None) -> str:
