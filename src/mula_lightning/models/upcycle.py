@@ -37,7 +37,8 @@ Construction (Komatsuzaki et al.; "Llama 3 Meets MoE", ``llama3-moe-upcycling``;
 
 Online mode (``ep_size > 1``): rank r builds only experts ``[r * E / EP, (r + 1) * E / EP)``. From a
 safetensors directory it reads each non-FFN tensor, and of each FFN only the slices its experts use, with
-``safe_open`` per key (``get_slice``), so the full MoE is never materialised: per rank the expert tensors take
+``pread`` per key (:class:`~mula_lightning.models.safetensors_file.SafetensorsFile`, the slice's bytes only), so
+the full MoE is never materialised: per rank the expert tensors take
 ``1 / EP`` of the full MoE's, plus at most one dense FFN being read at a time. The returned model's config
 describes the global MoE (``num_experts = E``); its ``experts`` modules hold the local slice
 (``experts.num_experts = E / EP``, ``experts.expert_range = (start, stop)``) and
