@@ -119,6 +119,36 @@ def test_any_element_range_of_an_initial_value_equals_the_full_draw(monkeypatch,
         fill_initial_(norm, "model.norm.weight", (10,), config, seed=0, start=8)
 
 
+def test_staged_and_direct_blocks_partition_a_range(monkeypatch):
+    """``blocks="staged"`` writes exactly the blocks a range holds only part of (and nothing of a constant fill),
+    ``"direct"`` exactly the whole float32 blocks and constant fills; together, in either order, they equal
+    ``"all"``, bit for bit; a target that is not float32 is all staged; an unknown choice is refused."""
+    from mula_lightning.models import transformer
+    from mula_lightning.models.transformer import fill_initial_
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_NUMEL", 10)
+    config = _tiny(init_std=0.03)
+    shape, name = (9, 7), "model.layers.0.self_attn.q_proj.weight"  # 63 elements: blocks of 10, a partial last one
+    for start, stop in [(3, 58), (10, 40), (0, 63), (12, 17), (25, 25)]:
+        every = fill_initial_(torch.full((stop - start,), float("nan")), name, shape, config, 1, start)
+        staged = fill_initial_(torch.full((stop - start,), float("nan")), name, shape, config, 1, start, "staged")
+        direct = fill_initial_(torch.full((stop - start,), float("nan")), name, shape, config, 1, start, "direct")
+        index = torch.arange(start, stop)
+        whole = ((index // 10) * 10 >= start) & (torch.clamp((index // 10) * 10 + 10, max=63) <= stop)
+        assert torch.equal(staged[~whole], every[~whole]) and staged[whole].isnan().all(), (start, stop)
+        assert torch.equal(direct[whole], every[whole]) and direct[~whole].isnan().all(), (start, stop)
+        both = fill_initial_(direct.clone(), name, shape, config, 1, start, "staged")
+        assert torch.equal(both, every)
+        half = torch.full((stop - start,), float("nan"), dtype=torch.bfloat16)
+        assert fill_initial_(half.clone(), name, shape, config, 1, start, "direct").isnan().all()
+        assert torch.equal(fill_initial_(half, name, shape, config, 1, start, "staged"), every.bfloat16())
+    ones = torch.full((4,), float("nan"))
+    assert fill_initial_(ones, "model.norm.weight", (10,), config, 0, 6, "staged").isnan().all()
+    assert torch.equal(fill_initial_(ones, "model.norm.weight", (10,), config, 0, 6, "direct"), torch.ones(4))
+    with pytest.raises(ValueError, match="blocks must be 'all', 'staged' or 'direct', got 'some'"):
+        fill_initial_(ones, "model.norm.weight", (10,), config, 0, 6, "some")
+
+
 def test_rmsnorm_matches_its_formula():
     """RMSNorm(x) = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
     norm = RMSNorm(16, eps=1e-5)

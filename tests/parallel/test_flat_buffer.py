@@ -24,18 +24,34 @@ def _params(real_values):
     return items, table
 
 
-@pytest.mark.parametrize("kind", ["ranged", "plain callable"])
-def test_deferred_initial_values_equal_the_eager_buffer_in_any_range(kind):
+class _PerParameter:
+    """An initializer with ``fill_`` alone (as ``WeightsInitializer``): asked one parameter at a time, in order."""
+
+    def __init__(self, init):
+        self.init, self.asked = init, []
+
+    def fill_(self, param, out, start):
+        self.asked.append(id(param))
+        return self.init.fill_(param, out, start)
+
+
+@pytest.mark.parametrize("kind", ["ranged", "per parameter", "plain callable"])
+def test_deferred_initial_values_equal_the_eager_buffer_in_any_range(kind, monkeypatch):
     """A buffer built with ``defer_initial_values`` writes nothing at construction; ``fill_initial`` of random ranges
-    (buckets, padding, a real parameter's slot included) equals the same elements of a buffer whose initial values
-    were written at construction, padding zero; with a plain callable (no ``fill_``) the full value is sliced."""
+    (buckets, padding, a real parameter's slot included; initializer blocks of 16 elements, so ranges cut blocks)
+    equals the same elements of a buffer whose initial values were written at construction, padding zero; an
+    initializer with ``fill_`` alone is asked for every parameter in layout order; with a plain callable (no
+    ``fill_``) the full value is sliced."""
+    from mula_lightning.models import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_NUMEL", 16)
     real_values = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
     items, table = _params(real_values)
     init = ParameterInitializer(table, seed=4)
     eager = FlatBuffer(items, 4, 1, bucket_numel=100, align=3, device="cpu", initial_value=init)
     items, table = _params(real_values)
     init = ParameterInitializer(table, seed=4)
-    asked = init if kind == "ranged" else (lambda p: init(p))
+    asked = {"ranged": init, "per parameter": _PerParameter(init), "plain callable": lambda p: init(p)}[kind]
     lazy = FlatBuffer(items, 4, 1, bucket_numel=100, align=3, device="cpu", initial_value=asked,
                       defer_initial_values=True)  # fmt: skip
     assert lazy.numel == eager.numel > sum(p.numel() for _, p, _ in items)  # padding exists
@@ -46,9 +62,28 @@ def test_deferred_initial_values_equal_the_eager_buffer_in_any_range(kind):
         out = torch.full((stop - start,), float("nan"))
         lazy.fill_initial(out, start)
         assert torch.equal(out, eager.params[start:stop]), (start, stop)
+        if kind == "per parameter":
+            assert asked.asked == [id(p) for p, _ in zip(lazy.initial_sources, lazy.slots) if p is not None]
+            asked.asked.clear()
     assert all(not p.is_meta for p in (s.param for s in lazy.slots))
     with pytest.raises(RuntimeError, match="defer_initial_values=True"):
         eager.fill_initial(torch.empty(3), 0)
+
+
+def test_a_chunk_draws_every_staged_block_before_any_direct_one(monkeypatch):
+    """``ParameterInitializer.fill_many_`` (what a flat buffer's chunk asks for) writes every request's staged blocks
+    (those needing a block-sized temporary) before any request's direct ones: into fresh memory the temporaries then
+    come and go before the chunk's pages become resident, so a rank's setup peaks at what it keeps."""
+    from mula_lightning.parallel import parallelize
+
+    calls = []
+    real = parallelize.fill_initial_
+    monkeypatch.setattr(parallelize, "fill_initial_", lambda *a, **k: calls.append(k["blocks"]) or real(*a, **k))
+    items, table = _params(torch.zeros(5, 3))
+    buf = FlatBuffer(items, 1, 0, device="cpu", initial_value=ParameterInitializer(table, seed=4),
+                     defer_initial_values=True)  # fmt: skip
+    buf.fill_initial(torch.empty(buf.numel), 0)
+    assert calls == ["staged"] * 3 + ["direct"] * 3
 
 
 def test_owned_elements_gathered_into_a_tensor_equal_the_concatenation():

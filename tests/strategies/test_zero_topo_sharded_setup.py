@@ -283,9 +283,9 @@ def _chunk_draws(rank, world_size, layout):
         def __call__(self, param):
             raise AssertionError(f"the whole value of {self.table[id(param)][1]} was asked for")
 
-        def fill_(self, param, out, start):
-            drawn.append((self.table[id(param)][1], start, out.numel()))
-            return super().fill_(param, out, start)
+        def fill_many_(self, requests):
+            drawn.extend((self.table[id(param)][1], start, out.numel()) for param, out, start in requests)
+            return super().fill_many_(requests)
 
     # a big vocabulary: the root unit (embeddings and head) is several initializer blocks, cut by the chunks
     config = _config(vocab_size=40_000, hidden_size=64)

@@ -308,7 +308,13 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 
 
 def fill_initial_(
-    out: torch.Tensor, name: str, shape: torch.Size | tuple[int, ...], config: MulaConfig, seed: int, start: int = 0
+    out: torch.Tensor,
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    config: MulaConfig,
+    seed: int,
+    start: int = 0,
+    blocks: str = "all",
 ) -> torch.Tensor:
     """Write elements ``[start, start + out.numel())`` of the flattened initial value of parameter ``name`` (full
     shape ``shape``) into the contiguous tensor ``out``, drawing only the blocks that range touches.
@@ -316,7 +322,15 @@ def fill_initial_(
     This is how a shard owner materialises its part of a parameter without the full tensor: the extra memory is at
     most one block (:data:`INIT_BLOCK_NUMEL` float32 elements), whatever the parameter's size. Every element equals
     the same element of :func:`init_parameter` (cast to ``out``'s dtype), bit for bit.
+
+    ``blocks`` picks which blocks this call writes: ``"all"``; ``"staged"``, those drawn through a block-sized
+    temporary (a block ``out`` holds only part of, or any block of a target that is not float32 on the CPU);
+    ``"direct"``, the rest (whole float32 blocks, drawn in place, and constant fills). A caller filling fresh memory
+    (:meth:`ParameterInitializer.fill_many_`) writes every request's staged blocks first: the temporary then comes
+    before the pages the direct blocks touch, and the peak stays at what the caller keeps.
     """
+    if blocks not in ("all", "staged", "direct"):
+        raise ValueError(f"blocks must be 'all', 'staged' or 'direct', got {blocks!r}")
     numel = math.prod(shape)
     stop = start + out.numel()
     if start < 0 or stop > numel:
@@ -325,19 +339,23 @@ def fill_initial_(
     if flat.numel() == 0:
         return out
     if name.endswith("norm.weight") or name.endswith(".bias"):
-        return flat.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        return out if blocks == "staged" else flat.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+    in_place = out.dtype == torch.float32 and out.device.type == "cpu"
     first, last = start // INIT_BLOCK_NUMEL, -(-stop // INIT_BLOCK_NUMEL)
     for block in range(first, last):
         lo = block * INIT_BLOCK_NUMEL
         hi = min(lo + INIT_BLOCK_NUMEL, numel)
+        whole = lo >= start and hi <= stop and in_place
+        if blocks != "all" and whole != (blocks == "direct"):
+            continue
         gen = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        whole = lo >= start and hi <= stop and out.dtype == torch.float32 and out.device.type == "cpu"
         # a whole block of a float32 CPU target is drawn in place; any other is drawn into a block-sized temporary
         target = flat[lo - start : hi - start] if whole else torch.empty(hi - lo)
         target.normal_(0.0, config.init_std, generator=gen)
         if not whole:
             s, e = max(lo, start), min(hi, stop)
             flat[s - start : e - start].copy_(target[s - lo : e - lo])
+            del target
     return out
 
 

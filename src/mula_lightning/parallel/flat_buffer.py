@@ -203,19 +203,36 @@ class FlatBuffer:
 
         Asks the initializer for every slot in layout order, with an empty range where ``out`` holds nothing of it,
         since an initializer that reads weights is a collective (every rank asks for every parameter in one order).
+        An initializer with ``fill_many_`` gets the whole chunk's requests at once (it may order its own work, see
+        :meth:`~mula_lightning.parallel.parallelize.ParameterInitializer.fill_many_`). Only padding is zeroed, not
+        all of ``out``: fresh memory stays untouched until its values are written.
         """
         if self.initial_value is None:
             raise RuntimeError("fill_initial needs a buffer built with initial_value and defer_initial_values=True")
         stop = start + out.numel()
-        out.zero_()
-        fill = getattr(self.initial_value, "fill_", None)
+        requests: list[tuple[nn.Parameter, torch.Tensor, int]] = []
+        written = start  # the end of what the slots so far cover: anything between is padding
         for slot, source in zip(self.slots, self.initial_sources):
             s, e = max(start, slot.start), min(stop, slot.end)
             target = out[s - start : e - start] if s < e else out[:0]
             first = s - slot.start if s < e else 0
+            if s < e:
+                if s > written:
+                    out[written - start : s - start].zero_()
+                written = e
             if source is None:
                 target.copy_(local_tensor(slot.param).detach().reshape(-1)[first : first + target.numel()])
-            elif fill is not None:
+            else:
+                requests.append((source, target, first))
+        if stop > written:
+            out[written - start :].zero_()
+        fill_many = getattr(self.initial_value, "fill_many_", None)
+        fill = getattr(self.initial_value, "fill_", None)
+        if fill_many is not None:
+            fill_many(requests)
+            return out
+        for source, target, first in requests:
+            if fill is not None:
                 fill(source, target, first)
             else:  # a plain callable: its full value, sliced
                 target.copy_(self.initial_value(source).reshape(-1)[first : first + target.numel()])

@@ -210,6 +210,16 @@ class ParameterInitializer:
         config, name = self.table[id(param)]
         return fill_initial_(out, name, param.shape, config, self.seed, start)
 
+    def fill_many_(self, requests: list[tuple[nn.Parameter, torch.Tensor, int]]) -> None:
+        """:meth:`fill_` for several ``(param, out, start)`` requests (a flat buffer's chunk), every request's staged
+        blocks first (see :func:`~mula_lightning.models.transformer.fill_initial_`): into memory allocated but not
+        yet written, the block-sized temporaries come and go before the pages drawn in place become resident, so
+        materialising a chunk peaks at the chunk, not the chunk plus a block."""
+        for blocks in ("staged", "direct"):
+            for param, out, start in requests:
+                config, name = self.table[id(param)]
+                fill_initial_(out, name, param.shape, config, self.seed, start, blocks=blocks)
+
 
 class WeightsInitializer:
     """Like :class:`ParameterInitializer`, with the values read from ``weights`` (``init_from``, an
