@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
+from mula_lightning.checkpoint.checksummed_writes import ChecksummingWriter, active_recorder, zip_crc32_skipped
 from mula_lightning.parallel.tensor_pieces import TensorPieces
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
@@ -75,13 +76,23 @@ def save_dcp(
             :class:`NoCopySavePlanner` when None.
         process_group: the group DCP's planning collectives run on (default: the default group; an asynchronous
             save passes its checkpoint-only group).
+
+    Inside :func:`~mula_lightning.checkpoint.checksummed_writes.recording_checksums` (a dual-slot save), each file's
+    size and CRC32 are recorded as it is written and ``torch.save``'s zip CRC32s are skipped.
     """
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
     path.mkdir(parents=True, exist_ok=True)
     planner = NoCopySavePlanner() if planner is None else planner
     state = {**tensors, METADATA_KEY: dumps_data(metadata, path)}
-    dcp.save(state, checkpoint_id=str(path), planner=planner, process_group=process_group)
+    recorder = active_recorder()
+    if recorder is None:
+        dcp.save(state, checkpoint_id=str(path), planner=planner, process_group=process_group)
+        return
+    # a slot's write: every file's CRC32 computed on its way to the file, the zip records' own skipped
+    with zip_crc32_skipped():
+        writer = ChecksummingWriter(path, recorder)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
 
 
 def saved_keys(path: Path) -> set[str]:

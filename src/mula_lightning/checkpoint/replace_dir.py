@@ -31,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mula_lightning.checkpoint.async_slots import BackgroundSaver, staged_or_failing
+from mula_lightning.checkpoint.checksummed_writes import active_recorder
 from mula_lightning.checkpoint.slots import CheckpointWriteError
 from mula_lightning.utils.dist import all_true, is_distributed, rank_world
 from mula_lightning.utils.io import fsync_dir
@@ -138,6 +139,8 @@ def _write_and_move(path: Path, write: Callable[[Path], None], group: Any) -> No
         _agree_and_move(path, error, group)
     except CheckpointWriteError as failure:
         raise failure from error
+    if (recorder := active_recorder()) is not None:  # a slot's write: the checksums follow the files
+        recorder.moved_tree(partial_path(path), path)
 
 
 def save_replacing(path: str | Path, write: Callable[[Path], None], group: Any = None) -> None:

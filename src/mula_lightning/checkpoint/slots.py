@@ -12,7 +12,8 @@ on disk:
    the slot reads as incomplete, even after a power loss. A barrier keeps every rank from writing earlier.
 3. Every rank writes its part (``write(path)``: a DCP save, ``trainer.save_checkpoint``, ...) and its RNG states
    (``rng_rank{r}.pt``), then fsyncs and checksums (CRC32) the files it owns: DCP names them ``__{rank}_*``; other
-   files (``.metadata``, a single ``torch.save`` file) belong to rank 0.
+   files (``.metadata``, a single ``torch.save`` file) belong to rank 0. A DCP write checksums its files as it
+   writes them (:mod:`~mula_lightning.checkpoint.checksummed_writes`); other files are read back.
 4. Ranks agree that every part succeeded: one all-reduce (MIN) of a success flag. If any rank failed, every rank
    raises :class:`CheckpointWriteError` and no marker is written (the other slot stays the newest complete one).
 5. Rank 0 gathers the checksums, fsyncs the slot's directories and writes the marker atomically (temporary file,
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mula_lightning.checkpoint.checksummed_writes import recording_checksums
 from mula_lightning.utils.dist import (
     all_gather_object,
     all_true,
@@ -321,14 +323,17 @@ def write_and_mark(
     sums: dict[str, dict[str, int]] = {}
     error = ""
     try:
-        write(slot / STATE_NAME)
+        with recording_checksums() as written:  # a DCP write checksums its files as it writes them
+            write(slot / STATE_NAME)
         torch.save(rng, slot / RNG_NAME.format(rank=rank))
         for rel in _payload_files(slot):
             if owner_rank(rel) != rank:
                 continue
             with open(slot / rel, "rb") as f:
                 os.fsync(f.fileno())
-            sums[rel] = {"size": (slot / rel).stat().st_size, "crc32": file_crc32(slot / rel)}
+            crc = written.crc32(slot / rel)
+            crc = file_crc32(slot / rel) if crc is None else crc
+            sums[rel] = {"size": (slot / rel).stat().st_size, "crc32": crc}
     except Exception as err:  # reported to every rank below; the previous slot stays valid
         error = f"{type(err).__name__}: {err}"
     hook("written")

@@ -1,0 +1,97 @@
+"""CRC32s recorded while a DCP checkpoint is written: they equal the files' own, the slot's marker takes them without
+reading the files back (a corrupted file is still caught at resume), and torch's zip CRC32s are skipped only inside
+the writing thread and restored after it."""
+
+import io
+import threading
+import zipfile
+
+import pytest
+import torch
+
+from mula_lightning.checkpoint import slots
+from mula_lightning.checkpoint.checksummed_writes import active_recorder, recording_checksums, zip_crc32_skipped
+from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
+from mula_lightning.checkpoint.slots import file_crc32, read_marker, resolve_last, save_slot
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(300, 7, generator=g), "b": torch.randn(5, generator=g).double()}}
+
+
+def _zip_crcs(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return [info.CRC for info in zipfile.ZipFile(io.BytesIO(buffer.getvalue())).infolist()]
+
+
+def test_recorded_crc32s_are_the_files_own(tmp_path):
+    """Every file ``save_dcp`` writes inside ``recording_checksums`` (data files and ``.metadata``, recorded under
+    its final name) has a recorded size and CRC32 equal to the file's; a file whose size changed afterwards, or one
+    never recorded, gives None; outside the block nothing is recorded; the checkpoint loads unchanged."""
+    state = _state(0)
+    with recording_checksums() as recorder:
+        assert active_recorder() is recorder
+        save_dcp(tmp_path / "ckpt", state, {"step": 3})
+    assert active_recorder() is None
+    files = sorted(p for p in (tmp_path / "ckpt").iterdir() if p.is_file())
+    assert any(p.name == ".metadata" for p in files) and any(p.name.startswith("__0_") for p in files)
+    assert len(recorder) == len(files)
+    for path in files:
+        assert recorder.crc32(path) == file_crc32(path), path.name
+    data = next(p for p in files if p.name.startswith("__0_"))
+    with open(data, "ab") as f:
+        f.write(b"x")
+    assert recorder.crc32(data) is None and recorder.crc32(tmp_path / "nope") is None
+    target = {"model": {"w": torch.zeros(300, 7), "b": torch.zeros(5, dtype=torch.float64)}}
+    save_dcp(tmp_path / "plain", state, {"step": 3})
+    assert load_dcp(tmp_path / "plain", target)["step"] == 3
+    assert all(torch.equal(target["model"][k], state["model"][k]) for k in state["model"])
+
+
+def test_zip_crc32s_are_skipped_only_inside_the_block_and_thread():
+    """``torch.save`` writes zip records with a CRC32 outside the block and without inside it; another thread saving
+    meanwhile keeps its CRC32s (torch's config is thread-local); a nested block restores what the outer one set."""
+    value = torch.arange(10.0)
+    assert all(_zip_crcs(value))
+    seen = []
+    with zip_crc32_skipped():
+        with zip_crc32_skipped():
+            assert not any(_zip_crcs(value))
+        assert not any(_zip_crcs(value))
+        thread = threading.Thread(target=lambda: seen.append(_zip_crcs(value)))
+        thread.start()
+        thread.join()
+    assert all(seen[0]) and all(_zip_crcs(value))
+
+
+def test_a_slot_takes_the_recorded_crc32s_and_still_catches_corruption(tmp_path, monkeypatch):
+    """``save_slot`` of a DCP write reads back only the files it did not record (the RNG file): the marker's CRC32s
+    equal the files'; a byte flipped in a data file afterwards makes the slot invalid at resume."""
+    read_back = []
+    real = slots.file_crc32
+    monkeypatch.setattr(slots, "file_crc32", lambda path, *a: read_back.append(path.name) or real(path, *a))
+    slot = save_slot(tmp_path, 4, lambda path: save_dcp(path, _state(1), {"step": 4}))
+    assert read_back == ["rng_rank0.pt"]
+    files = read_marker(slot)["files"]
+    assert {rel: info["crc32"] for rel, info in files.items()} == {rel: real(slot / rel) for rel in files}
+    assert resolve_last(tmp_path) is not None
+    data = next(slot / rel for rel in files if "__0_" in rel)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(slots.CheckpointIntegrityError, match="CRC32"):
+        resolve_last(tmp_path)
+
+
+def test_checksums_follow_a_directory_moved_into_place(tmp_path):
+    """A save through ``save_replacing`` (a strategy's own save: written to ``<path>.partial``, then renamed over
+    ``path``) leaves every file's recorded CRC32 under its final name, equal to the file's."""
+    from mula_lightning.checkpoint.replace_dir import save_replacing
+
+    with recording_checksums() as recorder:
+        save_replacing(tmp_path / "ckpt", lambda target: save_dcp(target, _state(2), {"step": 1}))
+    files = [p for p in (tmp_path / "ckpt").iterdir() if p.is_file()]
+    assert files and len(recorder) == len(files)
+    assert all(recorder.crc32(p) == file_crc32(p) for p in files)
