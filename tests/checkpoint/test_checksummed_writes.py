@@ -1,6 +1,6 @@
 """CRC32s recorded while a DCP checkpoint is written: they equal the files' own, the slot's marker takes them without
 reading the files back (a corrupted file is still caught at resume), and torch's zip CRC32s are skipped only inside
-the writing thread and restored after it."""
+the writing thread and restored after it; such files load through every reader path."""
 
 import io
 import threading
@@ -8,11 +8,14 @@ import zipfile
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from mula_lightning.checkpoint import slots
 from mula_lightning.checkpoint.checksummed_writes import active_recorder, recording_checksums, zip_crc32_skipped
 from mula_lightning.checkpoint.dcp_format import load_dcp, save_dcp
 from mula_lightning.checkpoint.slots import file_crc32, read_marker, resolve_last, save_slot
+from mula_lightning.parallel.tensor_pieces import TensorPieces
+from mula_lightning.utils.safe_load import SafeFileSystemReader
 
 
 def _state(seed):
@@ -44,10 +47,27 @@ def test_recorded_crc32s_are_the_files_own(tmp_path):
     with open(data, "ab") as f:
         f.write(b"x")
     assert recorder.crc32(data) is None and recorder.crc32(tmp_path / "nope") is None
-    target = {"model": {"w": torch.zeros(300, 7), "b": torch.zeros(5, dtype=torch.float64)}}
-    save_dcp(tmp_path / "plain", state, {"step": 3})
-    assert load_dcp(tmp_path / "plain", target)["step"] == 3
-    assert all(torch.equal(target["model"][k], state["model"][k]) for k in state["model"])
+    for name in ("ckpt", "plain"):  # written without and with torch's zip CRC32s
+        if name == "plain":
+            save_dcp(tmp_path / name, state, {"step": 3})
+        target = {"model": {"w": torch.zeros(300, 7), "b": torch.zeros(5, dtype=torch.float64)}}
+        assert load_dcp(tmp_path / name, target)["step"] == 3
+        assert all(torch.equal(target["model"][k], state["model"][k]) for k in state["model"])
+
+
+def test_a_checkpoint_written_without_zip_crc32s_loads_any_box(tmp_path):
+    """Records written inside a slot's write (no zip CRC32) are read by the box reader (a row range, a column box:
+    what a resume at another layout asks for) and by whole-chunk loads, with the saved values."""
+    state = _state(5)
+    with recording_checksums():
+        save_dcp(tmp_path / "ckpt", state, {})
+    rows, cols = torch.empty(20, 7), torch.empty(300, 2)
+    targets = {"model.w": TensorPieces((300, 7), [((40, 0), rows)]), "model.b": torch.empty(5, dtype=torch.float64)}
+    dcp.load(targets, storage_reader=SafeFileSystemReader(str(tmp_path / "ckpt")), no_dist=True)
+    dcp.load({"model.w": TensorPieces((300, 7), [((0, 5), cols)])},
+             storage_reader=SafeFileSystemReader(str(tmp_path / "ckpt")), no_dist=True)  # fmt: skip
+    assert torch.equal(rows, state["model"]["w"][40:60]) and torch.equal(cols, state["model"]["w"][:, 5:7])
+    assert torch.equal(targets["model.b"], state["model"]["b"])
 
 
 def test_zip_crc32s_are_skipped_only_inside_the_block_and_thread():

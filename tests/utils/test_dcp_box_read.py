@@ -129,6 +129,42 @@ def test_a_box_reads_its_own_bytes_not_the_stored_chunk(tmp_path):
     assert read["torch"] >= 256 * 1024 * 4, read
 
 
+def test_a_contiguous_box_is_read_into_its_destination(tmp_path, monkeypatch):
+    """A row range (and a whole 1-D chunk's part) of a contiguous stored tensor, loaded into a contiguous destination
+    of the stored dtype, is read straight into it: ``read_box`` returns the destination itself, with the stored
+    values; a column box (not one run of bytes), a destination of another dtype and a non-contiguous destination get
+    a box-sized buffer and a copy, with the same values."""
+    from mula_lightning.utils import dcp_box_read
+
+    g = torch.Generator().manual_seed(3)
+    saved = {"w": torch.randn(64, 48, generator=g), "v": torch.randn(500, generator=g, dtype=torch.float64)}
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    direct = []
+    real = dcp_box_read.read_box
+    monkeypatch.setattr(
+        dcp_box_read,
+        "read_box",
+        lambda *a, into=None, **k: direct.append((box := real(*a, into=into, **k)) is into) or box,
+    )
+    rows, part = torch.empty(10, 48), torch.empty(123, dtype=torch.float64)
+    cols, other_dtype = torch.empty(64, 5), torch.empty(10, 48, dtype=torch.float64)
+    strided = torch.empty(48, 10).t()
+    cases = [
+        (rows, "w", (20, 0), saved["w"][20:30], True),
+        (part, "v", (77,), saved["v"][77:200], True),
+        (cols, "w", (0, 40), saved["w"][:, 40:45], False),
+        (other_dtype, "w", (20, 0), saved["w"][20:30].double(), False),
+        (strided, "w", (3, 0), saved["w"][3:13], False),
+    ]
+    for out, key, offsets, expected, straight in cases:
+        direct.clear()
+        shape = saved[key].shape
+        dcp.load({key: TensorPieces(shape, [(offsets, out)])}, storage_reader=SafeFileSystemReader(str(tmp_path)),
+                 no_dist=True)  # fmt: skip
+        assert torch.equal(out, expected), (key, offsets)
+        assert direct == [straight], (key, offsets, direct)
+
+
 def test_a_truncated_data_file_is_named(tmp_path):
     """A data file cut inside a tensor's bytes, and one cut inside its zip record's directory, raise an error that
     names the file and the item, instead of returning partial values, whether the whole stored chunk or a box of it
@@ -153,7 +189,7 @@ def test_records_that_cannot_be_addressed_are_loaded_whole_and_narrowed(tmp_path
 
     saved = _stored(3)
     dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
-    monkeypatch.setattr(dcp_box_read, "read_box", lambda *args: None)
+    monkeypatch.setattr(dcp_box_read, "read_box", lambda *args, **kwargs: None)
     g = torch.Generator().manual_seed(7)
     targets, expected = {}, {}
     for key, value in saved.items():

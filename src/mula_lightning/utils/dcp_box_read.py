@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import struct
 import sys
 import zipfile
 from typing import Any
@@ -69,11 +70,24 @@ class _Record(io.RawIOBase):
 
 
 def _byteorder(record: Any) -> str:
-    """The byte order a ``torch.save`` record says it was written in (``little`` when it does not say)."""
+    """The byte order a ``torch.save`` record says it was written in (``little`` when it does not say).
+
+    The member is read from its local header, not with ``ZipFile.read``: that checks the member's CRC32, which a
+    record written with torch's ``compute_crc32`` off (a slot's write, see
+    :mod:`~mula_lightning.checkpoint.checksummed_writes`) leaves at zero; ``torch.load`` never checks it either.
+    """
     record.seek(0)
     with zipfile.ZipFile(record) as archive:
         name = next((n for n in archive.namelist() if n.endswith("/byteorder")), None)
-        return archive.read(name).decode() if name is not None else "little"
+        if name is None:
+            return "little"
+        info = archive.getinfo(name)
+        if info.compress_type != zipfile.ZIP_STORED:  # not written by torch.save: let zipfile decode it
+            return archive.read(name).decode()
+    record.seek(info.header_offset + 26)
+    name_length, extra_length = struct.unpack("<HH", record.read(4))
+    record.seek(info.header_offset + 30 + name_length + extra_length)
+    return record.read(info.file_size).decode()
 
 
 def _load_record(record: Any, map_location: str, where: str) -> Any:
@@ -88,9 +102,15 @@ def _load_record(record: Any, map_location: str, where: str) -> Any:
         ) from None
 
 
-def read_box(record: Any, offsets: Any, lengths: Any, where: str = "") -> torch.Tensor | None:
+def read_box(
+    record: Any, offsets: Any, lengths: Any, where: str = "", into: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The box ``[offsets, offsets + lengths)`` of the tensor saved (``torch.save``) in the seekable ``record``,
     reading the record's pickle and the box's byte span only; None when the record cannot be addressed that way.
+
+    With ``into`` (the request's destination), a box that is one contiguous run of the stored bytes (leading-dimension
+    slices of a contiguous tensor: a row range, a whole chunk) is read straight into it when it is a contiguous CPU
+    tensor of the box's shape and the stored dtype, and ``into`` is returned: no box-sized buffer and no copy.
 
     Raises:
         DamagedCheckpointError: the record is cut or damaged, or shorter than the span the box needs (a truncated
@@ -111,7 +131,8 @@ def read_box(record: Any, offsets: Any, lengths: Any, where: str = "") -> torch.
         return torch.empty(lengths, dtype=meta.dtype)
     first = meta.storage_offset() + sum(o * s for o, s in zip(offsets, strides))
     span = 1 + sum((n - 1) * s for n, s in zip(lengths, strides))
-    buffer = torch.empty(span * itemsize, dtype=torch.uint8)
+    direct = into is not None and _fits(into, meta.dtype, lengths) and _contiguous_run(lengths, strides)
+    buffer = into.view(-1).view(torch.uint8) if direct else torch.empty(span * itemsize, dtype=torch.uint8)
     start = storage_offset + first * itemsize
     record.seek(start)
     view, done = memoryview(buffer.numpy()), 0
@@ -123,7 +144,21 @@ def read_box(record: Any, offsets: Any, lengths: Any, where: str = "") -> torch.
                 f"which ends at byte {start + done}"
             )
         done += got
-    return buffer.view(meta.dtype).as_strided(lengths, strides)
+    return into if direct else buffer.view(meta.dtype).as_strided(lengths, strides)
+
+
+def _fits(into: torch.Tensor, dtype: torch.dtype, lengths: list[int]) -> bool:
+    return into.device.type == "cpu" and into.dtype == dtype and list(into.shape) == lengths and into.is_contiguous()
+
+
+def _contiguous_run(lengths: list[int], strides: tuple[int, ...]) -> bool:
+    """Whether a box of ``lengths`` with the stored ``strides`` is its elements in row-major order, back to back."""
+    expected = 1
+    for n, stride in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and stride != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _whole_chunk(reader: Any, request: Any) -> bool:
@@ -167,16 +202,17 @@ def read_data_by_box(reader: Any, plan: Any, planner: Any, fallback: Any) -> Fut
                     planner.load_bytes(request, io.BytesIO(record.read()))
                     continue
                 where = f"{path} (item {request.storage_index.fqn!r} at byte {stored.offset})"
+                target = planner.resolve_tensor(request).detach()
                 box = None
                 if not _whole_chunk(reader, request):
-                    box = read_box(record, request.storage_offsets, request.lengths, where)
+                    box = read_box(record, request.storage_offsets, request.lengths, where, into=target)
                 if box is None:
                     box = _whole_then_narrow(record, request.storage_offsets, request.lengths, where)
-                target = planner.resolve_tensor(request).detach()
-                if target.size() != box.size():
-                    sizes = f"{tuple(box.size())} != its target {tuple(target.size())}"
-                    raise ValueError(f"{where}: the request's box {sizes}")
-                target.copy_(box)
+                if box is not target:
+                    if target.size() != box.size():
+                        sizes = f"{tuple(box.size())} != its target {tuple(target.size())}"
+                        raise ValueError(f"{where}: the request's box {sizes}")
+                    target.copy_(box)
                 planner.commit_tensor(request, target)
     if rest:
         fallback(dataclasses.replace(plan, items=rest), planner).wait()
