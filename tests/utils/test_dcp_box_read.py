@@ -165,6 +165,20 @@ def test_a_contiguous_box_is_read_into_its_destination(tmp_path, monkeypatch):
         assert direct == [straight], (key, offsets, direct)
 
 
+def test_a_damaged_byte_order_record_is_named(tmp_path):
+    """A record whose byte-order member holds neither ``little`` nor ``big`` (a damaged file) raises
+    ``DamagedCheckpointError`` naming the file and the item when a box of it is asked for."""
+    dcp.save({"w": torch.randn(16, 8)}, checkpoint_id=str(tmp_path), no_dist=True)
+    data = next(tmp_path.glob("*.distcp"))
+    raw = data.read_bytes()
+    at = raw.index(b"byteorder") + len(b"byteorder")
+    at = raw.index(b"little", at)
+    data.write_bytes(raw[:at] + b"xxxxxx" + raw[at + 6 :])
+    out = torch.empty(4, 8)
+    with pytest.raises(DamagedCheckpointError, match=r"\.distcp \(item 'w' at byte \d+\): .*(byte order|endianness)"):
+        dcp_load({"w": TensorPieces((16, 8), [((2, 0), out)])}, tmp_path, no_dist=True)
+
+
 def test_a_truncated_data_file_is_named(tmp_path):
     """A data file cut inside a tensor's bytes, and one cut inside its zip record's directory, raise an error that
     names the file and the item, instead of returning partial values, whether the whole stored chunk or a box of it

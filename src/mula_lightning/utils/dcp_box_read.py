@@ -69,7 +69,7 @@ class _Record(io.RawIOBase):
         return got
 
 
-def _byteorder(record: Any) -> str:
+def _byteorder(record: Any, where: str = "") -> str:
     """The byte order a ``torch.save`` record says it was written in (``little`` when it does not say).
 
     The member is read from its local header, not with ``ZipFile.read``: that checks the member's CRC32, which a
@@ -85,9 +85,14 @@ def _byteorder(record: Any) -> str:
         if info.compress_type != zipfile.ZIP_STORED:  # not written by torch.save: let zipfile decode it
             return archive.read(name).decode()
     record.seek(info.header_offset + 26)
-    name_length, extra_length = struct.unpack("<HH", record.read(4))
-    record.seek(info.header_offset + 30 + name_length + extra_length)
-    return record.read(info.file_size).decode()
+    lengths = record.read(4)
+    if len(lengths) == 4:
+        name_length, extra_length = struct.unpack("<HH", lengths)
+        record.seek(info.header_offset + 30 + name_length + extra_length)
+        order = record.read(info.file_size)
+        if order in (b"little", b"big"):
+            return order.decode()
+    raise DamagedCheckpointError(f"{where}: the stored item's byte order record is damaged or cut")
 
 
 def _load_record(record: Any, map_location: str, where: str) -> Any:
@@ -96,7 +101,7 @@ def _load_record(record: Any, map_location: str, where: str) -> Any:
     record.seek(0)
     try:
         return torch.load(record, map_location=map_location, weights_only=True)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:  # ValueError: an unknown byte order, a bad record
         raise DamagedCheckpointError(
             f"{where}: the stored item cannot be read (truncated or damaged file?): {err}"
         ) from None
@@ -121,7 +126,7 @@ def read_box(
     if not isinstance(meta, torch.Tensor):
         return None
     storage_offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if storage_offset is None or _byteorder(record) != sys.byteorder:
+    if storage_offset is None or _byteorder(record, where) != sys.byteorder:
         return None
     offsets, lengths = list(offsets), list(lengths)
     if len(offsets) != meta.dim() or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, meta.shape)):
