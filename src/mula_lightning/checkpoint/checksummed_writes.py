@@ -134,8 +134,9 @@ class _ChecksummingStream:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         written = self._stream.write(view)
-        self.size += len(view) if written is None else written
-        return len(view) if written is None else written
+        written = len(view) if written is None else written
+        self.size += written
+        return written
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, seekable, ...
         return getattr(self._stream, name)
