@@ -13,7 +13,8 @@ What it prints, one table:
    (:func:`mula_lightning.testing.assert_parity`: reduction length x eps(dtype) x scale);
 2. speed: forward + backward of one MoE block, FastSparseMoE vs transformers eager and grouped_mm (median of
    ``--reps`` runs, interleaved, the device synchronised around each), with the ratios;
-3. host synchronisations: none in FastSparseMoE's forward + backward on one device (CUDA's sync debug mode);
+3. host synchronisations: none in FastSparseMoE's forward + backward on one device, nor in a whole training step of
+   the tiny Mula MoE with AdamW (CUDA's sync debug mode);
 4. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
    freshly prepared corpus: exit code, steps, first and last loss, wall time.
 
@@ -130,6 +131,46 @@ def host_syncs(shape: Shape, dtype: torch.dtype, device: torch.device) -> str:
     return "none"
 
 
+def training_step_syncs(device: torch.device) -> str:
+    """A whole training step of the tiny Mula MoE on one device in bf16 (forward with the fused head + loss, backward,
+    torch's fused AdamW): no host synchronisation anywhere in it (router counts, dispatch plan, grouped GEMMs, loss),
+    as CUDA's sync debug mode checks; then the same step under ``torch.use_deterministic_algorithms``."""
+    if device.type != "cuda":
+        return "n/a (CUDA's sync debug mode only)"
+    from mula_lightning.lightning_module import single_device_adamw
+    from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+
+    config = MulaConfig.from_name("mula-tiny-moe", moe_impl="fast", max_seq_len=256)
+    model = init_weights(MulaForCausalLM(config), seed=0).to(device, torch.bfloat16)
+    optimizer = single_device_adamw(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (8, 256), device=device)
+
+    def step() -> None:
+        out = model(ids, labels=ids, return_logits=False)
+        (out.loss + out.aux_loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: kernels, optimizer state
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as err:
+        return f"synchronises: {str(err).splitlines()[0][:90]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.use_deterministic_algorithms(True)
+    try:
+        step()
+        torch.cuda.synchronize(device)
+    except RuntimeError as err:
+        return f"none; deterministic algorithms refused: {str(err).splitlines()[0][:70]}"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return "none; also runs under deterministic algorithms"
+
+
 def fit(device: torch.device, steps: int) -> str:
     """`mula fit` of the tiny MoE on one device with epso, bf16-true; returns a one-line summary."""
     import csv
@@ -193,6 +234,7 @@ def main() -> None:
         ratios = f"fast vs eager {t['hf_eager'] / t['fast']:.2f}x, vs grouped_mm {t['hf_grouped_mm'] / t['fast']:.2f}x"
         print(f"{'fwd+bwd, ' + str(dtype)[6:]:<34}{row}; {ratios}")
     print(f"{'host syncs in fwd+bwd, bfloat16':<34}{host_syncs(shape, torch.bfloat16, device)}")
+    print(f"{'host syncs in a training step':<34}{training_step_syncs(device)}")
     print(f"{'mula fit tiny MoE, epso, 1 device':<34}{fit(device, args.steps)}")
 
 

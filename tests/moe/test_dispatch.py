@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mula_lightning.moe.dispatch import build_dispatch_plan
+from mula_lightning.moe.router import count_per_expert
 
 
 def algorithm1_stage2_3(indices, n_start, n_end, tbs=8):
@@ -126,3 +127,17 @@ def test_bad_range_names_the_values():
     """An expert range outside the layer is rejected with the offending numbers in the message."""
     with pytest.raises(ValueError, match="n_start=4, n_end=9"):
         build_dispatch_plan(random_indices(4, 2, 8, 0), 8, 4, 9)
+
+
+@pytest.mark.parametrize("shape, num_experts", [((37, 3), 5), ((1, 8), 64), ((0, 2), 4), ((6, 7, 2), 3)])
+def test_count_per_expert_counts_like_a_loop(shape, num_experts):
+    """The sync-free expert counter gives, for every expert, the number of entries naming it (a Python loop over
+    the entries), ignores -1 (capacity drops) and ids past the last expert, and returns int64 on the input's device,
+    for int64 and int32 indices of any shape (empty included)."""
+    gen = torch.Generator().manual_seed(sum(shape) + num_experts)
+    idx = torch.randint(-1, num_experts + 2, shape, generator=gen)
+    expected = [sum(1 for v in idx.reshape(-1).tolist() if v == e) for e in range(num_experts)]
+    for dtype in (torch.int64, torch.int32):
+        got = count_per_expert(idx.to(dtype), num_experts)
+        assert got.dtype == torch.int64 and got.shape == (num_experts,)
+        assert got.tolist() == expected

@@ -45,7 +45,7 @@ from torch import nn
 from mula_lightning.moe.config import MoEConfig, as_moe_config
 from mula_lightning.moe.experts import GroupedExperts
 from mula_lightning.moe.reference import MoEAux
-from mula_lightning.moe.router import Router, RouterOutput, load_balancing_loss, router_z_loss
+from mula_lightning.moe.router import Router, RouterOutput, count_per_expert, load_balancing_loss, router_z_loss
 from mula_lightning.moe.shared_experts import add_shared_experts, build_shared_experts
 from mula_lightning.moe.token_dispatcher import LocalDispatcher, TokenDispatcher
 from mula_lightning.utils.precision import upcast
@@ -137,7 +137,7 @@ class FastSparseMoEBlock(nn.Module):
         else:
             probs_SE = torch.softmax(logits32_SE, dim=-1)
         with torch.no_grad():
-            tokens_per_expert_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts)
+            tokens_per_expert_E = count_per_expert(indices_SK, self.num_experts)
         return RouterOutput(
             logits_SE=logits_SE,
             weights_SK=weights_SK,

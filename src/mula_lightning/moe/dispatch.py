@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mula_lightning.moe.router import count_per_expert
+
 
 @dataclass
 class DispatchPlan:
@@ -108,8 +110,7 @@ def count_tokens(
     num_local = n_end - n_start + 1
     local_SK = (indices_SK >= n_start) & (indices_SK <= n_end)
     local_expert_SK = torch.where(local_SK, indices_SK - n_start, torch.full_like(indices_SK, num_local))
-    # bincount over NR + 1 buckets: the last one collects the non-local pairs and is cut off.
-    token_counts = torch.bincount(local_expert_SK.reshape(-1), minlength=num_local + 1)[:num_local]
+    token_counts = count_per_expert(local_expert_SK, num_local)  # the non-local pairs (NR) are not counted
     expert_counts = local_SK.sum(dim=1)
     zero = indices_SK.new_zeros(1)
     cum_token_counts = torch.cat([zero, torch.cumsum(token_counts, dim=0)])

@@ -89,6 +89,21 @@ class RouterOutput:
     seq_balance_loss: torch.Tensor | None = None
 
 
+def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``indices`` (any shape) name each of the ``num_experts`` experts, as an int64 (E,) tensor
+    on their device; entries outside ``[0, num_experts)`` (-1: a pair dropped by capacity) are not counted.
+
+    Why not ``torch.bincount``: it sizes its output by the largest value, which it reads back to the host: a
+    synchronisation on CUDA and XPU at every call, several per MoE layer, each stalling the host's kernel queue until
+    the device catches up. A scatter-add into a fixed number of buckets (one more for the entries not counted) never
+    waits for the device, and integer sums are exact in any order.
+    """
+    flat = indices.reshape(-1).long()
+    bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_experts]
+
+
 def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> torch.Tensor:
     """Switch-Transformer / OLMoE auxiliary loss ``E * sum_e f_e * P_e``.
 
@@ -375,7 +390,7 @@ class Router(nn.Module):
     def _count_load(self, indices_SK: torch.Tensor) -> None:
         if getattr(_COUNTING, "paused", False):
             return
-        load_E = torch.bincount(indices_SK.reshape(-1), minlength=self.num_experts).to(torch.float64)
+        load_E = count_per_expert(indices_SK, self.num_experts).to(torch.float64)
         self.pending_load = load_E if self.pending_load is None else self.pending_load + load_E
 
     def forward(self, x_SH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
@@ -427,7 +442,7 @@ class Router(nn.Module):
                     replay.decisions.append((indices_SK, final_SK))
             indices_SK = final_SK
             kept = indices_SK >= 0
-            tokens_per_expert_E = torch.bincount(indices_SK[kept], minlength=self.num_experts)
+            tokens_per_expert_E = count_per_expert(indices_SK, self.num_experts)  # the kept pairs
             num_dropped = (~kept).sum()
         if self.capacity_factor is not None:
             weights_SK = weights_SK * kept.to(weights_SK.dtype)
