@@ -25,20 +25,42 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def gemm_rate(rank, world_size, m: int, k: int, n: int, threads: int, seconds: float = 2.0) -> float:
-    """FLOP/s of this rank's ``torch.mm`` of (m, k) x (k, n) in fp32 with ``threads`` threads, all ranks at once
-    (a ``run_distributed_test`` function: the ranks start timing together)."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (a no-op on CPU), so that a host timer measures their work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)
+
+
+def gemm_rate(
+    rank,
+    world_size,
+    m: int,
+    k: int,
+    n: int,
+    threads: int,
+    seconds: float = 2.0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """FLOP/s of this rank's ``torch.mm`` of (m, k) x (k, n) in ``dtype`` on ``device`` (``threads`` host threads),
+    all ranks at once (a ``run_distributed_test`` function: the ranks start timing together)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    dev = torch.device(device)
     gen = torch.Generator().manual_seed(rank)
-    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    a = torch.randn(m, k, generator=gen).to(dev, dtype)
+    b = torch.randn(k, n, generator=gen).to(dev, dtype)
     for _ in range(3):
         torch.mm(a, b)
+    synchronize(dev)
     if dist.is_initialized():
         dist.barrier()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         torch.mm(a, b)
         count += 1
+        synchronize(dev)
     return 2.0 * m * k * n * count / (time.perf_counter() - start)

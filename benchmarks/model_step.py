@@ -6,6 +6,7 @@ Run::
     python benchmarks/model_step.py                              # both shapes, fp32, 2 threads
     python benchmarks/model_step.py --shapes tiny --profile      # where the step's time goes, per part
     python benchmarks/model_step.py --only mula grouped_mm       # skip HF eager
+    python benchmarks/model_step.py --device cuda --dtype bfloat16 --batch 16 --skip compiled eager  # on a GPU
 
 Why one process: ``benchmarks/train.py`` measures ``mula fit`` against Lightning DDP, where collectives and the
 sharded optimizer share the step; this one isolates the model (forward, backward) and the optimizer step, the part
@@ -31,6 +32,10 @@ interleaved; the best run is reported. The fraction of the GEMM limit is the mod
 (``MulaConfig.flops_per_token``, forward and backward) over the step time and over the rate of a ``torch.mm`` of the
 model's largest GEMM (the LM head: batch tokens x hidden x vocabulary) with the same threads, measured in the same
 run. ``--profile`` adds one profiled step per contender (:mod:`step_profile`).
+
+On an accelerator (``--device cuda`` or ``xpu``, ``--dtype bfloat16``, a ``--batch`` that fills it) the same table is
+the step against transformers there; the limit is the device's own ``torch.mm`` rate in that dtype (so the fraction is
+MFU against what the card reaches), peak MB its allocator's peak, and ``--profile`` still records host time only.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_profile, beside this script
 
-from machine_limits import gemm_rate, peak_rss_mb  # noqa: E402
+from machine_limits import gemm_rate, peak_rss_mb, synchronize  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(preset="mula-tiny-moe", batch=8, seq_len=256, overrides={}),
@@ -62,7 +67,7 @@ def _config(shape: str):
     return MulaConfig.from_name(spec["preset"], moe_impl="fast", max_seq_len=spec["seq_len"], **spec["overrides"])
 
 
-def _build(config, contender: str):
+def _build(config, contender: str, device: torch.device, dtype: torch.dtype):
     """(model, step function) of a contender; the HF models get the Mula model's weights."""
     from mula_lightning.lightning_module import single_device_adamw
     from mula_lightning.models import MulaForCausalLM, init_weights
@@ -85,6 +90,7 @@ def _build(config, contender: str):
         from mula_lightning.parallel.parallelize import apply_compile
 
         apply_compile(model)
+    model.to(device, dtype)
     optimizer = single_device_adamw(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def step(input_ids: torch.Tensor) -> None:
@@ -105,16 +111,24 @@ def _run(rank, world_size, shape: str, contender: str, args) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     config = _config(shape)
     spec = SHAPES[shape]
-    model, step = _build(config, contender)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model, step = _build(config, contender, device, dtype)
+    if args.loss_chunk_tokens and not contender.startswith("HF"):
+        model.loss_chunk_tokens = args.loss_chunk_tokens
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (spec["batch"], spec["seq_len"]), generator=gen) for _ in range(4)]
+    shape_ids = (args.batch or spec["batch"], spec["seq_len"])
+    batches = [torch.randint(0, config.vocab_size, shape_ids, generator=gen).to(device) for _ in range(4)]
     for i in range(args.warmup):
         step(batches[i % len(batches)])
+    synchronize(device)
     start = time.perf_counter()
     for i in range(args.steps):
         step(batches[i % len(batches)])
+    synchronize(device)
     seconds = (time.perf_counter() - start) / args.steps
-    result: dict[str, Any] = {"s_per_step": seconds, "peak_mb": peak_rss_mb()}
+    on_device = device.type in ("cuda", "xpu")
+    peak = getattr(torch, device.type).max_memory_allocated(device) / 2**20 if on_device else peak_rss_mb()
+    result: dict[str, Any] = {"s_per_step": seconds, "peak_mb": peak}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -137,12 +151,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", nargs="*", help="run only the contenders whose name contains one of these")
+    parser.add_argument("--skip", nargs="*", help="leave out the contenders whose name contains one of these")
     parser.add_argument("--profile", action="store_true", help="profile one more step per contender: shares")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, xpu (peak MB: the device allocator's there)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameters and GEMMs")
+    parser.add_argument("--batch", type=int, default=0, help="sequences per step (0: the shape's own)")
+    parser.add_argument(
+        "--loss-chunk-tokens", type=int, default=0, help="rows per chunk of the fused loss (0: default)"
+    )
     args = parser.parse_args()
 
     from mula_lightning.testing import run_distributed_test
 
-    contenders = [c for c in CONTENDERS if not args.only or any(o in c for o in args.only)]
+    contenders = [
+        c
+        for c in CONTENDERS
+        if (not args.only or any(o in c for o in args.only)) and not any(o in c for o in args.skip or ())
+    ]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")
     for shape in args.shapes:
         config, spec = _config(shape), SHAPES[shape]
@@ -152,19 +177,23 @@ def main() -> None:
                 (result,) = run_distributed_test(_run, 1, timeout=3600, shape=shape, contender=name, args=args)
                 if name not in best or result["s_per_step"] < best[name]["s_per_step"]:
                     best[name] = result
-        tokens = spec["batch"] * spec["seq_len"]
+        batch = args.batch or spec["batch"]
+        tokens = batch * spec["seq_len"]
         gemm = (tokens, config.hidden_size, config.vocab_size)  # the LM head, the largest GEMM
-        (rate,) = run_distributed_test(gemm_rate, 1, m=gemm[0], k=gemm[1], n=gemm[2], threads=args.threads)
+        dtype = getattr(torch, args.dtype)
+        (rate,) = run_distributed_test(
+            gemm_rate, 1, m=gemm[0], k=gemm[1], n=gemm[2], threads=args.threads, device=args.device, dtype=dtype
+        )
         flops = config.flops_per_token(spec["seq_len"]) * tokens
         print(
             f"\n{shape}: hidden {config.hidden_size}, {config.num_layers} layers, {config.num_experts} experts top-"
-            f"{config.top_k} of width {config.intermediate_size}, vocab {config.vocab_size}; batch {spec['batch']} x "
-            f"{spec['seq_len']} tokens; fp32, {args.threads} threads, AdamW; best of {args.repeats}, {args.steps} "
-            f"timed steps after {args.warmup}"
+            f"{config.top_k} of width {config.intermediate_size}, vocab {config.vocab_size}; batch {batch} x "
+            f"{spec['seq_len']} tokens; {args.dtype} on {args.device}, {args.threads} threads, AdamW; best of "
+            f"{args.repeats}, {args.steps} timed steps after {args.warmup}"
         )
         print(
-            f"GEMM limit: torch.mm {gemm[0]} x {gemm[1]} x {gemm[2]} fp32, {args.threads} threads: {rate / 1e9:.1f} "
-            f"GFLOP/s; model FLOPs per step {flops / 1e9:.2f} G"
+            f"GEMM limit: torch.mm {gemm[0]} x {gemm[1]} x {gemm[2]} {args.dtype}, {args.threads} threads: "
+            f"{rate / 1e9:.1f} GFLOP/s; model FLOPs per step {flops / 1e9:.2f} G"
         )
         reference = best.get("HF grouped_mm", {}).get("s_per_step", float("nan"))
         print(

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
-from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
+from mula_lightning.models.linear_cross_entropy import (
+    CHUNK_ELEMENTS,
+    default_chunk_tokens,
+    linear_cross_entropy,
+)
 from mula_lightning.models.transformer import causal_lm_loss
 from mula_lightning.testing import assert_parity
 
@@ -52,6 +56,14 @@ def test_fused_loss_and_gradients_equal_the_plain_head_and_loss(dtype, reduction
             torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02 * scale, msg=name)
         else:
             assert_parity(got, want, reduction_len=reduction_len, msg=name)
+
+
+def test_default_chunk_follows_the_head_device_and_vocabulary():
+    """Without ``chunk_tokens`` a chunk holds the CPU budget of logits on CPU (and on meta), at least one row even
+    for a vocabulary beyond the budget."""
+    assert default_chunk_tokens(torch.empty(50304, 8)) == CHUNK_ELEMENTS // 50304 == 667
+    assert default_chunk_tokens(torch.empty(4096, 8, device="meta")) == CHUNK_ELEMENTS // 4096
+    assert default_chunk_tokens(torch.empty(CHUNK_ELEMENTS + 1, 1, device="meta")) == 1
 
 
 def test_without_gradients_only_the_loss_is_computed():

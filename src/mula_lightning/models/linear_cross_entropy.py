@@ -27,11 +27,16 @@ from torch.autograd.profiler import record_function
 
 from mula_lightning.utils.precision import at_least_float32
 
-__all__ = ["CHUNK_ELEMENTS", "linear_cross_entropy"]
+__all__ = ["ACCELERATOR_CHUNK_ELEMENTS", "CHUNK_ELEMENTS", "default_chunk_tokens", "linear_cross_entropy"]
 
-#: logits alive at once by default: 2**25 float32 = 128 MiB (667 rows of a 50k vocabulary, 8192 of a 4k one); fewer
-#: rows per chunk cost speed on CPU (256 rows of a 50k vocabulary: 0.92x the plain path), more cost memory
+#: logits alive at once by default on CPU: 2**25 float32 = 128 MiB (667 rows of a 50k vocabulary, 8192 of a 4k one);
+#: fewer rows per chunk cost speed on CPU (256 rows of a 50k vocabulary: 0.92x the plain path), more cost memory
 CHUNK_ELEMENTS = 2**25
+#: the same on CUDA and XPU: 2**28 float32 = 1 GiB (5336 rows of a 50k vocabulary). A GPU runs a chunk's GEMMs and
+#: elementwise passes in a fraction of a millisecond, so per-chunk launches and the float32 accumulation of the head's
+#: gradient weigh more than on CPU: on one H200 (bf16, hidden 2048, 4096 tokens) a Mula-7B-A1B-like step took 0.033 s
+#: with 667-row chunks, 0.030 s with 2048 and 0.029 s with 4096 (BENCHMARKS.md), and 1 GiB is little beside its memory
+ACCELERATOR_CHUNK_ELEMENTS = 2**28
 IGNORE_INDEX = -100
 #: the ``record_function`` range around every call, for profiles (``benchmarks/step_profile.py`` reads it)
 PROFILER_RANGE = "mula::linear_cross_entropy"
@@ -102,6 +107,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+def default_chunk_tokens(weight: torch.Tensor) -> int:
+    """Rows of logits per chunk when the caller names none: :data:`ACCELERATOR_CHUNK_ELEMENTS` (CUDA, XPU) or
+    :data:`CHUNK_ELEMENTS` (CPU and anything else) divided by the vocabulary (``weight``'s rows), at least one."""
+    budget = ACCELERATOR_CHUNK_ELEMENTS if weight.device.type in ("cuda", "xpu") else CHUNK_ELEMENTS
+    return max(1, budget // weight.shape[0])
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -116,12 +128,12 @@ def linear_cross_entropy(
         weight: (V, H) the LM head's weight.
         labels: (..., T) token ids; position t predicts ``labels[t + 1]``; -100 is ignored.
         reduction: ``"mean"`` over the real tokens or ``"sum"``.
-        chunk_tokens: rows of logits computed at once (default: :data:`CHUNK_ELEMENTS` / vocabulary).
+        chunk_tokens: rows of logits computed at once (default: :func:`default_chunk_tokens`).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        chunk_tokens = default_chunk_tokens(weight)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     with record_function(PROFILER_RANGE):  # a profile can tell the fused head + loss (and its GEMMs) apart

@@ -220,7 +220,7 @@ class MulaForCausalLM(nn.Module):
         #: rank's slice of the vocabulary)
         self.loss_function = causal_lm_loss
         #: rows of logits alive at once when the LM head and the loss run fused (``return_logits=False``); None:
-        #: :data:`~mula_lightning.models.linear_cross_entropy.CHUNK_ELEMENTS` / vocabulary
+        #: :func:`~mula_lightning.models.linear_cross_entropy.default_chunk_tokens` (by the head's device)
         self.loss_chunk_tokens: int | None = None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
