@@ -338,7 +338,11 @@ class MulaLM(LightningModule):
         batches = int((sampler or {}).get("num_replicas", 1))
         self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * batches
         self.last_moe_aux = [a.detach() if a is not None else None for a in out.moe_aux]
-        self.log("train/loss", loss, prog_bar=True)
+        # the progress bar's metrics are read back to the host at every step, shown or not (Lightning's logger
+        # connector converts them at each batch end): ask for it only when a bar shows them, so that a run without
+        # one reads the device once per step (the NaN detector's flag), not twice
+        shown = self._trainer is not None and self.trainer.progress_bar_callback is not None
+        self.log("train/loss", loss, prog_bar=shown)
         self.log("train/lm_loss", lm_loss)
         self.log("train/aux_loss", aux_loss)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"] if self._trainer is not None else 0.0)

@@ -130,7 +130,7 @@ class NaNDetector(Callback):
         flags[rank] = (self._first > 0).any().to(device)
         if distributed:
             dist.all_reduce(flags)
-        bad_ranks = flags.nonzero().flatten().tolist()  # the one host sync of the step
+        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]  # the one host read of the step
         if bad_ranks:
             self._stop(trainer, pl_module, bad_ranks)
         self._first.zero_()
