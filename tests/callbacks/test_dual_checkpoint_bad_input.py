@@ -50,7 +50,7 @@ def _truncate(path):
 def _wrong_marker_checksum(path):
     marker_file = path.parent / MARKER_NAME
     marker = json.loads(marker_file.read_text())
-    marker["files"]["state.ckpt"]["crc32"] ^= 0x10
+    marker["files"]["state.ckpt"]["xxh3_64"] ^= 0x10
     marker_file.write_text(json.dumps(marker))
 
 
@@ -61,9 +61,9 @@ def _garbled_marker(path):
 @pytest.mark.parametrize(
     "damage,fragment",
     [
-        (_flip_byte, "CRC32"),
+        (_flip_byte, "xxh3_64"),
         (_truncate, "truncated"),
-        (_wrong_marker_checksum, "CRC32"),
+        (_wrong_marker_checksum, "xxh3_64"),
         (_garbled_marker, "unreadable marker"),
     ],
 )

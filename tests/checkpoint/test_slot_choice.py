@@ -56,7 +56,7 @@ def _rank(rank, world_size, port, dirpath, phase):
     try:
         assert slot_step(slot) == 8
         # one writer of the one payload file, as a real collective writer has (two ranks rewriting the same file
-        # race: torch.save's archive differs between processes, so the marker's CRC32 could name the other bytes)
+        # race: torch.save's archive differs between processes, so the marker's checksum could name the other bytes)
         save_slot(dirpath, 9, lambda p: _write(p, 9.0) if rank == 0 else None, phase_hook=hook, run_id="run-a")
         code = 0
     except BaseException:  # noqa: BLE001

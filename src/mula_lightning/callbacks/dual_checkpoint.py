@@ -111,7 +111,7 @@ class DualCheckpoint(ModelCheckpoint):
         dirpath: directory of the two slots (``slot_a``, ``slot_b``; each holds ``state.ckpt``, the per-rank RNG
             files and, once complete, ``COMPLETE.json``).
         every_n_train_steps: optimizer steps between checkpoints.
-        verify_checksums: on resume, check every file's CRC32 (split over the ranks; each file is read once).
+        verify_checksums: on resume, check every file's checksum (split over the ranks; each file is read once).
         phase_hook: called with each protocol phase name during a save (fault injection in tests).
         save_on_train_end: also save the last step when training ends normally (``max_steps`` reached, a stop
             requested), whatever the interval: a short run, or the steps after the last multiple, are not lost.

@@ -78,7 +78,7 @@ def save_dcp(
             save passes its checkpoint-only group).
 
     Inside :func:`~mula_lightning.checkpoint.checksummed_writes.recording_checksums` (a dual-slot save), each file's
-    size and CRC32 are recorded as it is written and ``torch.save``'s zip CRC32s are skipped.
+    size and checksum are recorded as it is written and ``torch.save``'s zip CRC32s are skipped.
     """
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
@@ -89,7 +89,7 @@ def save_dcp(
     if recorder is None:
         dcp.save(state, checkpoint_id=str(path), planner=planner, process_group=process_group)
         return
-    # a slot's write: every file's CRC32 computed on its way to the file, the zip records' own skipped
+    # a slot's write: every file's checksum computed on its way to the file, the zip records' own skipped
     with zip_crc32_skipped():
         writer = ChecksummingWriter(path, recorder)
         dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
