@@ -17,6 +17,7 @@ from mula_lightning.parallel.collectives import (
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
+    exchange_split_counts,
     exchange_split_sizes,
     forward_allgather,
     forward_allgather_backward_reducescatter,
@@ -83,6 +84,7 @@ def _exercise(rank: int, members: list[int], group: dist.ProcessGroup | None) ->
         splits = _a2a_splits(d)
         out_splits = [splits[b][me] for b in range(d)]
         assert exchange_split_sizes(splits[me], group, tag="counts") == out_splits
+        assert exchange_split_counts(torch.tensor(splits[me]), group, tag="counts") == (splits[me], out_splits)
         ins = [_data(m, (sum(splits[a]), H), 5).requires_grad_() for a, m in enumerate(members)]
         chunks = [torch.split(t, s) for t, s in zip(ins, splits)]
         outs = [torch.cat([chunks[b][a] for b in range(d)]) for a in range(d)]
@@ -135,7 +137,7 @@ def _expected_bytes(members: list[int], rank: int) -> dict[tuple[str, str, str |
         ("rs_ag", "all_gather", "backward"): (d - 1) * rows,
         ("idx", "all_gather", None): (d - 1) * 2 * 8,
         ("bytes", "all_gather", None): (d - 1) * 4 * sum(bytes_.values()),
-        ("counts", "all_to_all", None): (d - 1) * 8,
+        ("counts", "all_to_all", None): 2 * (d - 1) * 8,  # exchange_split_sizes and exchange_split_counts
         ("a2a", "all_to_all", "forward"): (sum(splits[me]) - splits[me][me]) * H * F32,
         ("a2a", "all_to_all", "backward"): (sum(received) - received[me]) * H * F32,
         ("plain_ag", "all_gather", None): (d - 1) * rows,

@@ -21,7 +21,7 @@ from mula_lightning.moe import FastSparseMoEBlock
 from mula_lightning.parallel import apply_expert_parallel
 from mula_lightning.parallel.ledger import CommLedger, ring_bytes_sent
 from mula_lightning.parallel.topology import build_topology
-from mula_lightning.testing import DistributedTestError, assert_parity, run_pooled_test
+from mula_lightning.testing import DistributedTestError, assert_parity, counting_host_reads, run_pooled_test
 
 H, E, K, FF = 16, 8, 2, 12  # FF: expert intermediate size
 S = 15  # tokens per rank
@@ -90,6 +90,7 @@ def _injected(bug):
         def build_dropping_one(indices_SK, *args, **kwargs):
             indices_SK = indices_SK.clone()
             indices_SK[0, 0] = -1
+            kwargs.pop("num_rows", None)  # the exchanged counts would catch the drop on the device first
             return build(indices_SK, *args, **kwargs)
 
         dispatchers.build_dispatch_plan = build_dropping_one
@@ -205,7 +206,7 @@ def test_allgather_dispatch_bytes_equal_the_closed_form():
     got = {(tag, phase): sent for _, tag, phase, sent in records}
     x, w, idx = s * H * 4, s * K * 4, s * K * 8
     expected = {
-        ("moe.token_count", None): ring_bytes_sent("all_gather", d, 8),
+        ("moe.token_count", None): ring_bytes_sent("all_gather", d, 8 * (1 + d)),  # S and pairs per EP rank
         ("moe.dispatch.x", "forward"): (d - 1) * x,
         ("moe.dispatch.w", "forward"): (d - 1) * w,
         ("moe.dispatch.idx", None): (d - 1) * idx,
@@ -215,6 +216,33 @@ def test_allgather_dispatch_bytes_equal_the_closed_form():
         ("moe.dispatch.w", "backward"): (d - 1) * (d * w) // d,
     }
     assert got == expected
+
+
+def _reads_run(rank, world_size, dispatcher, case):
+    import os
+
+    topo = build_topology(world_size)
+    block = apply_expert_parallel(_block(case), topo.ep_group, dispatcher)
+    x, w = _batch(rank, case)
+    _step(block, x, w)  # warm-up
+    with counting_host_reads() as reads:
+        _step(block, x, w)
+    sites = {(name, os.path.basename(where.rsplit(":", 1)[0])): n for (name, where), n in reads.sites.items()}
+    sites.pop(("tolist", "experts.py"), None)  # moe/experts.py: the CPU experts' group sizes (on the device elsewhere)
+    return sites
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["random", "capacity"])
+def test_one_host_read_per_dispatch(case):
+    """A forward and backward of an expert-parallel block (2 ranks, EP = 2) reads tensor values back to the host
+    once, for either transport, with and without capacity drops: the all-gather dispatcher's count exchange (which
+    also sizes the dispatch plan: no read of its routed-row count, no boolean-mask select) and the all-to-all
+    dispatcher's split sizes, sent and received, read together (no bincount). On an accelerator every read drains
+    the kernel queue."""
+    for dispatcher, site in (("allgather", "token_dispatchers.py"), ("alltoall", "collectives.py")):
+        for rank, sites in enumerate(run_pooled_test(_reads_run, 2, dispatcher=dispatcher, case=case)):
+            assert sites == {("tolist", site): 1}, (dispatcher, rank, sites)
 
 
 def _unequal_tokens(rank, world_size):

@@ -118,12 +118,17 @@ def count_tokens(
     return local_expert_SK, token_counts, cum_token_counts, expert_counts, cum_expert_counts
 
 
+#: device types with a ``torch._assert_async`` kernel (CPU: checked at once; CUDA: failing the stream, no sync)
+_ASYNC_ASSERT_DEVICES = ("cpu", "cuda")
+
+
 def build_dispatch_plan(
     indices_SK: torch.Tensor,
     num_experts: int,
     n_start: int = 0,
     n_end: int | None = None,
     all_routed: bool | None = None,
+    num_rows: int | None = None,
 ) -> DispatchPlan:
     """Stages 2 and 3: the plan that routes (token, k) pairs to the local experts ``[n_start, n_end]``.
 
@@ -134,6 +139,10 @@ def build_dispatch_plan(
         n_end: last local expert, inclusive (default: the last expert).
         all_routed: pass ``True`` when the caller knows every pair is routed here (dropless routing over all
             experts); this skips a host synchronisation. ``None`` works it out from the counts.
+        num_rows: the number of pairs routed here (RT), when the caller knows it already (the all-gather
+            dispatcher learns it from its count exchange); this skips the host read of the counts. Checked on the
+            device where torch has the kernel (``torch._assert_async`` on CPU and CUDA: no synchronisation; a wrong
+            value fails the step).
 
     Returns:
         The :class:`DispatchPlan`.
@@ -149,11 +158,13 @@ def build_dispatch_plan(
     # Stage 3 (lines 45-72). A stable sort by local expert id keeps token order inside each expert, which is
     # the order the kernel's per-thread counters produce; non-local pairs (key NR) sort to the tail.
     order = torch.argsort(local_expert_SK.reshape(-1), stable=True)  # (S*K,) slots in routed-row order
-    if all_routed is None:
-        num_rows = int(cum_token_counts[-1])  # host sync, as the kernel's RT allocation
-        all_routed = num_rows == num_slots
-    else:
+    if all_routed:
         num_rows = num_slots
+    elif num_rows is None:
+        num_rows = int(cum_token_counts[-1])  # host sync, as the kernel's RT allocation
+    elif cum_token_counts.device.type in _ASYNC_ASSERT_DEVICES:
+        torch._assert_async(cum_token_counts[-1] == num_rows, "num_rows is not the number of pairs routed here")
+    all_routed = num_rows == num_slots
     row_slot = order[:num_rows]
     input_indices = torch.div(row_slot, top_k, rounding_mode="floor")
     slot_row = torch.empty_like(order)
@@ -166,8 +177,11 @@ def build_dispatch_plan(
     else:
         local_S = local_expert_SK.reshape(-1) < (n_end - n_start + 1)
         slot_row_SK = torch.where(local_S, slot_row, torch.full_like(slot_row, -1)).view(num_tokens, top_k)
-        output_indices = slot_row[local_S]
-        selected_expert_indices = torch.arange(top_k, device=order.device).repeat(num_tokens)[local_S]
+        # the local slots in token order, without a boolean mask (its result is sized by the data: a host read);
+        # a stable sort puts them first, and there are num_rows of them
+        local_slots = torch.argsort((~local_S).to(torch.int8), stable=True)[:num_rows]
+        output_indices = slot_row.index_select(0, local_slots)
+        selected_expert_indices = torch.remainder(local_slots, top_k)
 
     return DispatchPlan(
         num_tokens=num_tokens,

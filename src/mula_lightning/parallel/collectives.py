@@ -41,6 +41,7 @@ __all__ = [
     "all_gather_single",
     "all_reduce",
     "all_to_all_single",
+    "exchange_split_counts",
     "exchange_split_sizes",
     "forward_allgather",
     "forward_allgather_backward_reducescatter",
@@ -334,6 +335,18 @@ def exchange_split_sizes(
     counts = torch.tensor(input_split_sizes, dtype=torch.int64, device=_group_device(group))
     received = _all_to_all(counts, None, None, group, level, None, tag)
     return received.tolist()
+
+
+def exchange_split_counts(
+    input_split_counts: torch.Tensor, group: Any = None, *, level: str | None = None, tag: str | None = None
+) -> tuple[list[int], list[int]]:
+    """:func:`exchange_split_sizes` for counts that are still a tensor on the device: ``(input_split_sizes,
+    output_split_sizes)`` as lists, both read back to the host in one read after the exchange (an accelerator's queue
+    drains once per all-to-all dispatch, not twice). Sends ``d - 1`` int64 values per rank through an all-to-all."""
+    counts = input_split_counts.to(device=_group_device(group), dtype=torch.int64)
+    received = _all_to_all(counts, None, None, group, level, None, tag)
+    both = torch.cat([counts, received]).tolist()  # the one host read
+    return both[: counts.numel()], both[counts.numel() :]
 
 
 def all_gather_into_tensor(

@@ -18,6 +18,11 @@ reduce-scatter of the input and weight gradients, all-gather of the output gradi
 ``(EP-1)*S*(H*b + 4K + 8K)`` bytes forward for the gathers plus ``(EP-1)*S*H*b`` for the reduce-scatter
 (b = activation bytes), and the same volume backward without the indices. Needs the same S on every EP rank.
 
+Host reads (on an accelerator each drains the kernel queue): one per layer and dispatch for either transport. The
+all-gather dispatcher's count exchange carries, besides each rank's S (checked equal), how many of its pairs go to
+each EP rank's experts (``8 * (1 + EP)`` bytes per rank), so the routed-row count of the dispatch plan needs no read
+of its own; the all-to-all one reads its send and receive split sizes together after exchanging them on the device.
+
 ``AllToAllDispatcher`` (torchtitan, Megatron): each (token, k) pair is sent only to the rank owning its
 expert; the expert outputs come back by the reverse all-to-all and are weighted and summed on the source rank,
 in fixed (token, k) order. It sends ``H*b`` bytes per remote pair each way (plus the pair's expert id forward),
@@ -39,12 +44,12 @@ import torch.distributed as dist
 
 from mula_lightning.moe.combine import combine_expert_outputs
 from mula_lightning.moe.dispatch import build_dispatch_plan
-from mula_lightning.moe.router import RouterOutput
+from mula_lightning.moe.router import RouterOutput, count_per_expert
 from mula_lightning.moe.token_dispatcher import DispatchedTokens, TokenDispatcher
 from mula_lightning.parallel.collectives import (
     all_gather_into_tensor,
     all_to_all_single,
-    exchange_split_sizes,
+    exchange_split_counts,
     forward_allgather,
     forward_allgather_backward_reducescatter,
     forward_reducescatter_backward_allgather,
@@ -78,9 +83,18 @@ class ExpertParallelDispatcher(TokenDispatcher):
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
         self.etp_size, self.etp_rank = etp_size, group_rank % etp_size
 
-    def local_plan(self, indices_SK: torch.Tensor):
-        """Stages 2-3 for this rank's experts on the tokens it holds (gathered or received)."""
-        return build_dispatch_plan(indices_SK, self.num_experts, self.n_start, self.n_end)
+    def local_plan(self, indices_SK: torch.Tensor, all_routed: bool | None = None, num_rows: int | None = None):
+        """Stages 2-3 for this rank's experts on the tokens it holds (gathered or received); ``all_routed`` and
+        ``num_rows`` as for :func:`~mula_lightning.moe.dispatch.build_dispatch_plan` (what the caller knows)."""
+        return build_dispatch_plan(
+            indices_SK, self.num_experts, self.n_start, self.n_end, all_routed=all_routed, num_rows=num_rows
+        )
+
+    def pairs_per_ep_rank(self, indices_SK: torch.Tensor) -> torch.Tensor:
+        """(EP,) int64 on the device: how many of these (token, k) pairs go to each EP rank's experts (pairs dropped
+        by capacity, index -1, go nowhere)."""
+        dest = torch.div(indices_SK, self.num_local_experts, rounding_mode="floor")  # -1 stays negative
+        return count_per_expert(dest, self.ep_size)
 
     def extra_repr(self) -> str:
         etp = f", etp_rank={self.etp_rank}/{self.etp_size}" if self.etp_size > 1 else ""
@@ -93,8 +107,9 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
     Args:
         num_experts: E.
         ep_group: the expert-parallel process group.
-        check_token_counts: compare every rank's token count first (one tiny all-gather per layer) and raise a
-            clear error instead of a hang or garbage when they differ.
+        check_token_counts: compare every rank's token count first (one tiny all-gather per layer, which also
+            carries the pair counts that size this rank's dispatch plan) and raise a clear error instead of a hang
+            or garbage when they differ. Without it the plan reads its routed-row count back itself.
     """
 
     name = "allgather"
@@ -105,21 +120,28 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
 
     def dispatch(self, x_SH: torch.Tensor, routed: RouterOutput, dropless: bool = False) -> DispatchedTokens:
         group = self.ep_group
+        num_rows = None
         if self.check_token_counts:
-            counts = all_gather_into_tensor(
-                torch.tensor([x_SH.shape[0]], device=x_SH.device), group, level="ep", tag="moe.token_count"
-            ).tolist()
+            # every rank's S and its pairs per EP rank: the one host read of the layer's dispatch
+            mine = torch.cat(
+                [torch.tensor([x_SH.shape[0]], device=x_SH.device), self.pairs_per_ep_rank(routed.indices_SK)]
+            )
+            table = (
+                all_gather_into_tensor(mine, group, level="ep", tag="moe.token_count").view(-1, mine.numel()).tolist()
+            )
+            counts = [row[0] for row in table]
             if len(set(counts)) > 1:
                 raise ValueError(
                     f"the all-gather MoE dispatcher needs the same number of tokens on every EP rank, got {counts} "
                     "(feed equal micro-batch shapes, or use dispatcher='alltoall')"
                 )
+            num_rows = sum(row[1 + self.ep_rank] for row in table)  # pairs of every rank for this rank's experts
         x_all = forward_allgather_backward_reducescatter(x_SH, group, level="ep", tag="moe.dispatch.x")
         w_all = forward_allgather_backward_reducescatter(routed.weights_SK, group, level="ep", tag="moe.dispatch.w")
         idx_all = forward_allgather(routed.indices_SK, group, level="ep", tag="moe.dispatch.idx")
         # With no token for this rank's experts the experts still return a (0, H) result that depends on x_all, so
         # backward reaches the dispatch collectives: every EP rank must run them, or the others would wait forever.
-        return DispatchedTokens(x_SH=x_all, plan=self.local_plan(idx_all), weights_SK=w_all)
+        return DispatchedTokens(x_SH=x_all, plan=self.local_plan(idx_all, num_rows=num_rows), weights_SK=w_all)
 
     def combine(
         self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False
@@ -148,10 +170,12 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         idx = routed.indices_SK.reshape(-1)
         dest = torch.where(idx >= 0, torch.div(idx, per, rounding_mode="floor"), torch.full_like(idx, ep))
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination, token order inside
-        input_splits = torch.bincount(dest, minlength=ep + 1)[:ep].tolist()
+        # send and receive sizes, exchanged on the device and read back together: the one host read of the dispatch
+        input_splits, output_splits = exchange_split_counts(
+            count_per_expert(dest, ep), group, level="ep", tag="moe.a2a.counts"
+        )
         pairs = order[: sum(input_splits)]  # drop the pairs removed by capacity (dest == EP, sorted last)
         token_of_pair = torch.div(pairs, top_k, rounding_mode="floor")
-        output_splits = exchange_split_sizes(input_splits, group, level="ep", tag="moe.a2a.counts")
         x_recv = all_to_all_single(
             x_SH.index_select(0, token_of_pair), output_splits, input_splits, group, level="ep", tag="moe.a2a.x"
         )
@@ -159,7 +183,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             e_recv = all_to_all_single(
                 idx.index_select(0, pairs), output_splits, input_splits, group, level="ep", tag="moe.a2a.idx"
             )
-        plan = self.local_plan(e_recv.unsqueeze(1))  # each received pair is one "token" with K = 1
+        # each received pair is one "token" with K = 1, and every one is for this rank's experts
+        plan = self.local_plan(e_recv.unsqueeze(1), all_routed=True)
         state = (pairs, input_splits, output_splits, x_SH.shape[0], top_k, x_SH.dtype)
         return DispatchedTokens(x_SH=x_recv, plan=plan, weights_SK=routed.weights_SK, state=state)
 
