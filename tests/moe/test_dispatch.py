@@ -123,6 +123,20 @@ def test_all_routed_hint_gives_the_same_plan():
         assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
+@pytest.mark.parametrize("n_start, n_end, drop", [(0, 15, 0.0), (4, 7, 0.0), (8, 15, 0.3)])
+def test_a_known_routed_row_count_gives_the_same_plan(n_start, n_end, drop):
+    """``num_rows`` (what the all-gather dispatcher learns from its count exchange, so the plan needs no host read)
+    builds the same plan as counting, for a local range and with drops; a wrong count fails on the device check."""
+    idx = random_indices(37, 4, 16, seed=3, drop_fraction=drop)
+    counted = build_dispatch_plan(idx, 16, n_start, n_end)
+    told = build_dispatch_plan(idx, 16, n_start, n_end, num_rows=counted.num_rows)
+    for field in ("token_counts", "input_indices", "output_indices", "selected_expert_indices", "slot_row_SK", "offs"):
+        assert torch.equal(getattr(told, field), getattr(counted, field)), field
+    assert told.all_routed == counted.all_routed
+    with pytest.raises(RuntimeError, match="num_rows is not the number of pairs routed here"):
+        build_dispatch_plan(idx, 16, n_start, n_end, num_rows=counted.num_rows + 1)
+
+
 def test_bad_range_names_the_values():
     """An expert range outside the layer is rejected with the offending numbers in the message."""
     with pytest.raises(ValueError, match="n_start=4, n_end=9"):
