@@ -77,35 +77,34 @@ class CheckpointIntegrityError(RuntimeError):
 CHECKSUM = "xxh3_64"
 
 
-def _crc32(path: Path, chunk: int) -> int:
-    crc = 0
-    buffer = bytearray(chunk)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
+class _Crc32:
+    """zlib's CRC32 behind the ``update`` / ``intdigest`` interface of :mod:`xxhash`'s digests."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
 
 
-def _xxh3_64(path: Path, chunk: int) -> int:
-    digest = xxhash.xxh3_64()
-    buffer = bytearray(chunk)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.intdigest()
-
-
-#: marker field -> the function that computes it; a marker names its algorithm by its field
-CHECKSUMS = {"xxh3_64": _xxh3_64, "crc32": _crc32}
+#: marker field -> a fresh digest of that algorithm; a marker names its algorithm by its field
+CHECKSUMS = {"xxh3_64": xxhash.xxh3_64, "crc32": _Crc32}
 
 
 def file_checksum(path: Path, algorithm: str = CHECKSUM, chunk: int = 1 << 22) -> int:
     """The ``algorithm`` checksum (a :data:`CHECKSUMS` name) of a file as an int, streamed in 4 MiB chunks read into
     one reused buffer (a fresh 4 MiB object per read would be a new mapping, page-faulted in, for every chunk of a
     checkpoint of hundreds of MB)."""
-    return CHECKSUMS[algorithm](path, chunk)
+    digest = CHECKSUMS[algorithm]()
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.intdigest()
 
 
 def owner_rank(relpath: str) -> int:
