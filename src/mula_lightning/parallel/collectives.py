@@ -332,9 +332,7 @@ def exchange_split_sizes(
     """The ``output_split_sizes`` matching each peer's ``input_split_sizes`` (the count exchange before an
     all-to-all dispatch). Sends ``d - 1`` int64 values per rank through an all-to-all.
     """
-    counts = torch.tensor(input_split_sizes, dtype=torch.int64, device=_group_device(group))
-    received = _all_to_all(counts, None, None, group, level, None, tag)
-    return received.tolist()
+    return exchange_split_counts(torch.tensor(input_split_sizes), group, level=level, tag=tag)[1]
 
 
 def exchange_split_counts(
