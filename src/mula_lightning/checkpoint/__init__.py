@@ -6,6 +6,8 @@
   ``ckpt_path="last"``) that :class:`~mula_lightning.callbacks.DualCheckpoint` drives; no Lightning dependency.
 * ``async_slots``: the same protocol with the writes in a background thread (state staged to host memory at the
   step, at most one save in flight, a checkpoint-only gloo group for the background collectives).
+* ``checksummed_writes`` / ``direct_writes``: how DCP's files reach storage: checksummed on the way, written with
+  ``O_DIRECT`` from an aligned buffer (not through the page cache) where the file system allows it.
 * ``scattered``: the DP-scattered DCP save planner (replicated tensors written from DP index ``m % DP``, so the
   writes spread over nodes) and load-once-and-broadcast of the weights.
 * ``export``: ``mula export CKPT --to hf DIR`` from any checkpoint the project writes.

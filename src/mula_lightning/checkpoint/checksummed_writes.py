@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+
+from mula_lightning.checkpoint.direct_writes import DirectFileSystem, DirectWriter
 
 __all__ = ["ChecksumRecorder", "ChecksummingWriter", "active_recorder", "recording_checksums", "zip_crc32_skipped"]
 
@@ -146,21 +146,17 @@ class _ChecksummingStream:
         return getattr(self._stream, name)
 
 
-class _ChecksummingFileSystem(FileSystem):
+class _ChecksummingFileSystem(DirectFileSystem):
     def __init__(self, recorder: ChecksumRecorder) -> None:
         super().__init__()
         self.recorder = recorder
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         with super().create_stream(path, mode) as stream:
-            checked = _ChecksummingStream(stream)
-            yield checked
-        if checked.sequential:  # after a seek the digest of the bytes written is not the file's: read back instead
+            checked = _ChecksummingStream(stream) if mode == "wb" else None
+            yield stream if checked is None else checked
+        if checked is not None and checked.sequential:  # after a seek the digest is not the file's: read back
             self.recorder.record(path, checked.size, checked.digest.intdigest())
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -168,8 +164,9 @@ class _ChecksummingFileSystem(FileSystem):
         self.recorder.moved(path, new_path)
 
 
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` whose files' sizes and xxh3_64 digests go to ``recorder`` as they are written."""
+class ChecksummingWriter(DirectWriter):
+    """DCP's ``FileSystemWriter`` whose files' sizes and xxh3_64 digests go to ``recorder`` as they are written
+    (through :class:`~mula_lightning.checkpoint.direct_writes.DirectFileSystem`: not into the page cache)."""
 
     def __init__(self, path: str | os.PathLike, recorder: ChecksumRecorder, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from mula_lightning.checkpoint.checksummed_writes import ChecksummingWriter, active_recorder, zip_crc32_skipped
+from mula_lightning.checkpoint.direct_writes import DirectWriter
 from mula_lightning.parallel.tensor_pieces import TensorPieces
 from mula_lightning.utils.safe_load import SafeFileSystemReader, dcp_load, dumps_data, loads_data
 
@@ -78,7 +79,8 @@ def save_dcp(
             save passes its checkpoint-only group).
 
     Inside :func:`~mula_lightning.checkpoint.checksummed_writes.recording_checksums` (a dual-slot save), each file's
-    size and checksum are recorded as it is written and ``torch.save``'s zip CRC32s are skipped.
+    size and checksum are recorded as it is written and ``torch.save``'s zip CRC32s are skipped. Files are written
+    with ``O_DIRECT`` where the file system allows (:mod:`~mula_lightning.checkpoint.direct_writes`).
     """
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved for the checkpoint's metadata; rename that state entry")
@@ -87,7 +89,7 @@ def save_dcp(
     state = {**tensors, METADATA_KEY: dumps_data(metadata, path)}
     recorder = active_recorder()
     if recorder is None:
-        dcp.save(state, checkpoint_id=str(path), planner=planner, process_group=process_group)
+        dcp.save(state, storage_writer=DirectWriter(path), planner=planner, process_group=process_group)
         return
     # a slot's write: every file's checksum computed on its way to the file, the zip records' own skipped
     with zip_crc32_skipped():
