@@ -63,6 +63,46 @@ def test_one_save_in_flight_the_next_waits_and_logs_it(tmp_path, caplog):
     assert resolve_last(tmp_path) == other
 
 
+def _stage_two(a, b, pointers):
+    """A stage() that stages two objects with the same inner keys and shapes (as the tensors and the metadata of a
+    DCP save), recording where the staged tensors live (and keeping them, so fresh memory cannot land there)."""
+    staged = stage_to_host({"v": a}), stage_to_host({"v": b})
+    pointers.append((tuple(s["v"].data_ptr() for s in staged), staged))
+
+    def write(path, group):
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(staged, path / "data.pt")
+
+    return write
+
+
+def test_staging_buffers_are_reused_by_the_next_save_and_never_shared(tmp_path, monkeypatch):
+    """A saver's second save stages into the same host memory as its first (after that one finished), two objects
+    staged in one save never share a buffer, each slot holds its own save's values, a changed shape gets a new
+    buffer and drops the old one; with MULA_CHECKPOINT_KEEP_STAGING=0 every save stages into fresh memory."""
+    saver, pointers = AsyncSlotSaver(), []
+    first = saver.save(tmp_path, 1, lambda: _stage_two(torch.full((64,), 1.0), torch.full((64,), 2.0), pointers))
+    second = saver.save(tmp_path, 2, lambda: _stage_two(torch.full((64,), 3.0), torch.full((64,), 4.0), pointers))
+    saver.wait()
+    pointers = [p for p, _ in pointers]
+    assert pointers[0] == pointers[1] and pointers[0][0] != pointers[0][1]
+    for slot, values in ((first, (1.0, 2.0)), (second, (3.0, 4.0))):
+        staged = torch.load(slot / "state.ckpt" / "data.pt")
+        assert [s["v"][0].item() for s in staged] == list(values)
+    kept = []
+    saver.save(tmp_path, 3, lambda: _stage_two(torch.ones(65), torch.ones(65), kept))
+    saver.wait()
+    assert kept[0][0][0] not in pointers[1] and len(saver.staging) == 2
+
+    monkeypatch.setenv("MULA_CHECKPOINT_KEEP_STAGING", "0")
+    fresh, kept = AsyncSlotSaver(), []
+    assert fresh.staging is None
+    for step in (4, 5):
+        fresh.save(tmp_path, step, lambda: _stage_two(torch.ones(64), torch.ones(64), kept))
+        fresh.wait()
+    assert kept[0][0] != kept[1][0]
+
+
 def test_background_failure_surfaces_at_the_next_wait_without_a_marker(tmp_path):
     """A write that raises in the background thread: the slot gets no marker, the next wait raises
     CheckpointWriteError naming the step, and the previous complete slot stays the one to resume from."""

@@ -26,7 +26,8 @@ slots, and a later ``ckpt_path="last"`` could pick the other run's step): resume
 new ``dirpath``, or pass ``overwrite=True`` (the other run's markers are removed before the first save).
 
 Asynchronous saves (``async_save=True``): at the step, the slot is cleared and this rank's state is copied to host
-memory (the sharded strategies' ``stage_checkpoint``; Lightning's own strategies: the checkpoint dict); a background
+memory (the sharded strategies' ``stage_checkpoint``; Lightning's own strategies: the checkpoint dict), into the
+buffers of the previous save (:class:`~mula_lightning.checkpoint.async_slots.StagingBuffers`); a background
 thread writes it and completes the slot with the same protocol (:mod:`mula_lightning.checkpoint.async_slots`), while
 training goes on. At most one save is in flight: the next save, the end of training and :meth:`DualCheckpoint.wait`
 wait for it, and a wait is logged with its length (a Fabric loop calls ``wait()`` before it exits, or its last

@@ -164,5 +164,5 @@ class AsyncReplaceSaver(BackgroundSaver):
         self.wait(path.name)
         group = self._checkpoint_group()
         clear_partial(path, group)
-        write = staged_or_failing(stage)
+        write = staged_or_failing(stage, self.staging)
         self._start(path.name, lambda: _write_and_move(path, lambda target: write(target, group), group))
