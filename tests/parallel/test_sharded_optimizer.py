@@ -53,7 +53,7 @@ def _slice(t, ep_rank, ep):
     return t[ep_rank * per : (ep_rank + 1) * per]
 
 
-def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_numel, dtype=DTYPE):
+def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_numel, dtype=DTYPE, unused=()):
     topo = build_topology(ep)
     results = {}
     for mode in modes:
@@ -70,7 +70,9 @@ def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_
             for micro in range(accumulate):
                 opt.require_grad_sync = micro == accumulate - 1
                 loss = sum(
-                    (p * _grad(n, p.shape, (step, micro), rank, dtype)).sum() / accumulate for n, p in params.items()
+                    (p * _grad(n, p.shape, (step, micro), rank, dtype)).sum() / accumulate
+                    for n, p in params.items()
+                    if (step, n) not in unused  # a parameter the step does not use gets no gradient at all
                 )
                 loss.backward()
             if max_norm is not None:
@@ -81,7 +83,7 @@ def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_
     return results
 
 
-def _reference(world_size, ep, steps, max_norm, accumulate):
+def _reference(world_size, ep, steps, max_norm, accumulate, unused=()):
     full = {n: nn.Parameter(t.clone()) for n, t in _full_params().items()}
     no_decay = [p for n, p in full.items() if n.endswith("norm.weight")]
     decay = [p for n, p in full.items() if not n.endswith("norm.weight")]
@@ -91,6 +93,8 @@ def _reference(world_size, ep, steps, max_norm, accumulate):
             total = torch.zeros_like(p)
             for rank in range(world_size):
                 for micro in range(accumulate):
+                    if (step, n) in unused:  # no gradient: zero, as the sharded optimizer reduces it
+                        continue
                     g = _grad(n, _slice(p, rank % ep, ep).shape if n in EXPERT_SHAPES else p.shape, (step, micro), rank)
                     g = g / accumulate
                     if n in EXPERT_SHAPES:
@@ -142,6 +146,25 @@ def test_every_mode_matches_torch_adamw_on_reduced_gradients(world_size, ep, acc
                 expected = _slice(ref[n], rank % ep, ep) if n in EXPERT_SHAPES else ref[n]
                 scale = adam_scale + expected.abs().max().item()
                 assert_parity(p, expected, reduction_len=reduction_len, scale=scale, msg=f"rank {rank} {mode} {n}")
+
+
+@pytest.mark.distributed
+def test_a_parameter_without_gradient_in_a_step_reduces_zero_not_an_earlier_gradient():
+    """Parameters that a step does not use (a dense one and an expert one, used in the steps before and after) get a
+    zero gradient in that step on every rank, as torch.optim.AdamW with zero gradients: the flat buffers are not
+    zeroed between steps (each parameter's first gradient overwrites its slot), so a slot no gradient reached must be
+    zeroed before its bucket is reduced, in one bucket and in several."""
+    steps, unused = 3, ((1, "attn.norm.weight"), (1, "layers.0.mlp.experts.down_proj"), (2, "embed.weight"))
+    for bucket_numel in (None, 50):
+        results = run_pooled_test(_run_modes, 4, ep=2, steps=steps, max_norm=None, accumulate=1, modes=("ep_aware",),
+                                  bucket_numel=bucket_numel, unused=unused, timeout=180)  # fmt: skip
+        ref = _reference(4, 2, steps, None, 1, unused)
+        numel = sum(torch.Size(s).numel() for s in {**SHAPES, **EXPERT_SHAPES}.values())
+        for rank, per_mode in enumerate(results):
+            for n, p in per_mode["ep_aware"][0].items():
+                expected = _slice(ref[n], rank % 2, 2) if n in EXPERT_SHAPES else ref[n]
+                scale = adamw_parameter_scale(lr=HP["lr"], grad_bound=10.0, eps=HP["eps"]) + expected.abs().max().item()
+                assert_parity(p, expected, reduction_len=steps * (4 + numel), scale=scale, msg=f"rank {rank} {n}")
 
 
 def _owned(numel_by_family_shard):

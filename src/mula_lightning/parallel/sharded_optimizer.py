@@ -261,6 +261,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._init_state()
         self._pending: dict[tuple[str, int], Any] = {}
         self._ready: dict[tuple[str, int], int] = {}
+        self._written: set[int] = set()  # parameters whose buffer slot holds a gradient since the last zero_grad
         self._bucket_of = {
             id(s.param): (fam, s.bucket, s.start, s.end) for fam, buf in self.buffers.items() for s in buf.slots
         }
@@ -337,7 +338,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         buf = self.buffers[fam]
         self._grad_norm = None  # a new gradient: a norm taken before no longer holds
         grad, factor = local_gradient(param, self.topology.tp_size, self.topology.sequence_parallel)
-        buf.grads[start:end].add_(grad.reshape(-1), alpha=factor)
+        slot, flat = buf.grads[start:end], grad.reshape(-1)
+        if id(param) in self._written:  # a later micro-batch (or a pipeline schedule's): accumulate
+            slot.add_(flat, alpha=factor)
+        else:  # the step's first gradient of this parameter overwrites what the slot held (zero_grad wrote nothing)
+            if factor == 1:
+                slot.copy_(flat)
+            else:
+                torch.mul(flat, factor, out=slot)
+            self._written.add(id(param))
         param.grad = None
         if not self.require_grad_sync:  # inside a gradient-accumulation window: accumulate only
             return
@@ -353,6 +362,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             return
         buf, plan = self.buffers[fam], self.plans[fam]
         b = buf.buckets[bucket_index]
+        for s in b.slots:  # parameters without a gradient this step (unused): their slots hold an earlier step's
+            if id(s.param) not in self._written:
+                buf.grads[s.start : s.end].zero_()
         view = buf.grads[b.start : b.start + b.numel]
         view.div_(self.grad_divisor)
         reduce_dtype = torch.float64 if view.dtype == torch.float64 else self.reduce_dtype
@@ -502,8 +514,11 @@ class ShardedAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.keep_grads:
             return
+        # the buffers are not zeroed (a pass over every gradient element, 3 % of a CPU step): a parameter's first
+        # gradient of the next step overwrites its slot, and a bucket zeroes the slots no gradient reached before
+        # its reduction (see _on_grad and _launch)
+        self._written.clear()
         for buf in self.buffers.values():
-            buf.grads.zero_()
             for p in _params(buf):
                 p.grad = None
         self._ready.clear()
