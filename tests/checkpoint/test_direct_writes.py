@@ -5,6 +5,7 @@ switched off; DCP checkpoints written this way are byte-identical to buffered on
 
 import errno
 import fcntl
+import mmap
 import os
 import random
 
@@ -56,12 +57,20 @@ def _write_pieces(path, seed):
 
 
 def _supports_direct(tmp_path):
+    """Whether this file system takes an O_DIRECT open and an aligned direct write (some take the open only)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
     try:
-        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
     except OSError:
         return False
-    os.close(fd)
-    return hasattr(os, "O_DIRECT")
+    try:
+        with mmap.mmap(-1, ALIGNMENT) as block:
+            return os.pwrite(fd, block, 0) == ALIGNMENT
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def test_file_holds_exactly_the_bytes_written(tmp_path):
