@@ -217,3 +217,24 @@ def test_reused_activations_fail_loudly_on_a_second_backward():
     y.sum().backward()
     for g1, p in zip(once, block.parameters()):
         torch.testing.assert_close(p.grad, 2 * g1)
+
+
+@pytest.mark.parametrize("extra", [{}, {"capacity_factor": 0.5}], ids=["dropless", "capacity"])
+def test_router_counts_kept_and_dropped_pairs_and_the_balancing_loss(extra):
+    """One count of the chosen pairs serves the loss, the statistics and the dispatch: ``tokens_per_expert_E`` is
+    the kept pairs per expert (a loop over the final indices, -1 = dropped), ``num_dropped`` the dropped ones, and
+    the balancing loss is ``E * sum_e f_e P_e`` with ``f_e`` from the pairs chosen before capacity (as transformers
+    computes it)."""
+    block = make_block(make_config(8, 2, **extra), seed=3)
+    x = torch.randn(3 * 19, H, generator=torch.Generator().manual_seed(11))
+    routed = block.route(x)
+    chosen = torch.topk(torch.softmax(routed.logits_SE, -1), 2, dim=-1)[1]
+    kept = routed.indices_SK.tolist()
+    expected = [sum(row.count(e) for row in kept) for e in range(8)]
+    assert routed.tokens_per_expert_E.tolist() == expected
+    assert int(routed.num_dropped) == sum(row.count(-1) for row in kept)
+    if extra:
+        assert int(routed.num_dropped) > 0  # the case really drops pairs
+    f = torch.tensor([sum(row.count(e) for row in chosen.tolist()) for e in range(8)]) / x.shape[0]
+    probs = torch.softmax(routed.logits_SE.detach().double(), -1).mean(0)
+    torch.testing.assert_close(routed.load_balance_loss.double(), 8 * (f.double() * probs).sum())

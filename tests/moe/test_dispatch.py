@@ -114,13 +114,31 @@ def test_plan_matches_algorithm1(T, K, E, n_start, n_end, drop):
     assert plan.offs.dtype == torch.int32 and plan.offs.tolist() == expected[1][1:]
 
 
+PLAN_FIELDS = ("token_counts", "cum_token_counts", "expert_counts", "cum_expert_counts", "input_indices",
+               "output_indices", "selected_expert_indices", "row_slot", "slot_row_SK")  # fmt: skip
+
+
 def test_all_routed_hint_gives_the_same_plan():
-    """The ``all_routed=True`` shortcut (no host sync) builds the same plan as working it out from the counts."""
+    """The ``all_routed=True`` shortcut (no host sync, no masking over the whole range) and the router's own counts
+    passed as ``token_counts`` build the same plan, every field, as working it out from the indices."""
     idx = random_indices(31, 4, 16, seed=0)
     a, b = build_dispatch_plan(idx, 16), build_dispatch_plan(idx, 16, all_routed=True)
-    assert a.all_routed and b.all_routed
-    for field in ("token_counts", "input_indices", "output_indices", "selected_expert_indices", "slot_row_SK"):
+    c = build_dispatch_plan(idx, 16, all_routed=True, token_counts=count_per_expert(idx, 16))
+    assert a.all_routed and b.all_routed and c.all_routed
+    for field in PLAN_FIELDS:
         assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert torch.equal(getattr(a, field), getattr(c, field)), field
+
+
+def test_given_counts_of_a_range_with_drops_give_the_same_plan():
+    """``token_counts`` for a local range with pairs dropped (-1) and pairs of other ranks: the same plan as
+    counting."""
+    idx = random_indices(41, 3, 12, seed=7, drop_fraction=0.2)
+    counted = build_dispatch_plan(idx, 12, 4, 7)
+    given = build_dispatch_plan(idx, 12, 4, 7, token_counts=counted.token_counts.clone())
+    assert not given.all_routed
+    for field in PLAN_FIELDS:
+        assert torch.equal(getattr(given, field), getattr(counted, field)), field
 
 
 @pytest.mark.parametrize("n_start, n_end, drop", [(0, 15, 0.0), (4, 7, 0.0), (8, 15, 0.3)])

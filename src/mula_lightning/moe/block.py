@@ -142,7 +142,7 @@ class FastSparseMoEBlock(nn.Module):
             logits_SE=logits_SE,
             weights_SK=weights_SK,
             indices_SK=indices_SK,
-            load_balance_loss=load_balancing_loss(probs_SE, indices_SK),
+            load_balance_loss=load_balancing_loss(probs_SE, indices_SK, tokens_per_expert_E),
             z_loss=router_z_loss(logits32_SE),
             tokens_per_expert_E=tokens_per_expert_E,
             num_dropped=indices_SK.new_zeros(()),

@@ -26,6 +26,7 @@ combine (Stage 5) and by the backward of the token gather (Stage 4).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,6 +37,10 @@ from mula_lightning.moe.router import count_per_expert
 class DispatchPlan:
     """Everything stages 4 and 5 need to move rows between token order and expert order.
 
+    The fields are what the forward and backward read; the rest of Algorithm 1's outputs (the per-token counts and
+    the token-major pair order) are derived from ``slot_row_SK`` on first access, since no stage needs them (each
+    costs a pass, and on an accelerator a launch, per MoE layer and step).
+
     Attributes:
         num_tokens: S.
         top_k: K.
@@ -43,11 +48,7 @@ class DispatchPlan:
         n_end: last local expert (global id, inclusive).
         token_counts: (NR,) int64, routed rows per local expert.
         cum_token_counts: (NR + 1,) int64, prefix sum of ``token_counts`` with a leading 0.
-        expert_counts: (S,) int64, local experts picked by each token.
-        cum_expert_counts: (S + 1,) int64, prefix sum of ``expert_counts`` with a leading 0.
         input_indices: (RT,) int64, token of each routed row (rows grouped by expert, token order inside).
-        output_indices: (RT,) int64, routed row of each local (token, k) pair, token-major.
-        selected_expert_indices: (RT,) int64, k of each local (token, k) pair, token-major.
         row_slot: (RT,) int64, flat ``t * K + k`` of each routed row (to read its router weight).
         slot_row_SK: (S, K) int64, routed row of each (token, k) pair, -1 where not routed here.
         all_routed: every (token, k) pair is routed here (no drops, all experts local): reductions can skip
@@ -60,11 +61,7 @@ class DispatchPlan:
     n_end: int
     token_counts: torch.Tensor
     cum_token_counts: torch.Tensor
-    expert_counts: torch.Tensor
-    cum_expert_counts: torch.Tensor
     input_indices: torch.Tensor
-    output_indices: torch.Tensor
-    selected_expert_indices: torch.Tensor
     row_slot: torch.Tensor
     slot_row_SK: torch.Tensor
     all_routed: bool
@@ -83,6 +80,43 @@ class DispatchPlan:
         """``cum_token_counts[1:]`` as int32: the group ends ``torch._grouped_mm`` takes."""
         return self.cum_token_counts[1:].to(torch.int32)
 
+    @cached_property
+    def expert_counts(self) -> torch.Tensor:
+        """(S,) int64, local experts picked by each token."""
+        return (self.slot_row_SK >= 0).sum(dim=1)
+
+    @cached_property
+    def cum_expert_counts(self) -> torch.Tensor:
+        """(S + 1,) int64, prefix sum of ``expert_counts`` with a leading 0."""
+        return _prefix_sum(self.expert_counts)
+
+    @cached_property
+    def _local_slots(self) -> torch.Tensor:
+        """Flat ``t * K + k`` of the local (token, k) pairs in token-major order, without a boolean mask (its result
+        is sized by the data: a host read); a stable sort puts them first, and there are ``num_rows`` of them."""
+        flat = self.slot_row_SK.reshape(-1)
+        if self.all_routed:
+            return torch.arange(flat.numel(), device=flat.device)
+        return torch.argsort((flat < 0).to(torch.int8), stable=True)[: self.num_rows]
+
+    @cached_property
+    def output_indices(self) -> torch.Tensor:
+        """(RT,) int64, routed row of each local (token, k) pair, token-major."""
+        flat = self.slot_row_SK.reshape(-1)
+        return flat if self.all_routed else flat.index_select(0, self._local_slots)
+
+    @cached_property
+    def selected_expert_indices(self) -> torch.Tensor:
+        """(RT,) int64, k of each local (token, k) pair, token-major."""
+        return torch.remainder(self._local_slots, self.top_k)
+
+
+def _prefix_sum(counts: torch.Tensor) -> torch.Tensor:
+    """``[0, c0, c0 + c1, ...]`` (int64), one allocation and one scan."""
+    out = counts.new_zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, dim=0, out=out[1:])
+    return out
+
 
 def _check_range(num_experts: int, n_start: int, n_end: int) -> None:
     if not 0 <= n_start <= n_end < num_experts:
@@ -90,6 +124,12 @@ def _check_range(num_experts: int, n_start: int, n_end: int) -> None:
             f"local expert range [n_start={n_start}, n_end={n_end}] must lie inside "
             f"[0, num_experts - 1 = {num_experts - 1}]"
         )
+
+
+def _local_expert_ids(indices_SK: torch.Tensor, n_start: int, n_end: int) -> torch.Tensor:
+    """The local id ``n - n_start`` of each pair's expert, NR (one past the last local expert) where not local."""
+    local_SK = (indices_SK >= n_start) & (indices_SK <= n_end)
+    return torch.where(local_SK, indices_SK - n_start, torch.full_like(indices_SK, n_end - n_start + 1))
 
 
 def count_tokens(
@@ -108,14 +148,10 @@ def count_tokens(
         routed here; the counts are as in :class:`DispatchPlan`.
     """
     num_local = n_end - n_start + 1
-    local_SK = (indices_SK >= n_start) & (indices_SK <= n_end)
-    local_expert_SK = torch.where(local_SK, indices_SK - n_start, torch.full_like(indices_SK, num_local))
+    local_expert_SK = _local_expert_ids(indices_SK, n_start, n_end)
     token_counts = count_per_expert(local_expert_SK, num_local)  # the non-local pairs (NR) are not counted
-    expert_counts = local_SK.sum(dim=1)
-    zero = indices_SK.new_zeros(1)
-    cum_token_counts = torch.cat([zero, torch.cumsum(token_counts, dim=0)])
-    cum_expert_counts = torch.cat([zero, torch.cumsum(expert_counts, dim=0)])
-    return local_expert_SK, token_counts, cum_token_counts, expert_counts, cum_expert_counts
+    expert_counts = (local_expert_SK < num_local).sum(dim=1)
+    return local_expert_SK, token_counts, _prefix_sum(token_counts), expert_counts, _prefix_sum(expert_counts)
 
 
 #: device types with a ``torch._assert_async`` kernel (CPU: checked at once; CUDA: failing the stream, no sync)
@@ -129,6 +165,7 @@ def build_dispatch_plan(
     n_end: int | None = None,
     all_routed: bool | None = None,
     num_rows: int | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> DispatchPlan:
     """Stages 2 and 3: the plan that routes (token, k) pairs to the local experts ``[n_start, n_end]``.
 
@@ -138,11 +175,14 @@ def build_dispatch_plan(
         n_start: first local expert.
         n_end: last local expert, inclusive (default: the last expert).
         all_routed: pass ``True`` when the caller knows every pair is routed here (dropless routing over all
-            experts); this skips a host synchronisation. ``None`` works it out from the counts.
+            experts); this skips a host synchronisation and, over the whole expert range, the masking of pairs
+            routed elsewhere. ``None`` works it out from the counts.
         num_rows: the number of pairs routed here (RT), when the caller knows it already (the all-gather
             dispatcher learns it from its count exchange); this skips the host read of the counts. Checked on the
             device where torch has the kernel (``torch._assert_async`` on CPU and CUDA: no synchronisation; a wrong
             value fails the step).
+        token_counts: the (NR,) pairs per local expert when the caller counted them already (the router counts
+            every expert: a rank holding them all need not count again). Trusted as given, like ``all_routed``.
 
     Returns:
         The :class:`DispatchPlan`.
@@ -151,9 +191,16 @@ def build_dispatch_plan(
     _check_range(num_experts, n_start, n_end)
     num_tokens, top_k = indices_SK.shape
     num_slots = num_tokens * top_k
-    local_expert_SK, token_counts, cum_token_counts, expert_counts, cum_expert_counts = count_tokens(
-        indices_SK, n_start, n_end
-    )
+    num_local = n_end - n_start + 1
+    if all_routed and num_local == num_experts:  # every pair names a local expert: its id is its local id
+        local_expert_SK = indices_SK
+        if token_counts is None:
+            token_counts = count_per_expert(indices_SK, num_local)
+    else:
+        local_expert_SK = _local_expert_ids(indices_SK, n_start, n_end)
+        if token_counts is None:  # the non-local pairs (NR) are not counted
+            token_counts = count_per_expert(local_expert_SK, num_local)
+    cum_token_counts = _prefix_sum(token_counts)
 
     # Stage 3 (lines 45-72). A stable sort by local expert id keeps token order inside each expert, which is
     # the order the kernel's per-thread counters produce; non-local pairs (key NR) sort to the tail.
@@ -169,19 +216,8 @@ def build_dispatch_plan(
     input_indices = torch.div(row_slot, top_k, rounding_mode="floor")
     slot_row = torch.empty_like(order)
     slot_row[order] = torch.arange(num_slots, device=order.device)  # routed row of each slot, >= RT if not local
-
-    if all_routed:
-        slot_row_SK = slot_row.view(num_tokens, top_k)
-        output_indices = slot_row
-        selected_expert_indices = torch.arange(top_k, device=order.device).repeat(num_tokens)
-    else:
-        local_S = local_expert_SK.reshape(-1) < (n_end - n_start + 1)
-        slot_row_SK = torch.where(local_S, slot_row, torch.full_like(slot_row, -1)).view(num_tokens, top_k)
-        # the local slots in token order, without a boolean mask (its result is sized by the data: a host read);
-        # a stable sort puts them first, and there are num_rows of them
-        local_slots = torch.argsort((~local_S).to(torch.int8), stable=True)[:num_rows]
-        output_indices = slot_row.index_select(0, local_slots)
-        selected_expert_indices = torch.remainder(local_slots, top_k)
+    if not all_routed:
+        slot_row = torch.where(slot_row < num_rows, slot_row, torch.full_like(slot_row, -1))
 
     return DispatchPlan(
         num_tokens=num_tokens,
@@ -190,13 +226,9 @@ def build_dispatch_plan(
         n_end=n_end,
         token_counts=token_counts,
         cum_token_counts=cum_token_counts,
-        expert_counts=expert_counts,
-        cum_expert_counts=cum_expert_counts,
         input_indices=input_indices,
-        output_indices=output_indices,
-        selected_expert_indices=selected_expert_indices,
         row_slot=row_slot,
-        slot_row_SK=slot_row_SK,
+        slot_row_SK=slot_row.view(num_tokens, top_k),
         all_routed=all_routed,
     )
 

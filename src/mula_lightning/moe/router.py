@@ -104,16 +104,19 @@ def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_experts]
 
 
-def load_balancing_loss(probs_SE: torch.Tensor, indices_SK: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(
+    probs_SE: torch.Tensor, indices_SK: torch.Tensor, counts_E: torch.Tensor | None = None
+) -> torch.Tensor:
     """Switch-Transformer / OLMoE auxiliary loss ``E * sum_e f_e * P_e``.
 
     ``f_e`` is the number of (token, k) pairs routed to e divided by S (so ``sum_e f_e = K``, as in OLMoE and
     transformers), ``P_e`` the mean router probability of e. Its minimum, K, is reached by uniform routing.
+    ``counts_E``: those numbers of pairs (:func:`count_per_expert` of ``indices_SK``) when the caller has them.
     """
     num_tokens, num_experts = probs_SE.shape
-    counts_E = torch.zeros(num_experts, dtype=probs_SE.dtype, device=probs_SE.device)
-    counts_E.scatter_add_(0, indices_SK.reshape(-1), torch.ones_like(indices_SK, dtype=probs_SE.dtype).reshape(-1))
-    f_E = counts_E / max(num_tokens, 1)
+    if counts_E is None:
+        counts_E = count_per_expert(indices_SK, num_experts)
+    f_E = counts_E.to(probs_SE.dtype) / max(num_tokens, 1)
     p_E = probs_SE.mean(dim=0)
     return num_experts * torch.sum(f_E * p_E)
 
@@ -387,10 +390,10 @@ class Router(nn.Module):
             scores = limit_to_groups(scores, self.n_group, self.topk_group)
         return torch.topk(scores, self.top_k, dim=-1)[1]
 
-    def _count_load(self, indices_SK: torch.Tensor) -> None:
+    def _count_load(self, chosen_E: torch.Tensor) -> None:
         if getattr(_COUNTING, "paused", False):
             return
-        load_E = count_per_expert(indices_SK, self.num_experts).to(torch.float64)
+        load_E = chosen_E.to(torch.float64)
         self.pending_load = load_E if self.pending_load is None else self.pending_load + load_E
 
     def forward(self, x_SH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
@@ -404,15 +407,18 @@ class Router(nn.Module):
         num_tokens = logits_SE.shape[0]
 
         replay = getattr(_ACTIVE, "replay", None)
+        counting = False
         if replay is not None and replay.replaying:
             indices_SK, final_SK = replay.take()
         else:
             counting = self.bias_update_rate > 0 and self.training and torch.is_grad_enabled()  # a training forward
             with torch.no_grad():  # a discrete choice: saves nothing for backward (nor does its replay)
                 indices_SK = self._choose(logits_SE, scores_SE)
-                if counting:
-                    self._count_load(indices_SK)
             final_SK = None
+        with torch.no_grad():  # counted once: the balancing loss's f_e, the bias update's load, the dropless dispatch
+            chosen_E = count_per_expert(indices_SK, self.num_experts)
+            if counting:
+                self._count_load(chosen_E)
 
         if self.router_kind == "softmax_topk":
             weights_SK = scores_SE.gather(1, indices_SK)
@@ -426,7 +432,7 @@ class Router(nn.Module):
         if self.sequence_reduce is not None:
             lb_loss, z_loss = sequence_parallel_router_losses(logits_SE, probs_SE, indices_SK, self.sequence_reduce)
         else:
-            lb_loss = load_balancing_loss(probs_SE, indices_SK)
+            lb_loss = load_balancing_loss(probs_SE, indices_SK, chosen_E)
             z_loss = router_z_loss(logits_SE)
         seq_loss = None
         if self.sequence_aux_loss:
@@ -440,12 +446,14 @@ class Router(nn.Module):
                     final_SK = apply_capacity(indices_SK, self.num_experts, cap)
                 if replay is not None:
                     replay.decisions.append((indices_SK, final_SK))
+            if final_SK is indices_SK:  # no capacity: every chosen pair is kept
+                tokens_per_expert_E, num_dropped = chosen_E, indices_SK.new_zeros(())
+            else:
+                tokens_per_expert_E = count_per_expert(final_SK, self.num_experts)  # the kept pairs
+                num_dropped = (final_SK < 0).sum()
             indices_SK = final_SK
-            kept = indices_SK >= 0
-            tokens_per_expert_E = count_per_expert(indices_SK, self.num_experts)  # the kept pairs
-            num_dropped = (~kept).sum()
         if self.capacity_factor is not None:
-            weights_SK = weights_SK * kept.to(weights_SK.dtype)
+            weights_SK = weights_SK * (indices_SK >= 0).to(weights_SK.dtype)
 
         return RouterOutput(
             logits_SE=logits_SE,

@@ -116,7 +116,11 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, x_SH: torch.Tensor, routed: RouterOutput, dropless: bool = False) -> DispatchedTokens:
         all_routed = True if dropless and self.holds_all_experts else None
-        plan = build_dispatch_plan(routed.indices_SK, self.num_experts, self.n_start, self.n_end, all_routed)
+        # the router counted the kept pairs of every expert: over the whole range those are the plan's counts
+        counts = routed.tokens_per_expert_E if self.holds_all_experts else None
+        plan = build_dispatch_plan(
+            routed.indices_SK, self.num_experts, self.n_start, self.n_end, all_routed, token_counts=counts
+        )
         return DispatchedTokens(x_SH=x_SH, plan=plan, weights_SK=routed.weights_SK)
 
     def combine(
