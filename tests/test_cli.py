@@ -58,6 +58,14 @@ def test_debug_gives_the_exception_back(tmp_path, monkeypatch):
         mula_cli.main(["export", str(tmp_path / "missing"), "--to", "hf", str(tmp_path / "out")])
 
 
+def test_a_mistyped_debug_switch_is_one_line_naming_it(monkeypatch, capsys):
+    """``MULA_DEBUG`` with a value that is no switch (a typo) is refused in one line that names it, before the
+    command runs."""
+    monkeypatch.setenv("MULA_DEBUG", "ture")
+    assert mula_cli.main(["export", "x", "--to", "hf", "y"]) == mula_cli.EXIT_ERROR
+    assert "MULA_DEBUG='ture'" in _one_line(capsys, "export")
+
+
 def test_unexpected_exceptions_are_marked_internal(monkeypatch, capsys):
     """An exception that is not a bad-input error is still one line, with its type and a request for --debug."""
 

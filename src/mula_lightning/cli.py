@@ -21,9 +21,10 @@ reports. Argument parsing errors keep jsonargparse's exit code 2.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Sequence
+
+from mula_lightning.utils.env_flags import env_flag
 
 #: exit code of a command that refused its input (or failed) with a one-line message
 EXIT_ERROR = 1
@@ -65,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mula: unknown command {name!r}; known commands: {', '.join(sorted(COMMANDS))}", file=sys.stderr)
         return 2
-    debug = "--debug" in rest or os.environ.get("MULA_DEBUG", "") not in ("", "0")
+    try:
+        debug = "--debug" in rest or env_flag("MULA_DEBUG", False)
+    except ValueError as err:
+        print(f"mula {name}: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
     rest = [a for a in rest if a != "--debug"]
     target, _ = COMMANDS[name]
     module_name, func_name = target.split(":")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from mula_lightning.checkpoint.slots import clear_slot, rng_state, write_and_mark
 from mula_lightning.parallel.tensor_pieces import map_held
 from mula_lightning.utils.dist import is_distributed, rank_world
+from mula_lightning.utils.env_flags import env_flag
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class StagingBuffers:
 
     @staticmethod
     def enabled() -> bool:
-        return os.environ.get("MULA_CHECKPOINT_KEEP_STAGING", "1").strip() not in ("0", "false", "no")
+        return env_flag("MULA_CHECKPOINT_KEEP_STAGING", True)
 
     def begin(self) -> None:
         self._seen, self._roots = set(), 0

@@ -37,6 +37,8 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from mula_lightning.utils.env_flags import env_flag
+
 __all__ = [
     "ALIGNMENT",
     "BUFFER_BYTES",
@@ -58,9 +60,9 @@ _buffers_lock = threading.Lock()
 
 
 def direct_writes_enabled() -> bool:
-    """Whether checkpoint files are written with ``O_DIRECT`` (the platform has it and ``MULA_CHECKPOINT_DIRECT_IO``
-    is not ``0``)."""
-    return bool(_O_DIRECT) and os.environ.get("MULA_CHECKPOINT_DIRECT_IO", "1").strip() not in ("0", "false", "no")
+    """Whether checkpoint files are written with ``O_DIRECT``: the platform has it and ``MULA_CHECKPOINT_DIRECT_IO``
+    does not switch it off (``0``, ``false``, ``no``, ``off``; :func:`~mula_lightning.utils.env_flags.env_flag`)."""
+    return bool(_O_DIRECT) and env_flag("MULA_CHECKPOINT_DIRECT_IO", True)
 
 
 def _take_buffer() -> mmap.mmap:

@@ -45,6 +45,7 @@ from mula_lightning.testing.processes import (
     first_failure_first,
     start_context,
 )
+from mula_lightning.utils.env_flags import env_flag
 
 __all__ = ["DistributedTestError", "run_distributed_test", "run_pooled_test"]
 
@@ -228,7 +229,7 @@ def run_distributed_test(
     if ranks_per_gpu < 1 or ranks_per_node % ranks_per_gpu:
         raise ValueError(f"ranks_per_gpu ({ranks_per_gpu}) must divide ranks_per_node ({ranks_per_node})")
     _check_picklable(fn)
-    if pool and backend == "gloo" and os.environ.get("MULA_TEST_POOL", "1") != "0":
+    if pool and backend == "gloo" and env_flag("MULA_TEST_POOL", True):
         from mula_lightning.testing.pool import run_on_pool
 
         return run_on_pool(fn, world_size, ranks_per_node, ranks_per_gpu, timeout, kwargs)
