@@ -25,6 +25,14 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """The peak memory of this process on ``device`` in MB: its allocator's peak on an accelerator (what the model
+    and its activations took there), :func:`peak_rss_mb` on the CPU."""
+    if device.type in ("cuda", "xpu"):
+        return getattr(torch, device.type).max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued kernels (a no-op on CPU), so that a host timer measures their work."""
     if device.type == "cuda":
@@ -50,6 +58,9 @@ def gemm_rate(
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
+    if dev.type != "cpu" and dev.index is None:  # one device per rank, as the contenders use them
+        dev = torch.device(dev.type, rank % getattr(torch, dev.type).device_count())
+        getattr(torch, dev.type).set_device(dev)
     gen = torch.Generator().manual_seed(rank)
     a = torch.randn(m, k, generator=gen).to(dev, dtype)
     b = torch.randn(k, n, generator=gen).to(dev, dtype)

@@ -31,8 +31,8 @@ Two more columns:
   GEMM (the LM head: tokens of a rank's batch x hidden x vocabulary), fp32, timed in ``--procs`` processes at once with
   ``--threads`` threads each, summed over them, in the same run. On a GPU the same ratio against the GPU's GEMM rate
   is MFU measured against what the device reaches, not its datasheet;
-* **peak MB/rank**: the largest ``VmHWM`` (peak resident memory) of the contender's ranks after its timed steps
-  (before a profiled step, whose profiler holds every event).
+* **peak MB/rank**: the largest ``VmHWM`` (peak resident memory; on a GPU its allocator's peak) of the contender's
+  ranks after its timed steps (before a profiled step, whose profiler holds every event).
 
 ``--profile`` adds one profiled step per contender (after the timed ones) and prints where its time goes, as shares
 (:mod:`step_profile`: forward and backward per part, collectives, optimizer step, the LightningModule's step, the
@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_profile, beside this script
 
-from machine_limits import gemm_rate, peak_rss_mb  # noqa: E402
+from machine_limits import gemm_rate, peak_memory_mb  # noqa: E402
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # Lightning accelerator -> process-group backend
 
@@ -165,7 +165,7 @@ def _run(rank, world_size, contender: str, args) -> dict:
             synchronize(trainer.strategy.root_device)  # accelerator work of the step finished
             stamps.append(time.perf_counter())
             if len(stamps) == profiled:  # the timed steps' peak, before a profiler holds its events
-                profile["peak_mb"] = peak_rss_mb()
+                profile["peak_mb"] = peak_memory_mb(trainer.strategy.root_device)
             if "profiler" in profile and "wall_us" not in profile:
                 profile["wall_us"] = (time.perf_counter() - profile["start"]) * 1e6
                 profile["profiler"].__exit__(None, None, None)
@@ -223,7 +223,9 @@ def main() -> None:
 
     from mula_lightning.testing import run_distributed_test
 
-    contenders = [f"mula epso EP={args.procs}", "mula epso EP=1", "HF eager, ddp", "HF grouped_mm, ddp"]
+    contenders = list(
+        dict.fromkeys([f"mula epso EP={args.procs}", "mula epso EP=1", "HF eager, ddp", "HF grouped_mm, ddp"])
+    )
     if args.only:
         contenders = [c for c in contenders if any(o in c for o in args.only)]
     best: dict[str, dict] = {}
@@ -237,8 +239,8 @@ def main() -> None:
                 best[name] = result
     config = _config(args)
     gemm = (args.batch * args.seq_len, config.hidden_size, config.vocab_size)  # the LM head, the largest GEMM
-    rate = sum(run_distributed_test(gemm_rate, args.procs, backend="gloo", m=gemm[0], k=gemm[1], n=gemm[2],
-                                    threads=args.threads))  # fmt: skip
+    rate = sum(run_distributed_test(gemm_rate, args.procs, backend=BACKENDS[args.accelerator], m=gemm[0], k=gemm[1],
+                                    n=gemm[2], threads=args.threads, device=args.accelerator))  # fmt: skip
     flops_per_step = config.flops_per_token(args.seq_len) * args.batch * args.seq_len * args.procs
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")
     print(

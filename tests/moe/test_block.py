@@ -237,4 +237,7 @@ def test_router_counts_kept_and_dropped_pairs_and_the_balancing_loss(extra):
         assert int(routed.num_dropped) > 0  # the case really drops pairs
     f = torch.tensor([sum(row.count(e) for row in chosen.tolist()) for e in range(8)]) / x.shape[0]
     probs = torch.softmax(routed.logits_SE.detach().double(), -1).mean(0)
-    torch.testing.assert_close(routed.load_balance_loss.double(), 8 * (f.double() * probs).sum())
+    expected = 8 * (f.double() * probs).sum()
+    torch.testing.assert_close(
+        routed.load_balance_loss, expected.float()
+    )  # float32 math against float64: float32's tolerance
