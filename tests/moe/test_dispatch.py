@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mula_lightning.moe.dispatch import build_dispatch_plan
+from mula_lightning.moe.dispatch import build_dispatch_plan, count_tokens
 from mula_lightning.moe.router import count_per_expert
 
 
@@ -153,6 +153,17 @@ def test_a_known_routed_row_count_gives_the_same_plan(n_start, n_end, drop):
     assert told.all_routed == counted.all_routed
     with pytest.raises(RuntimeError, match="num_rows is not the number of pairs routed here"):
         build_dispatch_plan(idx, 16, n_start, n_end, num_rows=counted.num_rows + 1)
+
+
+@pytest.mark.parametrize("n_start, n_end, drop", [(0, 11, 0.0), (4, 7, 0.2)])
+def test_count_tokens_gives_the_plans_counts(n_start, n_end, drop):
+    """Stage 2 on its own (``count_tokens``, public) counts what the plan holds: pairs per local expert, local experts
+    per token and both prefix sums, for the whole range and a local range with drops."""
+    idx = random_indices(41, 3, 12, seed=5, drop_fraction=drop)
+    plan = build_dispatch_plan(idx, 12, n_start, n_end)
+    _, token_counts, cum_token_counts, expert_counts, cum_expert_counts = count_tokens(idx, n_start, n_end)
+    assert torch.equal(token_counts, plan.token_counts) and torch.equal(cum_token_counts, plan.cum_token_counts)
+    assert torch.equal(expert_counts, plan.expert_counts) and torch.equal(cum_expert_counts, plan.cum_expert_counts)
 
 
 def test_bad_range_names_the_values():

@@ -96,10 +96,11 @@ class StagingBuffers:
 
     def copy(self, key: tuple, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         out, pinned = self._held.get(key, (None, pin))
-        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or pinned != pin:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            self._held[key] = (out, pin)
         self._seen.add(key)
+        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or pinned != pin:
+            out = _fresh_copy(tensor, pin)
+            self._held[key] = (out, pin)
+            return out
         return out.copy_(tensor.detach(), non_blocking=pin)
 
     def __len__(self) -> int:
@@ -109,13 +110,14 @@ class StagingBuffers:
 _staging = threading.local()  # the StagingBuffers of the stage() that runs in this thread, if any
 
 
+def _fresh_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    return out.copy_(tensor.detach(), non_blocking=pin)
+
+
 def _host_copy(tensor: torch.Tensor, pin: bool, key: tuple) -> torch.Tensor:
     buffers: StagingBuffers | None = getattr(_staging, "buffers", None)
-    if buffers is not None:
-        return buffers.copy(key, tensor, pin)
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    out.copy_(tensor.detach(), non_blocking=pin)
-    return out
+    return _fresh_copy(tensor, pin) if buffers is None else buffers.copy(key, tensor, pin)
 
 
 def stage_to_host(obj: Any, pin: bool | None = None, _key: tuple = ()) -> Any:
