@@ -19,18 +19,18 @@ Contenders (each a Lightning ``Trainer(devices=N)`` on N fresh processes started
 
 All share one :class:`~mula_lightning.models.MulaConfig` (HF weights are converted from the Mula model, so every
 contender computes the same function), the same random-token batches, AdamW with the same hyper-parameters, the
-LM loss plus the load-balancing loss, fp32. Tokens/s count all ranks; the first ``--warmup`` steps are excluded; each
-contender runs ``--repeats`` times, interleaved, and the best run is reported with the ratio to HF eager and to HF
-grouped_mm.
+LM loss plus the load-balancing loss, fp32 (``--precision bf16``: each contender's bf16 as its users run it).
+Tokens/s count all ranks; the first ``--warmup`` steps are excluded; each contender runs ``--repeats`` times,
+interleaved, and the best run is reported with the ratio to HF eager and to HF grouped_mm.
 
 Two more columns:
 
 * **fraction of the GEMM limit**: the model FLOPs of a step (``MulaConfig.flops_per_token``: 6 x active parameters
   + attention, forward and backward, the figure ``MulaLM`` logs for MFU; the same for every contender, which compute
   the same function) over the step time, divided by the machine's own GEMM rate: a ``torch.mm`` of the model's largest
-  GEMM (the LM head: tokens of a rank's batch x hidden x vocabulary), fp32, timed in ``--procs`` processes at once with
-  ``--threads`` threads each, summed over them, in the same run. On a GPU the same ratio against the GPU's GEMM rate
-  is MFU measured against what the device reaches, not its datasheet;
+  GEMM (the LM head: tokens of a rank's batch x hidden x vocabulary) in the run's dtype, timed in ``--procs``
+  processes at once with ``--threads`` threads each, summed over them, in the same run. On a GPU the same ratio
+  against the GPU's GEMM rate is MFU measured against what the device reaches, not its datasheet;
 * **peak MB/rank**: the largest ``VmHWM`` (peak resident memory; on a GPU its allocator's peak) of the contender's
   ranks after its timed steps (before a profiled step, whose profiler holds every event).
 
@@ -114,6 +114,15 @@ def _hf_module(config, impl: str):
     return HFOlmoeLM()
 
 
+def _precision(contender: str, precision: str) -> str:
+    """Lightning's precision for a contender: each runs ``bf16`` the way its users would (the sharded strategies own
+    precision: bf16 weights with an fp32 master in the optimizer, ``bf16-true``; DDP autocasts fp32 weights,
+    ``bf16-mixed``)."""
+    if precision == "32":
+        return "32-true"
+    return "bf16-true" if contender.startswith("mula") else "bf16-mixed"
+
+
 def _run(rank, world_size, contender: str, args) -> dict:
     """One contender on this rank: Trainer.fit for warmup + steps optimizer steps; tokens/s after the warm-up."""
     from lightning.pytorch import Callback, Trainer
@@ -177,6 +186,7 @@ def _run(rank, world_size, contender: str, args) -> dict:
         accelerator=args.accelerator,
         devices=world_size,
         strategy=strategy,
+        precision=_precision(contender, args.precision),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -215,9 +225,12 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--expert-size", type=int, default=256)
     parser.add_argument("--only", nargs="*", help="run only the contenders whose name contains one of these")
-    parser.add_argument("--bucket-numel", type=int, default=1_000_000, help="epso's reduce-scatter bucket (elements)")
+    parser.add_argument("--bucket-numel", type=int, default=4_000_000,
+                        help="epso's reduce-scatter bucket (elements; 4M: best of a sweep on gloo)")  # fmt: skip
     parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather",
                         help="epso's MoE token dispatcher (EP > 1)")  # fmt: skip
+    parser.add_argument("--precision", choices=("32", "bf16"), default="32",
+                        help="bf16: mula bf16-true (fp32 master), HF bf16-mixed; GEMM limit in bf16")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="profile one more step per contender: shares")
     args = parser.parse_args()
 
@@ -239,21 +252,24 @@ def main() -> None:
                 best[name] = result
     config = _config(args)
     gemm = (args.batch * args.seq_len, config.hidden_size, config.vocab_size)  # the LM head, the largest GEMM
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     rate = sum(run_distributed_test(gemm_rate, args.procs, backend=BACKENDS[args.accelerator], m=gemm[0], k=gemm[1],
-                                    n=gemm[2], threads=args.threads, device=args.accelerator))  # fmt: skip
+                                    n=gemm[2], threads=args.threads, device=args.accelerator, dtype=dtype))  # fmt: skip
     flops_per_step = config.flops_per_token(args.seq_len) * args.batch * args.seq_len * args.procs
+    precision = "fp32" if args.precision == "32" else "bf16 (mula bf16-true, transformers bf16-mixed)"
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")
     print(
         f"model: hidden {config.hidden_size}, {config.num_layers} layers, {config.num_experts} experts top-"
         f"{config.top_k} of width {config.intermediate_size}, vocab {config.vocab_size}; batch {args.batch} x "
-        f"{args.seq_len} tokens per rank, {args.procs} processes x {args.threads} thread(s); fp32, AdamW; "
+        f"{args.seq_len} tokens per rank, {args.procs} processes x {args.threads} thread(s); {precision}, AdamW; "
         f"best of {args.repeats}, {args.steps} timed steps after {args.warmup}"
     )
     eager = best.get("HF eager, ddp", {}).get("tokens_per_s", float("nan"))
     grouped = best.get("HF grouped_mm, ddp", {}).get("tokens_per_s", float("nan"))
     print(
-        f"GEMM limit: torch.mm {gemm[0]} x {gemm[1]} x {gemm[2]} fp32, {args.procs} processes x {args.threads} "
-        f"thread(s) at once: {rate / 1e9:.1f} GFLOP/s in all; model FLOPs per step {flops_per_step / 1e9:.2f} G"
+        f"GEMM limit: torch.mm {gemm[0]} x {gemm[1]} x {gemm[2]} {str(dtype)[6:]}, {args.procs} processes x "
+        f"{args.threads} thread(s) at once: {rate / 1e9:.1f} GFLOP/s in all; model FLOPs per step "
+        f"{flops_per_step / 1e9:.2f} G"
     )
     print(
         "\n| contender | tokens/s (all ranks) | s/step | vs HF eager | vs HF grouped_mm | fraction of the GEMM limit |"

@@ -338,6 +338,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         buf = self.buffers[fam]
         self._grad_norm = None  # a new gradient: a norm taken before no longer holds
         grad, factor = local_gradient(param, self.topology.tp_size, self.topology.sequence_parallel)
+        factor /= self.grad_divisor  # the mean over the distinct batches, in the pass that moves the gradient anyway
         slot, flat = buf.grads[start:end], grad.reshape(-1)
         if id(param) in self._written:  # a later micro-batch (or a pipeline schedule's): accumulate
             slot.add_(flat, alpha=factor)
@@ -356,8 +357,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._launch(fam, bucket)
 
     def _launch(self, fam: str, bucket_index: int) -> None:
-        """Scale the bucket by 1/dense_dp (1/W without TP) and start its reduce-scatter (or all-reduce when states are
-        replicated)."""
+        """Start the bucket's reduce-scatter (or all-reduce when states are replicated); its slots hold gradients
+        already scaled by 1/dense_dp (1/W without TP) in :meth:`_on_grad`."""
         if (fam, bucket_index) in self._pending:
             return
         buf, plan = self.buffers[fam], self.plans[fam]
@@ -366,7 +367,6 @@ class ShardedAdamW(torch.optim.Optimizer):
             if id(s.param) not in self._written:
                 buf.grads[s.start : s.end].zero_()
         view = buf.grads[b.start : b.start + b.numel]
-        view.div_(self.grad_divisor)
         reduce_dtype = torch.float64 if view.dtype == torch.float64 else self.reduce_dtype
         send = view if view.dtype == reduce_dtype else view.to(reduce_dtype)
         work, out = None, None
