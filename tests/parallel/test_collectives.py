@@ -211,6 +211,43 @@ def _reduce_scatter_on_gloo(rank: int, world_size: int) -> None:
         reduce_scatter_single(torch.empty(n), torch.empty(world_size * n + 1))
 
 
+def _all_gather_in_place_on_gloo(rank: int, world_size: int) -> None:
+    from mula_lightning.parallel.collectives import all_gather_reads_own_chunk, all_gather_single
+
+    assert all_gather_reads_own_chunk(None, torch.device("cpu"))
+    n = 5
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int8):
+        for async_op in (False, True):
+            values = [(torch.arange(n) * 3 + 17 * r - 40).to(dtype) for r in range(world_size)]  # distinct per rank
+            full = torch.full((world_size * n,), 99, dtype=dtype)
+            full[rank * n : (rank + 1) * n] = values[rank]
+            work = all_gather_single(full, full[rank * n : (rank + 1) * n], group=None, async_op=async_op)
+            if async_op:
+                work.wait()
+            assert torch.equal(full, torch.cat(values)), (dtype, async_op, full)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_gather_on_gloo_reads_its_input_from_its_own_chunk(world_size: int) -> None:
+    """The sharded optimizers gather weights on gloo and NCCL with the input a view of the rank's own chunk of the
+    output (no copy): on gloo that gives every rank every rank's distinct values (fp32, fp64, bf16, int8; blocking
+    and asynchronous), so a torch release whose gloo binding wrote the output before reading the input fails here."""
+    run_pooled_test(_all_gather_in_place_on_gloo, world_size=world_size, timeout=90)
+
+
+def test_backend_for_device_reads_one_backend_per_device_type() -> None:
+    """A group's backend string names the backend of each device type (``"cpu:gloo,cuda:nccl"``) or one for all;
+    a device type it does not name has none."""
+    from mula_lightning.parallel.collectives import backend_for_device
+
+    assert backend_for_device("gloo", "cpu") == "gloo"
+    assert backend_for_device("nccl", "cuda") == "nccl"
+    assert backend_for_device("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert backend_for_device("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert backend_for_device("cpu:gloo,xpu:xccl", "xpu") == "xccl"
+    assert backend_for_device("cpu:gloo", "cuda") == ""
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reduce_scatter_on_gloo_sums_every_rank_exactly(world_size: int) -> None:
     """On gloo, ``reduce_scatter_single`` (an all-to-all and a local sum there) gives every rank the exact sum of its

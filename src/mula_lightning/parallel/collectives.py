@@ -38,6 +38,7 @@ from mula_lightning.utils.device import BACKEND_FOR_DEVICE
 
 __all__ = [
     "all_gather_into_tensor",
+    "all_gather_reads_own_chunk",
     "all_gather_single",
     "all_reduce",
     "all_to_all_single",
@@ -54,6 +55,30 @@ __all__ = [
 #: ``dist.all_gather_single(out, x, group=..., async_op=...)`` under either name (no autograd, no ledger record).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+#: process-group backends whose all-gather may take as input this rank's own chunk of the output: NCCL's "in-place"
+#: all-gather (``sendbuff == recvbuff + rank * sendcount``, documented), and gloo, whose torch binding gathers into a
+#: temporary and copies the chunks out afterwards. XCCL and MPI are not documented to allow it (MPI needs its own
+#: ``MPI_IN_PLACE``), so their callers keep a separate input.
+_ALL_GATHER_IN_PLACE = frozenset({"nccl", "gloo"})
+
+
+def all_gather_reads_own_chunk(group: Any, device: torch.device) -> bool:
+    """Whether ``all_gather_single(out, out[r * n : (r + 1) * n], group)`` is safe on ``group`` for tensors on
+    ``device`` (rank ``r``, chunks of ``n``): no copy of the input, and no input buffer held while the gather runs.
+
+    A group with one backend per device type (``"cpu:gloo,cuda:nccl"``) answers for ``device``'s.
+    """
+    return backend_for_device(str(dist.get_backend(group)), device.type) in _ALL_GATHER_IN_PLACE
+
+
+def backend_for_device(backend: str, device_type: str) -> str:
+    """The backend of a process group's ``backend`` string that moves ``device_type`` tensors: ``"gloo"`` for
+    ``("gloo", "cpu")``, ``"nccl"`` for ``("cpu:gloo,cuda:nccl", "cuda")``, ``""`` when none does."""
+    if ":" not in backend:
+        return backend
+    return dict(item.split(":", 1) for item in backend.split(",")).get(device_type, "")
 
 
 class _SumOnWait:

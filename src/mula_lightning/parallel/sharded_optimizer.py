@@ -56,7 +56,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from mula_lightning.moe.balancing import install_expert_bias_update
-from mula_lightning.parallel.collectives import all_gather_single, reduce_scatter_single
+from mula_lightning.parallel.collectives import all_gather_reads_own_chunk, all_gather_single, reduce_scatter_single
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
 from mula_lightning.parallel.params import is_dtensor, is_expert_param, is_tensor_parallel, logical_name
@@ -503,10 +503,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         if plan.shard_size == 1:
             return []
         works = []
+        # where the backend allows it, the input is the rank's own chunk of the output (Megatron's distributed
+        # optimizer gathers its parameter buffer so): no copy, and no owned-shard-sized clones held until the wait
+        in_place = all_gather_reads_own_chunk(plan.shard_group, buf.params.device)
         for b in buf.buckets:
             lo, hi = b.shard_range(plan.shard_rank)
             full = buf.params[b.start : b.start + b.numel]
-            shard = buf.params[lo:hi].clone()  # the input may not alias the output; held until the wait
+            shard = buf.params[lo:hi] if in_place else buf.params[lo:hi].clone()  # a copy is held until the wait
             works.append((all_gather_single(full, shard, group=plan.shard_group, async_op=True), shard))
             _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
         return works
