@@ -417,7 +417,9 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             own = u.primary[u.opt_offset : u.opt_offset + u.no]
             if not u.master_is_primary:
                 own.copy_(u.master)
-            all_gather_chunks(own.clone(), u.primary, group, size, positions, "weights.post_step")
+            # own may be the input as it is: the chunks arrive in a buffer of their own and are copied into the
+            # primary (own's range included, with its own values) only once the gather has finished
+            all_gather_chunks(own, u.primary, group, size, positions, "weights.post_step")
             # the secondary chunk keeps its memory (Table V) and is overwritten by the next forward before any use
         self.zero_grad()
         return loss
