@@ -123,7 +123,8 @@ def reduce_scatter_single(
             f"reduce-scatter over {size} ranks: input of {x.numel()} {x.dtype} elements for an output of "
             f"{out.numel()} {out.dtype} (the input must hold {size} x the output, same dtype)"
         )
-    native = op != dist.ReduceOp.SUM or x.device.type != "cpu" or "gloo" not in str(dist.get_backend(group))
+    cpu_backend = backend_for_device(str(dist.get_backend(group)), "cpu")
+    native = op != dist.ReduceOp.SUM or x.device.type != "cpu" or cpu_backend != "gloo"
     if native or size == 1:
         return _torch_reduce_scatter_single(out, x, op=op, group=group, async_op=async_op)
     x = x.contiguous()
