@@ -53,7 +53,9 @@ def _slice(t, ep_rank, ep):
     return t[ep_rank * per : (ep_rank + 1) * per]
 
 
-def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_numel, dtype=DTYPE, unused=()):
+def _run_modes(
+    rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_numel, dtype=DTYPE, unused=(), sync_every=False
+):
     topo = build_topology(ep)
     results = {}
     for mode in modes:
@@ -68,7 +70,7 @@ def _run_modes(rank, world_size, ep, steps, max_norm, accumulate, modes, bucket_
         opt = ShardedAdamW(model, topo, mode, param_groups=groups, bucket_numel=bucket_numel, **HP)
         for step in range(steps):
             for micro in range(accumulate):
-                opt.require_grad_sync = micro == accumulate - 1
+                opt.require_grad_sync = sync_every or micro == accumulate - 1
                 loss = sum(
                     (p * _grad(n, p.shape, (step, micro), rank, dtype)).sum() / accumulate
                     for n, p in params.items()
@@ -146,6 +148,110 @@ def test_every_mode_matches_torch_adamw_on_reduced_gradients(world_size, ep, acc
                 expected = _slice(ref[n], rank % ep, ep) if n in EXPERT_SHAPES else ref[n]
                 scale = adam_scale + expected.abs().max().item()
                 assert_parity(p, expected, reduction_len=reduction_len, scale=scale, msg=f"rank {rank} {mode} {n}")
+
+
+@pytest.mark.distributed
+def test_several_backwards_with_sync_on_accumulate_as_in_ddp():
+    """Three backwards per step with synchronisation on in every one (no ``no_backward_sync``, as DDP and FSDP
+    allow, and as repeated ``manual_backward`` calls do) give the parameters of one reduction per step over the
+    summed micro-batches, in every mode, with one bucket and several, with clipping, and with a parameter unused in
+    some micro-batches' steps. Before the fix the first backward launched each bucket's reduction and the later ones
+    were lost (the parameters moved by the first micro-batch alone)."""
+    steps, unused = 3, ((1, "attn.norm.weight"), (2, "layers.0.mlp.experts.down_proj"))
+    modes = ("ep_aware", "dp", "none")
+    for bucket_numel in (None, 50):
+        results = run_pooled_test(_run_modes, 4, ep=2, steps=steps, max_norm=0.5, accumulate=3, modes=modes,
+                                  bucket_numel=bucket_numel, unused=unused, sync_every=True, timeout=180)  # fmt: skip
+        ref = _reference(4, 2, steps, 0.5, 3, unused)
+        numel = sum(torch.Size(s).numel() for s in {**SHAPES, **EXPERT_SHAPES}.values())
+        scale = adamw_parameter_scale(lr=HP["lr"], grad_bound=0.5, eps=HP["eps"])
+        for rank, per_mode in enumerate(results):
+            for mode in modes:
+                for n, p in per_mode[mode][0].items():
+                    expected = _slice(ref[n], rank % 2, 2) if n in EXPERT_SHAPES else ref[n]
+                    assert_parity(p, expected, reduction_len=steps * (4 * 3 + numel),
+                                  scale=scale + expected.abs().max().item(), msg=f"rank {rank} {mode} {n}")  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_backward_after_clipping_is_reduced_and_added():
+    """A backward that comes after ``clip_grad_norm_`` and before ``step`` (sync on) is reduced and added to the
+    clipped gradients, as DDP's all-reduced ``.grad`` would accumulate it: the result equals one process that clips
+    the first micro-batch's mean gradient and adds the second's."""
+    results = run_pooled_test(_backward_after_clip, 4, timeout=120)
+    full = {n: nn.Parameter(t.clone()) for n, t in _full_params().items()}
+    opt = torch.optim.AdamW(list(full.values()), weight_decay=0.0, **HP)
+    for micro in range(2):
+        grads = {}
+        for n, p in full.items():
+            total = torch.zeros_like(p)
+            for rank in range(4):
+                if n in EXPERT_SHAPES:
+                    _slice(total, rank % 2, 2).add_(_grad(n, _slice(p, rank % 2, 2).shape, (0, micro), rank))
+                else:
+                    total.add_(_grad(n, p.shape, (0, micro), rank))
+            grads[n] = total / 4
+        if micro == 0:
+            for n, p in full.items():
+                p.grad = grads[n]
+            torch.nn.utils.clip_grad_norm_(list(full.values()), 0.5)
+        else:
+            for n, p in full.items():
+                p.grad = p.grad + grads[n]
+    opt.step()
+    for rank, params in enumerate(results):
+        for n, p in params.items():
+            expected = _slice(full[n].detach(), rank % 2, 2) if n in EXPERT_SHAPES else full[n].detach()
+            assert_parity(p, expected, reduction_len=64, scale=1.0, msg=f"rank {rank} {n}")
+
+
+def _backward_after_clip(rank, world_size):
+    topo = build_topology(2)
+    full = _full_params()
+    model = _Model({n: (_slice(t, topo.ep_rank, 2) if n in EXPERT_SHAPES else t) for n, t in full.items()})
+    params = dict(model.named_parameters())
+    opt = ShardedAdamW(model, topo, "ep_aware", bucket_numel=50, weight_decay=0.0, **HP)
+    for micro in range(2):
+        sum((p * _grad(n, p.shape, (0, micro), rank)).sum() for n, p in params.items()).backward()
+        if micro == 0:
+            opt.clip_grad_norm_(0.5)
+    opt.step()
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _bf16_accumulation(rank, world_size, micro_batches):
+    topo = build_topology(1)
+    model = _Model(_full_params(torch.bfloat16))
+    params = dict(model.named_parameters())
+    opt = ShardedAdamW(model, topo, "ep_aware", bucket_numel=50, **HP)
+    for micro in range(micro_batches):
+        opt.require_grad_sync = micro == micro_batches - 1
+        sum((p * _grad(n, p.shape, micro, rank, torch.bfloat16)).sum() for n, p in params.items()).backward()
+    opt.finish_grad_sync()
+    return opt.owned_gradient_segments()
+
+
+@pytest.mark.distributed
+def test_bf16_parameters_accumulate_and_receive_gradients_in_float32():
+    """bf16 parameters (bf16-true): 64 micro-batches of bf16 gradients accumulate and are reduced over 2 ranks in
+    float32 buffers, so every owned gradient element equals the exact mean (float64) within float32 rounding of a
+    sum of 128 terms. With bf16 buffers (before) each accumulation and the copy of the float32-reduced shard back
+    rounded to bf16: errors of about 4e-3 relative, far outside this bound."""
+    micro_batches, world = 64, 2
+    results = run_pooled_test(_bf16_accumulation, world, micro_batches=micro_batches, timeout=120)
+    full = _full_params(torch.bfloat16)
+    exact = {n: torch.zeros(t.numel(), dtype=torch.float64) for n, t in full.items()}
+    for n, t in full.items():
+        for rank in range(world):
+            for micro in range(micro_batches):
+                exact[n] += _grad(n, t.shape, micro, rank, torch.bfloat16).double().reshape(-1) / world
+    covered = dict.fromkeys(full, 0)
+    for segments in results:
+        for name, offset, values in segments:
+            expected = exact[name][offset : offset + values.numel()].float()
+            assert_parity(values, expected, reduction_len=2 * micro_batches * world, msg=f"{name} at {offset}")
+            covered[name] += values.numel()
+    assert covered == {n: t.numel() for n, t in full.items()}
 
 
 @pytest.mark.distributed

@@ -147,3 +147,57 @@ def test_grow_from_two_to_four_ranks_with_ep_aware(tmp_path):
     path = str(tmp_path / "ckpt")
     run_pooled_test(_save, 2, ep=2, mode="dp", path=path, timeout=120)
     _check(run_pooled_test(_resume, 4, ep=2, mode="ep_aware", path=path, timeout=120), _reference(2, 2), ep=2)
+
+
+def _load_bf16_masters(rank, world_size):
+    import mula_lightning.parallel.sharded_optimizer as sharded
+
+    topo = build_topology(2)
+    model = _Toy(topo.ep_rank, 2).to(torch.bfloat16)
+    opt = ShardedAdamW(model, topo, "ep_aware", bucket_numel=40, **HP)
+    state = optimizer_state_dict(opt)
+    for fam, shard in opt.shards.items():  # what dcp.load would leave: loaded masters, distinct per rank
+        shard["master"].copy_(torch.arange(shard["master"].numel()) * 0.25 + 100 * rank + 10 * len(fam))
+    works, real = [], sharded.all_gather_single
+
+    class _Watched:  # the real gloo work; only records that it was waited for
+        def __init__(self, work):
+            self.work, self.waited = work, False
+            works.append(self)
+
+        def wait(self):
+            self.waited = True
+            return self.work.wait()
+
+    sharded.all_gather_single = lambda *a, **k: _Watched(real(*a, **k))
+    try:
+        apply_optimizer_state_dict(opt, state)
+    finally:
+        sharded.all_gather_single = real
+    owned = {}
+    for fam, buf in opt.buffers.items():
+        for seg in buf.segments:
+            master = opt.shards[fam]["master"][seg.local_start : seg.local_start + seg.numel]
+            owned[(seg.slot.name, seg.param_start)] = master.to(torch.bfloat16)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return [w.waited for w in works], owned, params, topo.ep_rank
+
+
+@pytest.mark.distributed
+def test_loading_half_precision_masters_waits_for_the_weight_gathers():
+    """After an optimizer-state load with bf16 parameters, every weight all-gather started to spread the loaded
+    float32 masters has been waited for when ``apply_optimizer_state_dict`` returns (before, they were started and
+    never waited: the model could be read, or overwritten, while a gather still wrote into it), and every rank's
+    parameters hold the masters of whichever rank owns each element (distinct per rank)."""
+    results = run_pooled_test(_load_bf16_masters, 4, timeout=120)
+    owners = {}
+    for waited, owned, _, ep_rank in results:
+        assert waited and all(waited), f"weight all-gathers not waited for: {waited}"
+        for (name, start), values in owned.items():
+            key = (name, ep_rank) if ".experts." in f".{name}" else (name, None)
+            owners.setdefault(key, {})[start] = values
+    for _, _, params, ep_rank in results:
+        for name, p in params.items():
+            pieces = owners[(name, ep_rank) if ".experts." in f".{name}" else (name, None)]
+            flat = torch.cat([pieces[s] for s in sorted(pieces)])
+            assert torch.equal(p.reshape(-1), flat[: p.numel()]), name

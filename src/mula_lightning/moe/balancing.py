@@ -48,11 +48,13 @@ def expert_bias_routers(module: nn.Module) -> list[Router]:
 
 
 @torch.no_grad()
-def update_expert_bias(module: nn.Module, group: Any = None) -> list[torch.Tensor]:
+def update_expert_bias(module: nn.Module, group: Any = None, reduce: bool = True) -> list[torch.Tensor]:
     """Move the selection bias of every router of ``module`` by its step's global load (module docstring).
 
-    Collective over ``group`` (default: every rank) when ``torch.distributed`` is initialised and the group has more
-    than one rank: every rank of it must call with the same routers.
+    Collective over ``group`` (default: every rank) when ``torch.distributed`` is initialised, ``reduce`` is set and
+    the group has more than one rank: every rank of it must call with the same routers. ``reduce=False`` means that
+    this rank alone routes through these routers (a pipeline stage of one rank, whose group is None, not the world):
+    its own loads are the global ones.
 
     Returns:
         the global load (E,) float64 of each updated router (for logging; empty when nothing has a bias to move).
@@ -67,7 +69,7 @@ def update_expert_bias(module: nn.Module, group: Any = None) -> list[torch.Tenso
             for r in routers
         ]
     ).to(torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(loads, group=group)
     out = list(loads.split([r.num_experts for r in routers]))
     for router, load in zip(routers, out):
@@ -78,9 +80,11 @@ def update_expert_bias(module: nn.Module, group: Any = None) -> list[torch.Tenso
     return out
 
 
-def install_expert_bias_update(optimizer: torch.optim.Optimizer, module: nn.Module, group: Any = None) -> Any:
-    """Run :func:`update_expert_bias` (``module``, ``group``) after every ``optimizer.step()``: once per optimizer
-    step whatever the gradient accumulation. The sharded strategies (``epso``, ``zero_topo``) and
+def install_expert_bias_update(
+    optimizer: torch.optim.Optimizer, module: nn.Module, group: Any = None, reduce: bool = True
+) -> Any:
+    """Run :func:`update_expert_bias` (``module``, ``group``, ``reduce``) after every ``optimizer.step()``: once per
+    optimizer step whatever the gradient accumulation. The sharded strategies (``epso``, ``zero_topo``) and
     :class:`~mula_lightning.lightning_module.MulaLM` install it themselves; a Fabric loop with another strategy calls
     this once after ``fabric.setup``. Installing again on the same optimizer replaces the earlier hook.
 
@@ -95,7 +99,7 @@ def install_expert_bias_update(optimizer: torch.optim.Optimizer, module: nn.Modu
         return None
 
     def after_step(opt: Any, args: Any, kwargs: Any) -> None:
-        update_expert_bias(module, group)
+        update_expert_bias(module, group, reduce)
 
     handle = optimizer.register_step_post_hook(after_step)
     optimizer._mula_expert_bias_hook = handle

@@ -37,7 +37,10 @@ part of the sequence, and DTensor leaves the norm weights' gradients ``Partial``
 exactly the ranks that replicate each family keeps EPSO's memory rule under folding.
 
 Bytes per rank (AdamW, P_ne / P_e = non-expert / expert elements of the full model, padding included):
-8 bytes of moments per owned element, plus 4 for an fp32 master copy when parameters are not fp32.
+8 bytes of moments per owned element, plus 4 for an fp32 master copy when parameters are not fp32. The gradient
+buffer holds every local element in at least float32 (4 bytes each, also for bf16 parameters: twice a bf16 gradient's
+2, the price of accumulating micro-batches and receiving the float32 reduction without rounding to bf16; Megatron's
+distributed optimizer keeps the same float32 main gradients).
 Owned elements: none: P_ne + P_e/EP; dp (SO): P_ne/DP + P_e/(DP*EP); ep_aware (EPSO): P_ne/(DP*EP) +
 P_e/(DP*EP); with TP, ep_aware: P_rep/W + P_tp/W + P_e/W (P_rep replicated, P_tp tensor-parallel elements): every
 element of the model is owned by exactly one rank.
@@ -256,11 +259,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         for fam, items in by_family.items():
             if items:
                 plan = self.plans[fam]
-                self.buffers[fam] = FlatBuffer(items, plan.shard_size, plan.shard_rank, bucket_numel)
+                # gradients accumulate in at least float32 (Megatron's main grad): bf16 buffers would round every
+                # micro-batch's sum and the float32-reduced shard again before the float32 master update
+                grad_dtype = at_least_float32(items[0][1].dtype)
+                self.buffers[fam] = FlatBuffer(items, plan.shard_size, plan.shard_rank, bucket_numel, grad_dtype)
         self.master_dtype = torch.float32  # of half-precision parameters; float32 / float64 ones are their own master
         self._init_state()
         self._pending: dict[tuple[str, int], Any] = {}
-        self._ready: dict[tuple[str, int], int] = {}
+        self._ready: dict[tuple[str, int], set[int]] = {}  # per bucket, its parameters with a gradient this round
+        #: per bucket, the owned result of reductions already finished this step (several synchronised backwards)
+        self._banked: dict[tuple[str, int], torch.Tensor] = {}
         self._written: set[int] = set()  # parameters whose buffer slot holds a gradient since the last zero_grad
         self._bucket_of = {
             id(s.param): (fam, s.bucket, s.start, s.end) for fam, buf in self.buffers.items() for s in buf.slots
@@ -268,8 +276,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for buf in self.buffers.values() for p in _params(buf)
         ]
-        # auxiliary-loss-free balancing: the routers' loads summed over the stage (the ranks routing through them)
-        install_expert_bias_update(self, model, topology.stage_group)
+        # auxiliary-loss-free balancing: the routers' loads summed over the stage (the ranks routing through them);
+        # a stage of one rank (pure pipeline parallelism) has no group and nothing to sum, not the world's loads
+        install_expert_bias_update(self, model, topology.stage_group, reduce=topology.stage_size > 1)
 
     @classmethod
     def from_optimizer(
@@ -335,6 +344,11 @@ class ShardedAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------- gradients
     def _on_grad(self, param: nn.Parameter) -> None:
         fam, bucket, start, end = self._bucket_of[id(param)]
+        key = (fam, bucket)
+        if self._synced:  # a backward after clip_grad_norm_ / finish_grad_sync and before step: reduce it as well
+            self._reopen_after_sync()
+        if key in self._pending:  # a further backward after this bucket's reduction started (see _bank_reduction)
+            self._bank_reduction(fam, bucket)
         buf = self.buffers[fam]
         self._grad_norm = None  # a new gradient: a norm taken before no longer holds
         grad, factor = local_gradient(param, self.topology.tp_size, self.topology.sequence_parallel)
@@ -345,16 +359,55 @@ class ShardedAdamW(torch.optim.Optimizer):
         else:  # the step's first gradient of this parameter overwrites what the slot held (zero_grad wrote nothing)
             if factor == 1:
                 slot.copy_(flat)
-            else:
+            elif flat.dtype == slot.dtype:
                 torch.mul(flat, factor, out=slot)
+            else:  # a half-precision gradient into the float32 buffer: scaled in float32, not rounded first
+                slot.copy_(flat).mul_(factor)
             self._written.add(id(param))
         param.grad = None
         if not self.require_grad_sync:  # inside a gradient-accumulation window: accumulate only
             return
-        key = (fam, bucket)
-        self._ready[key] = self._ready.get(key, 0) + 1
-        if self._ready[key] == len(buf.buckets[bucket].slots):
+        ready = self._ready.setdefault(key, set())
+        ready.add(id(param))  # distinct parameters: one that gets two gradients before the launch counts once
+        if len(ready) == len(buf.buckets[bucket].slots):
             self._launch(fam, bucket)
+
+    def _bank_reduction(self, fam: str, bucket_index: int) -> None:
+        """Finish the bucket's reduction in flight and keep its owned result aside, so a further backward can
+        accumulate into the bucket and reduce again.
+
+        Why: DDP and FSDP allow several backwards per step with synchronisation on (Fabric's ``no_backward_sync`` is
+        an optional speed-up; so are manual optimisation's repeated ``manual_backward`` calls): each backward's
+        gradients are reduced and the reduced gradients add up. Here the first backward launched the bucket's
+        reduce-scatter from the flat buffer; writing the next gradients into that buffer while it is being read, and
+        counting them towards a launch that already happened, would drop every backward after the first. The banked
+        owned range (one shard-sized tensor per bucket, held only in this case) is added to the final reduction in
+        :meth:`finish_grad_sync`: sum of the reductions = reduction of the sum.
+        """
+        key = (fam, bucket_index)
+        buf = self.buffers[fam]
+        b = buf.buckets[bucket_index]
+        owned = self._complete_reduction(fam, b)
+        banked = self._banked.get(key)
+        if banked is None:
+            self._banked[key] = owned.to(buf.grads.dtype, copy=True)  # owned may view the buffer itself
+        else:
+            banked.add_(owned)
+        for s in b.slots:  # the next gradients overwrite their slots; untouched slots are zeroed at the next launch
+            self._written.discard(id(s.param))
+        self._ready.pop(key, None)
+
+    def _reopen_after_sync(self) -> None:
+        """A gradient arrives after the reductions finished (clip_grad_norm_, global_grad_norm): bank every bucket's
+        reduced owned range (clipped, if clipping ran) and start a new round of reductions, as DDP would reduce and
+        add the new gradients."""
+        self._synced = False
+        for fam, buf in self.buffers.items():
+            for b in buf.buckets:
+                lo, hi = b.shard_range(self.plans[fam].shard_rank)
+                self._banked[(fam, b.index)] = buf.grads[lo:hi].clone()  # holds any earlier banked result already
+        self._written.clear()
+        self._ready.clear()
 
     def _launch(self, fam: str, bucket_index: int) -> None:
         """Start the bucket's reduce-scatter (or all-reduce when states are replicated); its slots hold gradients
@@ -390,18 +443,32 @@ class ShardedAdamW(torch.optim.Optimizer):
             plan = self.plans[fam]
             for b in buf.buckets:
                 self._launch(fam, b.index)  # buckets whose parameters got no gradient (unused this step)
-                work, out = self._pending.pop((fam, b.index))
-                if work is not None:
-                    work.wait()
+                owned = self._complete_reduction(fam, b)
                 lo, hi = b.shard_range(plan.shard_rank)
-                if plan.shard_size > 1:
-                    if plan.cross_size > 1 and plan.cross_group is not None:
-                        dist.all_reduce(out, group=plan.cross_group)
-                        _record("all_reduce", plan.cross_group, plan.cross_size, out, out, fam)
-                    buf.grads[lo:hi].copy_(out)
-                elif out is not None and out is not buf.grads[b.start : b.start + b.numel]:
-                    buf.grads[lo:hi].copy_(out)
+                target = buf.grads[lo:hi]
+                if owned.data_ptr() != target.data_ptr() or owned.dtype != target.dtype:
+                    target.copy_(owned)
+                banked = self._banked.pop((fam, b.index), None)  # earlier backwards' reductions (_bank_reduction)
+                if banked is not None:
+                    target.add_(banked)
         self._ready.clear()
+
+    def _complete_reduction(self, fam: str, b: Any) -> torch.Tensor:
+        """Wait for the bucket's launched reduction (and run the cross-group all-reduce where the plan has one);
+        return this rank's owned range of the result (it may be a view of the gradient buffer itself)."""
+        plan = self.plans[fam]
+        work, out = self._pending.pop((fam, b.index))
+        if work is not None:
+            work.wait()
+        if plan.shard_size > 1:
+            if plan.cross_size > 1 and plan.cross_group is not None:
+                dist.all_reduce(out, group=plan.cross_group)
+                _record("all_reduce", plan.cross_group, plan.cross_size, out, out, fam)
+            return out
+        if out is not None:  # replicated states: the whole bucket, all-reduced (perhaps in the reduce dtype)
+            return out
+        lo, hi = b.shard_range(plan.shard_rank)
+        return self.buffers[fam].grads[lo:hi]
 
     def owned_gradient_segments(self) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's reduced gradient pieces as (logical name, offset in the full flattened parameter, values).
@@ -497,6 +564,18 @@ class ShardedAdamW(torch.optim.Optimizer):
             for lo, hi, at, _ in places:
                 buf.params[at : at + hi - lo].copy_(master[lo:hi])
 
+    @torch.no_grad()
+    def write_master_weights(self) -> None:
+        """Write every float32 master shard into its (half-precision) parameters and all-gather them, waiting for
+        each gather: after an optimizer-state load, the model holds the loaded weights when this returns."""
+        gathers: list[Any] = []
+        for fam, buf in self.buffers.items():
+            if "master" in self.shards[fam]:
+                buf.scatter_owned(buf.params, self.shards[fam]["master"].to(buf.dtype))
+                gathers += self._all_gather(fam, buf)
+        for work, _ in gathers:
+            work.wait()
+
     def _all_gather(self, fam: str, buf: FlatBuffer) -> list[tuple[Any, torch.Tensor]]:
         """Start every bucket's weight all-gather; returns (work, its input) to wait for (the caller's)."""
         plan = self.plans[fam]
@@ -526,6 +605,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad = None
         self._ready.clear()
         self._pending.clear()
+        self._banked.clear()
         self._synced = False
         self._grad_norm = None
 

@@ -164,8 +164,8 @@ def optimizer_state_dict(optimizer: ShardedAdamW) -> dict[str, Any]:
 def apply_optimizer_state_dict(optimizer: ShardedAdamW, state: dict[str, Any]) -> None:
     """After ``dcp.load`` filled the tensors of :func:`optimizer_state_dict` in place: finish the restore.
 
-    Sets the step and hyper-parameters, writes loaded fp32 masters into the parameters, and broadcasts each
-    replicated shard from its ``cross_rank == 0`` replica to the others.
+    Sets the step and hyper-parameters, broadcasts each replicated shard from its ``cross_rank == 0`` replica to the
+    others, and writes loaded fp32 masters into the parameters (all-gathered and waited for before it returns).
     """
     optimizer._step = int(state["step"])
     for group, saved in zip(optimizer.param_groups, json.loads(state["param_groups"])):
@@ -180,15 +180,13 @@ def apply_optimizer_state_dict(optimizer: ShardedAdamW, state: dict[str, Any]) -
                             src[seg.param_start : seg.param_start + seg.numel]
                         )
     topo = optimizer.topology
-    for fam, buf in optimizer.buffers.items():
+    for fam in optimizer.buffers:
         plan = optimizer.plans[fam]
         if plan.cross_size > 1 and plan.cross_group is not None:
             src = _cross_root(fam, optimizer.mode, topo)
             for vec in optimizer.shards[fam].values():
                 dist.broadcast(vec, src=src, group=plan.cross_group)
-        if "master" in optimizer.shards[fam]:
-            buf.scatter_owned(buf.params, optimizer.shards[fam]["master"].to(buf.dtype))
-            optimizer._all_gather(fam, buf)
+    optimizer.write_master_weights()  # the loaded masters into the parameters, every gather waited for
 
 
 def _cross_root(fam: str, mode: str, topo: MoETopology) -> int:
