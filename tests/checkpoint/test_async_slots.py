@@ -1,8 +1,10 @@
 """Asynchronous slot saves in one process: staging copies what later training changes, at most one save is in
-flight (the next one waits and says so), and a background failure surfaces at the next wait with no marker."""
+flight (the next one waits and says so), a background failure surfaces at the next wait with no marker, and a state
+that one rank cannot stage fails every rank's save at once (both savers, also synchronous)."""
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from mula_lightning.checkpoint.async_slots import AsyncSlotSaver, stage_to_host
 from mula_lightning.checkpoint.slots import MARKER_NAME, CheckpointWriteError, read_marker, resolve_last
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
+from mula_lightning.testing import run_pooled_test
 
 
 def test_staging_copies_tensors_pieces_and_containers():
@@ -194,19 +197,81 @@ def test_async_save_of_four_ranks_resumes_on_two_with_the_staged_weights(tmp_pat
         assert all(torch.equal(weights[k], v) for k, v in saved.items())
 
 
-def test_a_staging_failure_fails_the_save_at_the_next_wait(tmp_path):
-    """State that cannot be staged (an error in the training thread, after the slot was cleared) does not raise at
-    once on one rank while the others write: it goes through the agreement like a write failure, and the next wait
-    raises CheckpointWriteError naming it; the slot has no marker."""
+def test_a_staging_failure_fails_the_save_at_once(tmp_path):
+    """State that cannot be staged (an error in the training thread, after the slot was cleared) fails the save call
+    itself with CheckpointWriteError naming it, before any background write starts; the slot has no marker and no
+    save is left in flight."""
     saver = AsyncSlotSaver()
 
     def unstageable():
         raise TypeError("cannot stage a generator")
 
-    slot = saver.save(tmp_path, 2, unstageable)
-    with pytest.raises(CheckpointWriteError, match="step 2 not completed.*TypeError: cannot stage a generator"):
-        saver.wait()
-    assert not (slot / MARKER_NAME).exists() and resolve_last(tmp_path) is None
+    with pytest.raises(CheckpointWriteError, match="step 2: not written.*TypeError: cannot stage a generator"):
+        saver.save(tmp_path, 2, unstageable)
+    assert not saver.in_flight and resolve_last(tmp_path) is None
+    assert not any((tmp_path / name / MARKER_NAME).exists() for name in ("slot_a", "slot_b"))
+
+
+def _one_rank_cannot_prepare(rank, world_size, root, saver):
+    """Saves step 1, then step 2 whose preparation fails on rank 1 only while rank 0 goes on to a DCP write;
+    returns (the error every rank got, seconds it took)."""
+    from mula_lightning.checkpoint.dcp_format import save_dcp
+    from mula_lightning.checkpoint.replace_dir import AsyncReplaceSaver, save_replacing
+    from mula_lightning.checkpoint.slots import save_slot
+
+    def prepare_step(step):
+        def prepare():
+            if step == 2 and rank == 1:
+                raise MemoryError("pinned host allocation of 860 MB refused")
+            weights = {"w": torch.full((4,), float(step))}
+
+            def write(path, group=None):  # DCP's planning collectives over ``group``
+                save_dcp(Path(path), {"model": weights}, {"step": step}, process_group=group)
+
+            return write
+
+        return prepare
+
+    async_slot, async_replace = AsyncSlotSaver(), AsyncReplaceSaver()
+    start, error = 0.0, ""
+    for step in (1, 2):
+        start = time.monotonic()
+        try:
+            if saver == "slot async":
+                async_slot.save(root, step, prepare_step(step))
+                async_slot.wait()
+            elif saver == "slot sync":
+                save_slot(root, step, prepare=prepare_step(step))
+            elif saver == "replace async":
+                async_replace.save(Path(root) / "last.ckpt", prepare_step(step))
+                async_replace.wait()
+            else:
+                save_replacing(Path(root) / "last.ckpt", prepare=prepare_step(step))
+        except CheckpointWriteError as err:
+            error = str(err)
+    return error, time.monotonic() - start
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("saver", ["slot async", "slot sync", "replace async", "replace sync"])
+def test_a_preparation_failure_on_one_rank_fails_every_rank_at_once(tmp_path, saver):
+    """Both savers, asynchronous and synchronous, on 2 gloo ranks: when one rank cannot stage or collect its part of
+    the state (host memory exhausted) while the other goes on to a DCP write, every rank raises CheckpointWriteError
+    naming that rank's error within seconds, and the previous checkpoint stays the one to read. Before, the failing
+    rank went to the completion agreement while the other waited in DCP's planning collectives: both blocked until
+    gloo's timeout (30 minutes; here the test's 90 s)."""
+    from mula_lightning.checkpoint.dcp_format import saved_keys
+    from mula_lightning.testing import run_pooled_test
+
+    results = run_pooled_test(_one_rank_cannot_prepare, 2, root=str(tmp_path), saver=saver, timeout=90)
+    for error, seconds in results:
+        assert "rank 1: MemoryError: pinned host allocation of 860 MB refused" in error, error
+        assert "rank 0" not in error and seconds < 30
+    if saver.startswith("slot"):
+        good = resolve_last(tmp_path)
+        assert good is not None and read_marker(good)["step"] == 1
+    else:
+        assert saved_keys(tmp_path / "last.ckpt") and not (tmp_path / "last.ckpt.partial").exists()
 
 
 def _save_in_one_process(rank, world_size, root, layout, async_save):
@@ -238,3 +303,65 @@ def test_a_slot_of_one_process_resumes_on_two_from_parts_of_its_stored_chunks(tm
     for step, weights in run_pooled_test(_resume_at, 2, root=root, layout=layout, via="DualCheckpoint"):
         assert step == 1 and sorted(weights) == sorted(saved)
         assert all(torch.equal(weights[k], v) for k, v in saved.items())
+
+
+def _disk_full_on_one_rank(rank, world_size, root, saver):
+    """Step 1 saved; step 2's files grow past ``RLIMIT_FSIZE`` on rank 1 (a full disk: the write fails with EFBIG
+    inside DCP). Returns the type and text of what each rank raised."""
+    import resource
+    import signal
+
+    from mula_lightning.checkpoint.dcp_format import save_dcp
+    from mula_lightning.checkpoint.replace_dir import AsyncReplaceSaver, save_replacing
+    from mula_lightning.checkpoint.slots import save_slot
+
+    def prepare_step(step):
+        weights = {"w": torch.full((64 * 1024,), float(step + rank))}  # 256 KiB per rank
+
+        def prepare():
+            return lambda path, group=None: save_dcp(Path(path), {"model": {f"w{rank}": weights["w"]}}, {"step": step},
+                                                     process_group=group)  # fmt: skip
+
+        return prepare
+
+    def save(step, async_replace):
+        if saver == "slot":
+            save_slot(root, step, prepare=prepare_step(step))
+        elif saver == "replace":
+            save_replacing(Path(root) / "last.ckpt", prepare=prepare_step(step))
+        else:
+            async_replace.save(Path(root) / "last.ckpt", prepare_step(step))
+            async_replace.wait()
+
+    async_replace = AsyncReplaceSaver()
+    save(1, async_replace)
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+    try:
+        save(2, async_replace)
+        return "nothing raised"
+    except BaseException as err:  # noqa: BLE001 - what the caller of a save sees
+        return f"{type(err).__name__}: {err}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("saver", ["slot", "replace", "replace async"])
+def test_a_full_disk_is_a_checkpoint_write_error_on_every_rank(tmp_path, saver):
+    """A write that fails inside DCP for lack of space on one rank (``RLIMIT_FSIZE``: EFBIG) reaches every rank as
+    CheckpointWriteError naming the error, through the dual-slot protocol and the replaced directory, synchronous and
+    asynchronous; the previous checkpoint stays the one to read. Before, DCP's CheckpointException (a BaseException)
+    slipped past the protocols' ``except Exception``: no CheckpointWriteError, and the CLI's one-line error broke."""
+    from mula_lightning.checkpoint.dcp_format import saved_keys
+
+    results = run_pooled_test(_disk_full_on_one_rank, 2, root=str(tmp_path), saver=saver, timeout=120)
+    for raised in results:
+        assert raised.startswith("CheckpointWriteError") and "File too large" in raised, raised
+    if saver == "slot":
+        assert read_marker(resolve_last(tmp_path))["step"] == 1
+    else:
+        assert saved_keys(tmp_path / "last.ckpt") == {"model", "metadata"}

@@ -255,10 +255,15 @@ class DualCheckpoint(ModelCheckpoint):
                 run_id=self.run_id,
                 on_complete=self._completed,
             )
+        # the sharded strategies: the state collected and agreed on every rank before any rank enters DCP (a rank
+        # that fails to collect must not leave the others waiting in DCP's collectives); Lightning's own strategies
+        # write through trainer.save_checkpoint as they define it
+        sharded = hasattr(trainer.strategy, "stage_checkpoint")
         slot = save_slot(
             self.dirpath,
             step,
-            write,
+            None if sharded else write,
+            prepare=(lambda: _staged_trainer_checkpoint(trainer, copy=False)) if sharded else None,
             layout=_layout(trainer.strategy),
             signature=signature,
             phase_hook=self.phase_hook,
@@ -337,10 +342,12 @@ class DualCheckpoint(ModelCheckpoint):
                 run_id=self.run_id,
                 on_complete=self._completed,
             )
+        sharded = hasattr(fabric.strategy, "stage_checkpoint")  # as for the Trainer's save above
         slot = save_slot(
             self.dirpath,
             step,
-            lambda path: fabric.save(path, state),
+            None if sharded else (lambda path: fabric.save(path, state)),
+            prepare=(lambda: _staged_fabric_state(fabric, state, copy=False)) if sharded else None,
             layout=_layout(fabric.strategy),
             signature=signature,
             phase_hook=self.phase_hook,
@@ -367,12 +374,13 @@ class DualCheckpoint(ModelCheckpoint):
         return remainder
 
 
-def _staged_trainer_checkpoint(trainer: Any) -> Any:
-    """The Trainer's checkpoint of this step in host memory, and ``write(path, group)`` for the background thread."""
+def _staged_trainer_checkpoint(trainer: Any, copy: bool = True) -> Any:
+    """The Trainer's checkpoint of this step in host memory, and ``write(path, group)`` for the background thread
+    (``copy=False``, sharded strategies only: the live state, for a synchronous write)."""
     strategy = trainer.strategy
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     if hasattr(strategy, "stage_checkpoint"):  # the sharded strategies: this rank's pieces, DCP over ``group``
-        return strategy.stage_checkpoint(checkpoint)
+        return strategy.stage_checkpoint(checkpoint, copy=copy)
     staged = stage_to_host(checkpoint)  # Lightning's own strategies: one file, written by rank 0
 
     def write(path: Path, group: Any) -> None:
@@ -383,14 +391,15 @@ def _staged_trainer_checkpoint(trainer: Any) -> Any:
     return write
 
 
-def _staged_fabric_state(fabric: Any, state: dict[str, Any]) -> Any:
-    """Fabric ``state`` of this step in host memory, and ``write(path, group)`` for the background thread."""
+def _staged_fabric_state(fabric: Any, state: dict[str, Any], copy: bool = True) -> Any:
+    """Fabric ``state`` of this step in host memory, and ``write(path, group)`` for the background thread
+    (``copy=False``, sharded strategies only: the live state, for a synchronous write)."""
     from lightning.fabric.fabric import _unwrap_objects
 
     strategy = fabric.strategy
     state = _unwrap_objects(state)
     if hasattr(strategy, "stage_checkpoint"):  # the sharded strategies: this rank's pieces, DCP over ``group``
-        return strategy.stage_checkpoint(state)
+        return strategy.stage_checkpoint(state, copy=copy)
     staged = stage_to_host(strategy._convert_stateful_objects_in_state(state, filter={}))  # as fabric.save does
 
     def write(path: Path, group: Any) -> None:

@@ -15,9 +15,11 @@ Rules:
 * the background collectives (DCP's planning, the agreement, the final barrier) run on a checkpoint-only gloo
   process group created once, so they never interleave with the training's collectives on the default group
   (NCCL or XCCL on accelerators, where a second thread's collectives on the same communicator could deadlock);
-* a failure (a full disk, a rank that could not write, a state that could not be staged) raises
-  :class:`CheckpointWriteError` from the next wait, on every rank, with no marker written: a rank whose staging
-  failed still takes part in the background agreement, so no rank waits for it forever.
+* a state that could not be staged on some rank raises :class:`CheckpointWriteError` on every rank from
+  :meth:`AsyncSlotSaver.save` itself: the ranks agree that every rank staged its part before any background write
+  starts, so no rank enters DCP's collectives while another has given up on them (:func:`staged_and_agreed`);
+* a failure of the background write (a full disk, a rank that could not write) raises
+  :class:`CheckpointWriteError` from the next wait, on every rank, with no marker written.
 
 Why not ``torch.distributed.checkpoint.async_save`` directly: its stager copies plain tensors and DTensors, not
 the pieces of a tensor a sharded rank holds (:class:`~mula_lightning.parallel.tensor_pieces.TensorPieces`), and its
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula_lightning.checkpoint.slots import clear_slot, rng_state, write_and_mark
+from mula_lightning.checkpoint.slots import agreed_preparation, clear_slot, rng_state, write_and_mark
 from mula_lightning.parallel.tensor_pieces import map_held
 from mula_lightning.utils.dist import is_distributed, rank_world
 from mula_lightning.utils.env_flags import env_flag
@@ -52,7 +54,7 @@ __all__ = [
     "BackgroundSaver",
     "StagingBuffers",
     "stage_to_host",
-    "staged_or_failing",
+    "staged_and_agreed",
     "synchronize_staging",
 ]
 
@@ -124,7 +126,7 @@ def stage_to_host(obj: Any, pin: bool | None = None, _key: tuple = ()) -> Any:
     """A copy of ``obj`` that later training cannot change: every tensor copied into host memory (pinned when an
     accelerator is present), :class:`TensorPieces` piece by piece, a DTensor as the pieces of its local shard (its
     offsets in the logical tensor), containers rebuilt, anything else deep-copied. Inside a saver's staging
-    (:func:`staged_or_failing` with buffers) the tensors are that saver's :class:`StagingBuffers`. Call
+    (:func:`staged_and_agreed` with buffers) the tensors are that saver's :class:`StagingBuffers`. Call
     :func:`synchronize_staging` before using the copies from another thread when tensors were on an accelerator."""
     pin = _pinned() if pin is None else pin
     if not _key and (buffers := getattr(_staging, "buffers", None)) is not None:
@@ -147,31 +149,30 @@ def synchronize_staging() -> None:
         torch.xpu.synchronize()
 
 
-def staged_or_failing(
-    stage: Callable[[], Callable[[Path, Any], None]], buffers: StagingBuffers | None = None
+def staged_and_agreed(
+    stage: Callable[[], Callable[[Path, Any], None]], buffers: StagingBuffers | None, group: Any, what: Any
 ) -> Callable[[Path, Any], None]:
-    """``stage()`` (the copy to host memory, waited for; into ``buffers`` when given), or, when it raises, a
-    ``write`` that raises that error in the background: this rank's failure then goes through the agreement like a
-    write's, so no rank waits for it. ``buffers`` must not be in use by a save still in flight."""
-    previous = getattr(_staging, "buffers", None)
-    try:
-        if buffers is not None:
-            buffers.begin()
-        _staging.buffers = buffers
-        write = stage()
-        synchronize_staging()
-        if buffers is not None:
-            buffers.end()
-        return write
-    except Exception as err:  # noqa: BLE001 - handed to the background write, see above
-        failure = err
-    finally:
-        _staging.buffers = previous
+    """``stage()`` (the copy to host memory, waited for; into ``buffers`` when given), agreed by every rank of
+    ``group`` before any background write starts (:func:`~mula_lightning.checkpoint.slots.agreed_preparation`):
+    when it raises on any rank (host memory exhausted, a pinned allocation refused on one node), every rank raises
+    :class:`~mula_lightning.checkpoint.slots.CheckpointWriteError` now, naming it, and no write starts. Collective
+    over ``group``. ``buffers`` must not be in use by a save still in flight."""
 
-    def failing(path: Path, group: Any) -> None:
-        raise failure
+    def staged() -> Callable[[Path, Any], None]:
+        previous = getattr(_staging, "buffers", None)
+        try:
+            if buffers is not None:
+                buffers.begin()
+            _staging.buffers = buffers
+            write = stage()
+            synchronize_staging()
+            if buffers is not None:
+                buffers.end()
+            return write
+        finally:
+            _staging.buffers = previous
 
-    return failing
+    return agreed_preparation(staged, group, what)
 
 
 class BackgroundSaver:
@@ -271,7 +272,11 @@ class AsyncSlotSaver(BackgroundSaver):
         Args:
             stage: called once the slot is cleared, in the training thread; copies this rank's state to host memory
                 and returns ``write(path, group)``, which the background thread calls to write it (a collective
-                over ``group``, the checkpoint-only group).
+                over ``group``, the checkpoint-only group). Every rank's staging is agreed before any write starts.
+
+        Raises:
+            CheckpointWriteError: on every rank, when the previous save failed, or when any rank's ``stage`` raised
+                (no background write is started; the slot stays without a marker).
             layout, signature, phase_hook, run_id: as for :func:`~mula_lightning.checkpoint.slots.save_slot`.
             on_complete: called with the slot in the background thread once its marker is written.
         """
@@ -280,7 +285,7 @@ class AsyncSlotSaver(BackgroundSaver):
         group = self._checkpoint_group()
         slot = clear_slot(dirpath, hook)
         rng = rng_state()
-        write = staged_or_failing(stage, self.staging)
+        write = staged_and_agreed(stage, self.staging, group, f"{slot}: checkpoint of step {step}")
 
         def run() -> None:
             done = write_and_mark(slot, step, lambda path: write(path, group), rng, layout, signature, hook, run_id,

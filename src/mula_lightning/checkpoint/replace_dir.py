@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from mula_lightning.checkpoint.async_slots import BackgroundSaver, staged_or_failing
+from mula_lightning.checkpoint.async_slots import BackgroundSaver, staged_and_agreed
 from mula_lightning.checkpoint.checksummed_writes import active_recorder
-from mula_lightning.checkpoint.slots import CheckpointWriteError
+from mula_lightning.checkpoint.slots import CheckpointWriteError, agreed_preparation
 from mula_lightning.utils.dist import all_true, is_distributed, rank_world
 from mula_lightning.utils.io import fsync_dir
 
@@ -133,8 +134,8 @@ def _write_and_move(path: Path, write: Callable[[Path], None], group: Any) -> No
     error: BaseException | None = None
     try:
         write(partial_path(path))
-    except Exception as err:  # noqa: BLE001 - goes through the agreement, then raises on every rank
-        error = err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - agreed, then raised on every rank (DCP's
+        error = err  # CheckpointException, what a full disk gives, is a BaseException)
     try:
         _agree_and_move(path, error, group)
     except CheckpointWriteError as failure:
@@ -143,11 +144,25 @@ def _write_and_move(path: Path, write: Callable[[Path], None], group: Any) -> No
         recorder.moved_tree(partial_path(path), path)
 
 
-def save_replacing(path: str | Path, write: Callable[[Path], None], group: Any = None) -> None:
+def save_replacing(
+    path: str | Path,
+    write: Callable[[Path], None] | None = None,
+    group: Any = None,
+    prepare: Callable[[], Callable[[Path], None]] | None = None,
+) -> None:
     """Collective (``group``, default: the default group): ``write(<path>.partial)`` on every rank, then replace
-    ``path`` by it. Raises :class:`CheckpointWriteError` on every rank when any rank's write failed."""
+    ``path`` by it. Raises :class:`CheckpointWriteError` on every rank when any rank's write failed.
+
+    With ``prepare`` instead of ``write``: ``prepare()`` collects this rank's part of the state and returns the
+    ``write``; every rank's preparation is agreed before any rank writes (a rank that failed to collect its part
+    would otherwise wait in the agreement while the others wait in DCP's collectives), and a failure is
+    :class:`CheckpointWriteError` on every rank at once."""
+    if (write is None) == (prepare is None):
+        raise TypeError("save_replacing takes one of write= or prepare=")
     path = Path(path)
     clear_partial(path, group)
+    if prepare is not None:
+        write = agreed_preparation(prepare, group, path)
     _write_and_move(path, write, group)
 
 
@@ -158,11 +173,12 @@ class AsyncReplaceSaver(BackgroundSaver):
 
     def save(self, path: str | Path, stage: Callable[[], Callable[[Path, Any], None]]) -> None:
         """Start the save of ``path`` (collective): wait for the previous one, clear a stale partial, call
-        ``stage()`` in this thread (it copies the state to host memory and returns ``write(path, group)``), then
-        write, agree and move into place in the background. A failure raises at the next :meth:`wait`."""
+        ``stage()`` in this thread (it copies the state to host memory and returns ``write(path, group)``) and agree
+        that every rank staged (a staging failure raises :class:`CheckpointWriteError` here, on every rank), then
+        write, agree and move into place in the background. A write failure raises at the next :meth:`wait`."""
         path = Path(path)
         self.wait(path.name)
         group = self._checkpoint_group()
         clear_partial(path, group)
-        write = staged_or_failing(stage, self.staging)
+        write = staged_and_agreed(stage, self.staging, group, path)  # raises on every rank if any rank failed
         self._start(path.name, lambda: _write_and_move(path, lambda target: write(target, group), group))

@@ -15,7 +15,9 @@ on disk:
    files (``.metadata``, a single ``torch.save`` file) belong to rank 0. A DCP write checksums its files as it
    writes them (:mod:`~mula_lightning.checkpoint.checksummed_writes`); other files are read back.
 4. Ranks agree that every part succeeded: one all-reduce (MIN) of a success flag. If any rank failed, every rank
-   raises :class:`CheckpointWriteError` and no marker is written (the other slot stays the newest complete one).
+   raises :class:`CheckpointWriteError` and no marker is written (the other slot stays the newest complete one). A
+   failure inside DCP (a full disk) arrives as DCP's ``CheckpointException``, a ``BaseException``: it is converted
+   like any other error.
 5. Rank 0 gathers the checksums, fsyncs the slot's directories and writes the marker atomically (temporary file,
    fsync, rename, fsync of the directory). The marker holds the step, the layout, every file's size and checksum,
    the model's signature (logical key -> shape) and the run's lineage id (:func:`slot_lineages`).
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mula_lightning.checkpoint.checksummed_writes import recording_checksums
 from mula_lightning.utils.dist import (
@@ -274,11 +277,12 @@ def invalidate_slots(dirpath: str | Path, names: list[str] | tuple[str, ...] = S
 def save_slot(
     dirpath: str | Path,
     step: int,
-    write: Callable[[Path], None],
+    write: Callable[[Path], None] | None = None,
     layout: dict[str, Any] | None = None,
     signature: dict[str, list[int]] | None = None,
     phase_hook: Callable[[str], None] | None = None,
     run_id: str | None = None,
+    prepare: Callable[[], Callable[[Path, Any], None]] | None = None,
 ) -> Path:
     """Write one checkpoint into the slot of ``dirpath`` that is not the newest valid one (the module's protocol).
 
@@ -294,16 +298,61 @@ def save_slot(
         phase_hook: called with ``"begin"``, ``"cleared"``, ``"written"``, ``"agreed"``, ``"done"``; for fault
             injection in tests (a sleep or a kill between the protocol's steps).
         run_id: the lineage of the run (stored in the marker, see :func:`slot_lineages`).
+        prepare: instead of ``write``: called on every rank once the slot is cleared, collects this rank's part of
+            the state and returns ``write(path, group)`` that only writes it. Every rank's preparation is agreed
+            (:func:`agreed_preparation`) before any rank writes, so a state that cannot be collected on one rank is
+            a :class:`CheckpointWriteError` on every rank at once. A bare ``write`` that raises on one rank before
+            its own collectives (DCP's planning, a barrier) leaves the other ranks waiting in them: prefer
+            ``prepare`` whenever collecting the state can fail.
 
     Returns:
         The slot directory.
 
     Raises:
-        CheckpointWriteError: on every rank, when any rank failed to write its part.
+        CheckpointWriteError: on every rank, when any rank failed to prepare or write its part.
+        TypeError: with neither or both of ``write`` and ``prepare``.
     """
+    if (write is None) == (prepare is None):
+        raise TypeError("save_slot takes one of write= or prepare=")
     hook = phase_hook or (lambda phase: None)
     slot = clear_slot(dirpath, hook)
-    return write_and_mark(slot, step, write, rng_state(), layout, signature, hook, run_id)
+    rng = rng_state()
+    if prepare is not None:
+        prepared = agreed_preparation(prepare, None, f"{slot}: checkpoint of step {step}")
+
+        def write(path: Path) -> None:
+            prepared(path, None)
+
+    return write_and_mark(slot, step, write, rng, layout, signature, hook, run_id)
+
+
+def agreed_preparation(prepare: Callable[[], Any], group: Any = None, what: Any = "checkpoint") -> Any:
+    """``prepare()`` on this rank (collecting or staging its part of the state), then agreement with every rank of
+    ``group`` that it succeeded, before any rank starts the collective write; returns what ``prepare`` returned.
+
+    Why: a rank whose preparation fails must not go straight to the protocol's completion agreement while the others
+    are inside the write's own collectives (DCP's planning gathers, Lightning's barrier) on the same group: the
+    collectives would not match and every rank would block until the backend's timeout (30 minutes with gloo). Here
+    the ranks meet once before writing; a failure anywhere is one :class:`CheckpointWriteError` on every rank, at
+    once, naming each failing rank's error. Collective over ``group`` (one all-reduce of a flag; an object gather
+    only on failure).
+
+    Raises:
+        CheckpointWriteError: on every rank, when any rank's ``prepare`` raised.
+    """
+    error, cause, result = "", None, None
+    try:
+        result = prepare()
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        error, cause = f"{type(err).__name__}: {err}", err
+    if all_true(not error, group):
+        return result
+    reports = all_gather_object((rank_world()[0], error), group)
+    failed = "; ".join(f"rank {r}: {e}" for r, e in reports if e)
+    raise CheckpointWriteError(
+        f"{what}: not written, the state could not be prepared for writing ({failed}); nothing was written and the "
+        "previous checkpoint stays the one to resume from"
+    ) from cause
 
 
 def clear_slot(dirpath: str | Path, hook: Callable[[str], None]) -> Path:
@@ -358,7 +407,7 @@ def write_and_mark(
             digest = written.checksum(slot / rel)
             digest = file_checksum(slot / rel) if digest is None else digest
             sums[rel] = {"size": (slot / rel).stat().st_size, CHECKSUM: digest}
-    except Exception as err:  # reported to every rank below; the previous slot stays valid
+    except (Exception, CheckpointException) as err:  # reported to every rank below; the previous slot stays valid
         error = f"{type(err).__name__}: {err}"
     hook("written")
     ok = all_true(not error, group)

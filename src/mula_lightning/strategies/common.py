@@ -157,14 +157,17 @@ class DCPSaves:
                 self._async_saver = AsyncReplaceSaver()
             self._async_saver.save(Path(path), lambda: self.stage_checkpoint(state))
             return
-        tensors, metadata, planner = self.checkpoint_parts(state)
-        save_replacing(Path(path), lambda target: save_dcp(target, tensors, metadata, planner))
+        # the state's parts collected on every rank and agreed before any rank enters DCP's collectives
+        save_replacing(Path(path), prepare=lambda: self.stage_checkpoint(state, copy=False))
 
-    def stage_checkpoint(self, state: dict[str, Any]) -> Callable[[Path, Any], None]:
+    def stage_checkpoint(self, state: dict[str, Any], copy: bool = True) -> Callable[[Path, Any], None]:
         """Copy what ``state`` saves into host memory now; return ``write(path, group)``, which writes that copy as
-        ``save_checkpoint`` would (DCP's collectives over ``group``), from any thread, while training goes on."""
+        ``save_checkpoint`` would (DCP's collectives over ``group``), from any thread, while training goes on.
+        With ``copy=False`` (a synchronous save) the write reads the live tensors: only the collection of the
+        state's parts happens now, so that the ranks can agree on it before writing."""
         tensors, metadata, planner = self.checkpoint_parts(state)
-        tensors, metadata = stage_to_host(tensors), stage_to_host(metadata)
+        if copy:
+            tensors, metadata = stage_to_host(tensors), stage_to_host(metadata)
 
         def write(path: Path, group: Any = None) -> None:
             save_dcp(Path(path), tensors, metadata, planner, process_group=group)
