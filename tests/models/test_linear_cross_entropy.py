@@ -125,3 +125,21 @@ def test_the_model_asked_for_the_loss_only_trains_like_the_model_asked_for_logit
     assert plain_grads.keys() == fused_grads.keys()
     for name, grad in plain_grads.items():
         assert_parity(fused_grads[name], grad, reduction_len=400, msg=name)
+
+
+@pytest.mark.parametrize("chunk_tokens", [2, 4096])
+def test_wholly_masked_labels_give_a_zero_loss_and_zero_gradients(chunk_tokens):
+    """A micro-batch whose labels are all -100 (a prompt-only sample, a padding row): the fused head + loss and the
+    plain one give a loss of 0 and finite, zero gradients for the hidden states and the head (with and without
+    gradients asked for). Before, the mean over no real token was 0/0: the fused loss made every gradient NaN."""
+    hidden, weight, labels, grad_out = _inputs(torch.float32, seed=5)
+    labels = torch.full_like(labels, -100)
+    for fn in (
+        lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=chunk_tokens),
+        lambda h, w, y: causal_lm_loss(h @ w.t(), y),
+    ):
+        loss, grad_hidden, grad_weight = _loss_and_grads(fn, hidden, weight, labels, grad_out)
+        assert loss.item() == 0.0
+        assert torch.equal(grad_hidden, torch.zeros_like(hidden)) and torch.equal(grad_weight, torch.zeros_like(weight))
+        with torch.no_grad():
+            assert fn(hidden, weight, labels).item() == 0.0

@@ -108,13 +108,15 @@ def test_tensor_parallel_matches_one_process_over_adamw_steps(kind, sp):
             assert_parity(params[name], p, reduction_len=steps * GRAD_LEN, scale=1.0, msg=f"param {name}")
 
 
-def _loss_rank(rank, world_size, reduction):
+def _loss_rank(rank, world_size, reduction, masked=False):
     from mula_lightning.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 7, 12, generator=g, dtype=DTYPE)
     labels = torch.randint(0, 12, (3, 7), generator=g)
     labels[0, 2] = labels[2, 5] = -100
+    if masked:
+        labels.fill_(-100)
     part = 12 // world_size
     local = logits[..., rank * part : (rank + 1) * part].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, labels, reduction, vocab_start=rank * part, group=None)
@@ -134,6 +136,15 @@ def test_vocabulary_parallel_cross_entropy_equals_the_full_one(reduction):
     for loss, expected, grad, expected_grad in run_pooled_test(_loss_rank, 3, reduction=reduction):
         assert_parity(loss, expected, reduction_len=24)
         assert_parity(grad, expected_grad, reduction_len=24)
+
+
+@pytest.mark.distributed
+def test_vocabulary_parallel_cross_entropy_of_wholly_masked_labels_is_zero():
+    """Every label ignored (-100): the vocabulary-parallel mean is 0 with zero gradients on every rank, as the full
+    cross-entropy's; before, it was 0/0 and every gradient NaN."""
+    for loss, expected, grad, expected_grad in run_pooled_test(_loss_rank, 2, reduction="mean", masked=True):
+        assert loss.item() == 0.0 and expected.item() == 0.0
+        assert torch.equal(grad, torch.zeros_like(grad)) and torch.equal(expected_grad, torch.zeros_like(grad))
 
 
 @pytest.mark.parametrize(

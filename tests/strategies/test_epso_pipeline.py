@@ -334,3 +334,85 @@ def test_init_from_reads_each_stage_its_own_weights(tmp_path):
     assert whole.keys() == source.state_dict().keys()
     for name, value in source.state_dict().items():
         torch.testing.assert_close(whole[name], value, rtol=0, atol=0, msg=name)
+
+
+def _masked(x):
+    """Labels of a batch with masked targets: micro-batch 0 wholly masked (a prompt-only sample), micro-batch 1 with
+    its last 3 labels only, the others whole."""
+    labels = x.clone()
+    labels[0] = -100
+    labels[1, : T - 3] = -100
+    return labels
+
+
+def _train_masked(rank, world_size, pp, tp, kind):
+    fabric, model, optimizer = _setup(world_size, pp, 1, "1f1b", tp=tp, kind=kind)
+    dp_rank = fabric.strategy.distributed_sampler_kwargs["rank"]
+    losses = []
+    for step in range(STEPS):
+        x = _batch(step, dp_rank)
+        losses.append(fabric.strategy.pipeline_step(x, _masked(x)).loss.item())
+        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, _local_state(model)
+
+
+def _reference_masked(kind):
+    """One process: the batch's cross-entropy averaged over its real tokens (each micro-batch's mean weighted by its
+    real tokens; 0 for the masked one), the auxiliary losses averaged over the micro-batches."""
+    model = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses = []
+    for step in range(STEPS):
+        x = _batch(step, 0)
+        labels = _masked(x)
+        real = [int((labels[i, 1:] != -100).sum()) for i in range(M)]
+        outs = [model(x[i : i + 1], labels=labels[i : i + 1]) for i in range(M)]
+        lm = sum(o.loss * n for o, n in zip(outs, real)) / sum(real)
+        loss = lm + torch.stack([o.aux_loss for o in outs]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind,tp", [("moe", 1), ("dense", 2)], ids=["pp2 fused loss", "pp2 x tp2 vocab-parallel"])
+def test_pipelined_step_on_masked_labels_matches_one_process(kind, tp):
+    """A batch whose first micro-batch is wholly masked (-100) and whose second has 3 real labels: the pipelined step
+    (PP=2 with the last stage's fused head + loss; PP=2 x TP=2 with the vocabulary-parallel loss) weights each
+    micro-batch by its real tokens, as one forward of the batch does, and stays finite: losses and every parameter
+    after 5 clipped AdamW steps equal one process in float64. Before, the masked micro-batch's mean was 0/0 and
+    every gradient of the model NaN, and a 3-token micro-batch weighed as much as a whole one."""
+    results = run_pooled_test(_train_masked, 2 * tp, pp=2, tp=tp, kind=kind, timeout=300)
+    ref_losses, ref_state = _reference_masked(kind)
+    for rank, (losses, state) in enumerate(results):
+        assert_parity(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
+                      reduction_len=GRAD_LEN, msg=f"rank {rank} losses")  # fmt: skip
+        for name, value in state.items():
+            scale = ADAM_SCALE + ref_state[name].abs().max().item()
+            assert_parity(
+                value, ref_state[name], reduction_len=STEPS * GRAD_LEN, scale=scale, msg=f"rank {rank} {name}"
+            )
+
+
+def _odd_sequence_under_sp(rank, world_size):
+    fabric, _, _ = _setup(world_size, 2, 2, "1f1b", tp=2, sp=True)
+    x = torch.randint(0, V, (M, T - 1), generator=torch.Generator().manual_seed(rank))
+    try:
+        fabric.strategy.pipeline_step(x, x)
+    except ValueError as err:
+        return str(err)
+    return "nothing raised"
+
+
+@pytest.mark.distributed
+def test_sequence_parallelism_under_pipeline_parallelism_checks_the_sequence_length():
+    """PP=2 x (TP=2 + SP folded with EP=2): a batch of 7-token sequences, which sequence parallelism cannot split over
+    2 ranks, is refused on every rank with the error naming both values before the schedule runs. Before, the check
+    hooked the decoder's forward, which pipeline stages bypass: nothing was said."""
+    for message in run_pooled_test(_odd_sequence_under_sp, 4, timeout=120):
+        assert "tp_size (2) ranks: the sequence length (7) must be divisible by it" in message, message

@@ -3,12 +3,12 @@
 Layouts over 4 gloo ranks: TP=2 x DP=2 (dense and MoE models), TP=2 folded with EP=2 (attention tp2 x dp2, MoE ep2 x
 edp2 on the same ranks), and each with sequence parallelism; expert tensor parallelism ETP=2 x EP=2, and TP=2 with
 sequence parallelism folded with ETP=2; a Qwen-style MoE (per-head q/k norm, q/k/v biases, a dense first layer of its
-own width, a gated shared expert) at TP=2 + SP folded with EP=2; every one with the ``ep_aware`` optimizer, 5 AdamW
-steps clipped by the global norm (max_norm small enough that clipping fires on every step). The reference is one process
-that runs each data-parallel batch (``world / tp`` of them: the ``tp`` ranks of a group read the same one) through the
-unsharded model, averages the losses and steps torch's AdamW after torch's ``clip_grad_norm_``. Both sides run in
-float64, so :func:`mula_lightning.testing.assert_parity` is tight; an injected bug (tensor-parallel gradients divided by
-the world size instead of the dense data-parallel size) must fail it.
+own width, a gated shared expert) at TP=2 folded with EP=2, with and without SP; every one with the ``ep_aware``
+optimizer, 5 AdamW steps clipped by the global norm (max_norm small enough that clipping fires on every step). The
+reference is one process that runs each data-parallel batch (``world / tp`` of them: the ``tp`` ranks of a group read
+the same one) through the unsharded model, averages the losses and steps torch's AdamW after torch's
+``clip_grad_norm_``. Both sides run in float64, so :func:`mula_lightning.testing.assert_parity` is tight; an injected
+bug (tensor-parallel gradients divided by the world size instead of the dense data-parallel size) must fail it.
 """
 
 import pytest
@@ -167,6 +167,8 @@ LAYOUTS = {
     "moe etp2 x ep2": dict(kind="moe", tp=1, ep=2, sp=False, etp=2),
     "moe tp2 + sp folded with etp2": dict(kind="moe", tp=2, ep=1, sp=True, etp=2),
     "qwen-style moe tp2 + sp folded with ep2": dict(kind="qwen", tp=2, ep=2, sp=True),
+    # without SP the per-head q/k norm's weight gradient is still a partial sum over tp (each rank normed its heads)
+    "qwen-style moe tp2 folded with ep2": dict(kind="qwen", tp=2, ep=2, sp=False),
 }
 
 

@@ -73,10 +73,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, reduction, chunk_tokens):  # noqa: D102
         rows = hidden.shape[0]
         valid = (targets != IGNORE_INDEX).sum()
-        # mean over the real tokens (F.cross_entropy's rule: nan when there are none), folded into the gradients
-        # before they meet the head's GEMMs, as the plain path scales its logits' gradient
+        # mean over the real tokens, folded into the gradients before they meet the head's GEMMs, as the plain path
+        # scales its logits' gradient; no real token at all (a fully masked micro-batch) is a loss of 0 with zero
+        # gradients, not 0/0 (which would make every gradient of the model NaN)
         acc = at_least_float32(hidden.dtype)
-        scale = 1.0 / valid.to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
+        if reduction == "mean":
+            scale = 1.0 / valid.clamp(min=1).to(acc)
+        else:
+            scale = torch.ones((), dtype=acc, device=hidden.device)
         needs = ctx.needs_input_grad
         grad_hidden = torch.empty_like(hidden) if needs[0] else None
         grad_weight = None
@@ -137,7 +141,7 @@ def linear_cross_entropy(
         hidden: (..., T, H) final hidden states (after the last norm).
         weight: (V, H) the LM head's weight.
         labels: (..., T) token ids; position t predicts ``labels[t + 1]``; -100 is ignored.
-        reduction: ``"mean"`` over the real tokens or ``"sum"``.
+        reduction: ``"mean"`` over the real tokens (0, with zero gradients, when every label is ignored) or ``"sum"``.
         chunk_tokens: rows of logits computed at once (default: :func:`default_chunk_tokens`).
     """
     if reduction not in ("mean", "sum"):
@@ -156,5 +160,5 @@ def linear_cross_entropy(
                      for s in range(0, flat.shape[0], chunk_tokens)),
                     torch.zeros((), dtype=at_least_float32(flat.dtype), device=flat.device),
                 )  # fmt: skip
-            return total / (targets != IGNORE_INDEX).sum() if reduction == "mean" else total
+            return total / (targets != IGNORE_INDEX).sum().clamp(min=1) if reduction == "mean" else total
         return _LinearCrossEntropy.apply(flat, weight, targets, reduction, chunk_tokens)

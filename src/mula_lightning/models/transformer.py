@@ -193,14 +193,19 @@ class MulaOutput:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored (transformers' rule)."""
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored (transformers' rule).
+
+    The mean is over the real tokens; when every label is ignored (a prompt-only sample, a padding row) it is 0 with
+    zero gradients, where ``F.cross_entropy``'s mean gives NaN (0/0), as the fused and vocabulary-parallel losses do.
+    """
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         upcast(logits).reshape(-1, logits.shape[-1]),
         shifted.reshape(-1),
         ignore_index=-100,
-        reduction=reduction,
+        reduction="sum" if reduction == "mean" else reduction,
     )
+    return loss / (shifted != -100).sum().clamp(min=1) if reduction == "mean" else loss
 
 
 class MulaForCausalLM(nn.Module):

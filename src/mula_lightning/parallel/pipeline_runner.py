@@ -6,15 +6,18 @@
 schedule over the topology's ``pp`` group, and answers the three things a training loop needs from a step that it
 cannot see whole:
 
-* **Gradients as one process would have them.** The schedule backpropagates every micro-batch's loss scaled by
-  ``loss_scale / microbatches`` (``loss_scale`` is the Trainer's ``1 / accumulate_grad_batches``), each stage's MoE
-  auxiliary losses with the same weight. A :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW` takes
-  gradients as they are produced: its reductions are held back during the schedule (every micro-batch adds into the
-  same buffers) and run once, at ``clip_grad_norm_`` / ``step``, like the last micro-batch of an accumulation window.
+* **Gradients as one process would have them.** The schedule backpropagates every micro-batch's summed
+  cross-entropy scaled by ``loss_scale / (real tokens of the whole batch)`` (``loss_scale`` is the Trainer's
+  ``1 / accumulate_grad_batches``; labels of -100 do not count), so the step's loss is the mean over the batch's real
+  tokens, as without pipelining, whatever the micro-batches' shares of masked labels (a fully masked one adds
+  nothing); each stage's MoE auxiliary losses are weighted ``loss_scale / microbatches``. A
+  :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW` takes gradients as they are produced: its
+  reductions are held back during the schedule (every micro-batch adds into the same buffers) and run once, at
+  ``clip_grad_norm_`` / ``step``, like the last micro-batch of an accumulation window.
 * **The loss on every rank.** Only the last stage sees the cross-entropy and each stage only its own layers'
   auxiliary losses: one all-reduce of two numbers over the ``pp`` group gives every rank of the pipeline the step's
-  loss (the mean over micro-batches of cross-entropy plus weighted auxiliary losses, what one process running the
-  micro-batches would report).
+  loss (the batch's per-token mean cross-entropy plus the mean over micro-batches of the weighted auxiliary losses,
+  what one process running the micro-batches would report).
 * **Evaluation**: a forward-only pass of the schedule that returns the summed cross-entropy of the batch.
 """
 
@@ -30,6 +33,7 @@ from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
 from mula_lightning.models.transformer import MulaForCausalLM
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
+from mula_lightning.parallel.tensor_parallel import check_sequence_split
 from mula_lightning.parallel.topology import MoETopology
 
 __all__ = ["PipelineLoss", "PipelineRunner"]
@@ -41,7 +45,7 @@ class PipelineLoss:
 
     Attributes:
         loss: ``lm_loss + aux_loss``.
-        lm_loss: the mean over micro-batches of each micro-batch's mean next-token cross-entropy.
+        lm_loss: the next-token cross-entropy averaged over the batch's real tokens (labels other than -100).
         aux_loss: the mean over micro-batches of the weighted MoE auxiliary losses of every stage.
         moe_aux: per MoE layer of the model, the side outputs of its last micro-batch on this rank's stages, None
             for the layers other stages hold (what ``MoEStats`` all-reduces).
@@ -108,9 +112,13 @@ class PipelineRunner:
         else:
             loss = self.model.loss_function(output, labels, self._reduction)
         self._raw.append(loss.detach())
-        return loss * self._scale
+        scale = self._scale.to(loss.dtype) if isinstance(self._scale, torch.Tensor) else self._scale
+        return loss * scale
 
-    def _schedule(self, batch_size: int, evaluating: bool = False) -> tuple[Any, int]:
+    def _schedule(self, input_ids: torch.Tensor, evaluating: bool = False) -> tuple[Any, int]:
+        if self.topology.sequence_parallel:  # the stages bypass the decoder's own check of the sequence length
+            check_sequence_split(int(input_ids.shape[-1]), self.topology.tp_size)
+        batch_size = int(input_ids.shape[0])
         count = self.microbatches or batch_size
         if batch_size % count and evaluating:  # a validation batch of another size: one sequence per micro-batch
             count = batch_size
@@ -125,7 +133,7 @@ class PipelineRunner:
             )  # fmt: skip
         return self._schedules[count], count
 
-    def _begin(self, reduction: str, scale: float, aux_scale: float) -> None:
+    def _begin(self, reduction: str, scale: float | torch.Tensor, aux_scale: float) -> None:
         self._raw, self._reduction, self._scale = [], reduction, scale
         for _, module in self.stages:
             module.aux_history = []
@@ -143,28 +151,40 @@ class PipelineRunner:
         """Forward and backward of every micro-batch of ``(input_ids, labels)`` (the same batch on every rank of the
         pipeline; only the first stage reads ``input_ids`` and the last ``labels``); the gradients are those of
         ``loss_scale x`` the step's loss. Collective over the ``pp`` group (and the stage's EP / TP groups)."""
-        schedule, count = self._schedule(int(input_ids.shape[0]))
-        self._begin("mean", loss_scale, loss_scale / count)
+        schedule, count = self._schedule(input_ids)
+        # each micro-batch's summed cross-entropy over the batch's real tokens (ignored labels, -100, do not count):
+        # the step's loss is the mean over the batch's real tokens, as one forward of the whole batch computes it, and
+        # a fully masked micro-batch adds 0 instead of a NaN (a mean over its own tokens would be 0/0)
+        tokens = self._real_tokens(labels) if self.last else None
+        # (the schedule's loss function divides by the micro-batch count: multiplied back here)
+        scale = loss_scale * count / tokens if tokens is not None else loss_scale
+        self._begin("sum", scale, loss_scale / count)
         args = (input_ids,) if self.first else ()
         kwargs = {"target": labels, "losses": []} if self.last else {}
         schedule.step(*args, **kwargs)
         # the last ``count`` forwards of each stage are the micro-batches' (a schedule's first step runs one more,
         # to infer the shapes it sends)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        lm = torch.stack(self._raw[-count:]).sum() if self.last else zero
+        lm = torch.stack(self._raw[-count:]).sum() / tokens if self.last else zero
         aux = [a for _, m in self.stages for a in m.aux_history[-count:]]
         for _, module in self.stages:
             module.add_loads(count)  # the micro-batches' expert loads, for the selection bias's update
-        lm, aux = self._pipeline_sum([lm, torch.stack(aux).sum() if aux else zero]) / count
+        lm, aux = self._pipeline_sum([lm, (torch.stack(aux).sum() if aux else zero) / count])
         held = {i: a for _, m in self.stages for i, a in zip(m.last_aux_layers, m.last_aux)}
         config = self.model.config
         moe_aux = [held.get(i) for i in range(config.num_layers) if config.is_moe_layer(i)]
         return PipelineLoss(loss=lm + aux, lm_loss=lm, aux_loss=aux, moe_aux=moe_aux)
 
+    def _real_tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        """The batch's next-token targets that count (labels shifted by one, -100 ignored), at least 1, as a float64
+        tensor on the device (no host read)."""
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        return (shifted != -100).sum().clamp(min=1).to(self.device, torch.float64)
+
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed next-token cross-entropy of the batch (forward only), on every rank of the pipeline."""
-        schedule, count = self._schedule(int(input_ids.shape[0]), evaluating=True)
+        schedule, count = self._schedule(input_ids, evaluating=True)
         self._begin("sum", 1.0, 0.0)
         args = (input_ids,) if self.first else ()
         kwargs = {"target": labels, "losses": []} if self.last else {}

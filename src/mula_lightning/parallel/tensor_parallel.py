@@ -35,12 +35,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mula_lightning.models.rms_norm import rms_norm
 from mula_lightning.models.transformer import MulaAttention, MulaDecoderLayer, MulaForCausalLM, MulaMLP, RMSNorm
 from mula_lightning.moe.router import Router
 from mula_lightning.parallel.collectives import all_reduce
 from mula_lightning.utils.precision import upcast
 
-__all__ = ["HeadShardedRMSNorm", "apply_tensor_parallel", "check_tensor_parallel", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "HeadShardedRMSNorm",
+    "PerHeadRMSNorm",
+    "apply_tensor_parallel",
+    "check_sequence_split",
+    "check_tensor_parallel",
+    "vocab_parallel_cross_entropy",
+]
 
 
 def check_tensor_parallel(config: Any, tp: int) -> None:
@@ -135,7 +143,29 @@ def vocab_parallel_cross_entropy(
         return per_token
     if reduction == "sum":
         return per_token.sum()
-    return per_token.sum() / valid.sum()
+    return per_token.sum() / valid.sum().clamp(min=1)  # no real token: 0 with zero gradients, not 0/0
+
+
+class PerHeadRMSNorm(nn.Module):
+    """A per-head :class:`RMSNorm` (Qwen3's q/k norm: one ``head_dim`` weight shared by every head) on this rank's
+    heads: its weight is a replicated DTensor whose gradient is marked ``Partial`` over ``tp``.
+
+    Why: each ``tp`` rank normalises only its own heads, so the weight's local gradient is a partial sum over heads
+    (the full gradient is their sum over ``tp``), with or without sequence parallelism; as a plain parameter the
+    sharded optimizer would take it for a full copy on every rank and scale it by ``1/tp`` (halving it at ``tp=2``:
+    a wrong global norm, clipping and Adam moments). Built from the replicated norm it replaces (same key)."""
+
+    def __init__(self, norm: RMSNorm, tp_mesh: Any) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.eps = norm.eps
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Replicate()]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Partial
+
+        return rms_norm(x, self.weight.to_local(grad_placements=[Partial()]), self.eps)
 
 
 def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int, sequence_parallel: bool) -> None:
@@ -147,9 +177,9 @@ def _plan_attention(attn: MulaAttention, tp_mesh: Any, tp: int, sequence_paralle
     parallelize_module(attn, tp_mesh, plan)
     parallelize_module(attn, tp_mesh, _shared_input(sequence_parallel, extra=2))  # (x, cos, sin)
     attn.num_heads, attn.num_kv_heads = attn.config.num_heads // tp, attn.config.num_kv_heads // tp
-    if attn.config.qk_norm and not attn.config.qk_norm_per_head:  # a per-head norm needs no other rank's heads
-        attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh)
-        attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh)
+    if attn.config.qk_norm:  # a per-head norm needs no other rank's heads, but its gradient is a partial sum
+        norm = PerHeadRMSNorm if attn.config.qk_norm_per_head else HeadShardedRMSNorm
+        attn.q_norm, attn.k_norm = norm(attn.q_norm, tp_mesh), norm(attn.k_norm, tp_mesh)
 
 
 def _shared_input(sequence_parallel: bool, extra: int = 0) -> Any:
@@ -168,14 +198,23 @@ def _shared_input(sequence_parallel: bool, extra: int = 0) -> Any:
     )
 
 
-def _check_sequence_split(module: nn.Module, args: tuple[Any, ...], tp: int) -> None:
-    """Sequence parallelism cuts each sequence into ``tp`` equal parts: name a length that does not divide."""
-    seq_len = args[0].shape[1] if args and args[0].dim() == 2 else None
-    if seq_len is not None and seq_len % tp:
+def check_sequence_split(seq_len: int, tp: int) -> None:
+    """Sequence parallelism cuts each sequence into ``tp`` equal parts: name a length that does not divide.
+
+    Raises:
+        ValueError: naming both values when ``tp`` does not divide ``seq_len``.
+    """
+    if seq_len % tp:
         raise ValueError(
             f"sequence parallelism splits each sequence over tp_size ({tp}) ranks: the sequence length ({seq_len}) "
             "must be divisible by it"
         )
+
+
+def _check_sequence_split(module: nn.Module, args: tuple[Any, ...], tp: int) -> None:
+    """The forward pre-hook of the model's decoder: :func:`check_sequence_split` of its input ids."""
+    if args and args[0].dim() == 2:
+        check_sequence_split(args[0].shape[1], tp)
 
 
 def _held(model: nn.Module, path: str) -> bool:
@@ -235,7 +274,7 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
     plan = {k: v for k, v in plan.items() if _held(model, k)}
     if plan:
         parallelize_module(model, tp_mesh, plan)
-    if sp:
+    if sp:  # (pipeline stages bypass the decoder's forward: PipelineRunner checks its batches itself)
         model.model.register_forward_pre_hook(partial(_check_sequence_split, tp=tp))
     vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)
     model.loss_function = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=tp_mesh.get_group())
