@@ -4,7 +4,8 @@ Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; about a minute). Opti
 ``--models dense moe``, ``--layouts zero3 zero_topo epso``; ``--export``: instead, ``mula export`` of a checkpoint
 saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh process;
 ``--init-from``: instead, the setup of a run that starts from existing weights (``init_from``: a DCP checkpoint and
-a transformers directory of the model, written by one process), per layout.
+a transformers directory of the model, written by one process), per layout; ``--precision bf16-true``: bf16
+parameters (the optimizers keep float32 masters, moments and, for ``epso``, float32 gradient buffers).
 
 Why: the presets go to 220B parameters; a rank that holds the whole model (or several copies of it) at any phase
 cannot start or checkpoint such a run. For each phase every rank samples its resident memory (``/proc/self/statm``,
@@ -165,12 +166,13 @@ def fixed_mmap_threshold() -> None:
         ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024)
 
 
-def _rank(rank: int, world_size: int, layout: str, model: str, path: str) -> dict:
+def _rank(rank: int, world_size: int, layout: str, model: str, path: str, precision: str = "32-true") -> dict:
     from lightning.fabric import Fabric
 
     fixed_mmap_threshold()
     torch.set_num_threads(1)
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, model, world_size))
+    strategy = _strategy(layout, model, world_size)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
     fabric.launch()
     # warm-up on a tiny model of the same family: the code each phase imports and the process groups the strategy
     # creates (a fixed cost of the order of 100 MB) are in place before the measured run, whose rises are then what
@@ -298,6 +300,10 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--export", action="store_true", help="measure mula export instead (streamed vs in memory)")
     parser.add_argument("--init-from", action="store_true", help="measure setup from existing weights instead")
+    parser.add_argument(
+        "--precision", choices=("32-true", "bf16-true"), default="32-true",
+        help="bf16-true: bf16 parameters with the optimizer's float32 master, moments and gradient buffers",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.init_from:
         init_from_table(args.models, args.world, args.layouts)
@@ -305,7 +311,10 @@ def main() -> None:
     if args.export:
         export_table(args.models, args.world[0])
         return
-    print(f"torch {torch.__version__}, CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes")
+    print(
+        f"torch {torch.__version__}, {args.precision}, CPU threads 1 per rank; ratios = largest rise over the ranks / "
+        "full fp32 bytes"
+    )
     columns = ("setup", "kept", "step", "save", "load", "model-only")
     print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>10}" for c in columns))
     for world in args.world:
@@ -313,7 +322,9 @@ def main() -> None:
             for layout in args.layouts:
                 with tempfile.TemporaryDirectory() as tmp:
                     path = os.path.join(tmp, "ckpt")
-                    results = run_distributed_test(_rank, world, layout=layout, model=model, path=path, timeout=900)
+                    results = run_distributed_test(
+                        _rank, world, layout=layout, model=model, path=path, precision=args.precision, timeout=900
+                    )
                 full = results[0]["full_bytes"]
                 ratios = " ".join(f"{max(r[c] for r in results) / full:>9.2f}x" for c in columns)
                 print(f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {ratios}", flush=True)

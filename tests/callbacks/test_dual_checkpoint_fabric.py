@@ -65,3 +65,53 @@ def test_fabric_save_and_load_reproduce_the_uninterrupted_run(tmp_path, async_sa
     assert remainder == {"step": 3} and ckpt.resumed_from == slot
     assert _steps(model, opt, sched, 3) == expected
     assert resolve_last_checkpoint(tmp_path, model) == slot / "state.ckpt"
+
+
+class _Unsavable:
+    """A stateful object whose state cannot be collected on one rank (host memory exhausted there)."""
+
+    def __init__(self, fails: bool):
+        self.fails = fails
+
+    def state_dict(self):
+        if self.fails:
+            raise MemoryError("cannot allocate 860 MB for the state")
+        return {"ok": 1}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _ddp_save_failing_on_rank_one(rank, world_size, root, async_save):
+    from mula_lightning.checkpoint.slots import CheckpointWriteError
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="ddp")
+    fabric.launch()
+    model = fabric.setup(torch.nn.Linear(4, 4))
+    ckpt = DualCheckpoint(root, every_n_train_steps=1, async_save=async_save)
+    ckpt.save_fabric(fabric, {"model": model, "extra": _Unsavable(False)}, step=1)
+    ckpt.wait()
+    start = time.monotonic()
+    try:
+        ckpt.save_fabric(fabric, {"model": model, "extra": _Unsavable(rank == 1)}, step=2)
+        ckpt.wait()
+        return "nothing raised", 0.0
+    except CheckpointWriteError as err:
+        return str(err), time.monotonic() - start
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_state_one_ddp_rank_cannot_collect_fails_every_rank_at_once(tmp_path, async_save):
+    """Fabric DDP on 2 processes: the state of step 2 cannot be collected on rank 1 while rank 0 writes. Every rank
+    raises CheckpointWriteError naming rank 1's error within seconds, synchronous and asynchronous, and step 1's slot
+    stays the one to resume from (rank 0 never wrote its file of step 2 alone and waited in Fabric's barrier)."""
+    from mula_lightning.checkpoint.slots import read_marker, resolve_last
+    from mula_lightning.testing import run_pooled_test
+
+    results = run_pooled_test(_ddp_save_failing_on_rank_one, 2, root=str(tmp_path), async_save=async_save,
+                              timeout=120)  # fmt: skip
+    for message, seconds in results:
+        assert "rank 1: MemoryError: cannot allocate 860 MB for the state" in message, message
+        assert seconds < 30
+    assert read_marker(resolve_last(tmp_path))["step"] == 1

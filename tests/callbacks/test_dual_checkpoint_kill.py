@@ -232,7 +232,9 @@ def test_sigkill_at_random_instants_always_resumes_from_a_complete_slot_with_ide
             dirpath=str(ckpt),
             log=str(log),
             steps=10**6,
-            kill_after=rng.uniform(0.1, 1.0),
+            # a pipeline step and its save take longer: its kills come within 2 s, so that on a busy 2-core machine a
+            # save still completes within some trial (every trial timed out inside its first save once, at 1 s)
+            kill_after=rng.uniform(0.1, 1.0) * (2.0 if pipeline else 1.0),
             sleep=rng.choice([0.0, 0.02, 0.05]),
             async_save=async_save,
             pipeline=pipeline,

@@ -255,15 +255,15 @@ class DualCheckpoint(ModelCheckpoint):
                 run_id=self.run_id,
                 on_complete=self._completed,
             )
-        # the sharded strategies: the state collected and agreed on every rank before any rank enters DCP (a rank
-        # that fails to collect must not leave the others waiting in DCP's collectives); Lightning's own strategies
-        # write through trainer.save_checkpoint as they define it
-        sharded = hasattr(trainer.strategy, "stage_checkpoint")
+        # the state collected and agreed on every rank before any rank writes (a rank that fails to collect must not
+        # leave the others waiting in DCP's collectives or a barrier); a strategy with a save of its own that this
+        # module does not know (FSDP, DeepSpeed) writes through trainer.save_checkpoint as it defines it
+        prepared = _writes_prepared_state(trainer.strategy, "lightning.pytorch.strategies")
         slot = save_slot(
             self.dirpath,
             step,
-            None if sharded else write,
-            prepare=(lambda: _staged_trainer_checkpoint(trainer, copy=False)) if sharded else None,
+            None if prepared else write,
+            prepare=(lambda: _staged_trainer_checkpoint(trainer, copy=False)) if prepared else None,
             layout=_layout(trainer.strategy),
             signature=signature,
             phase_hook=self.phase_hook,
@@ -342,12 +342,12 @@ class DualCheckpoint(ModelCheckpoint):
                 run_id=self.run_id,
                 on_complete=self._completed,
             )
-        sharded = hasattr(fabric.strategy, "stage_checkpoint")  # as for the Trainer's save above
+        prepared = _writes_prepared_state(fabric.strategy, "lightning.fabric.strategies")  # as for the Trainer
         slot = save_slot(
             self.dirpath,
             step,
-            None if sharded else (lambda path: fabric.save(path, state)),
-            prepare=(lambda: _staged_fabric_state(fabric, state, copy=False)) if sharded else None,
+            None if prepared else (lambda path: fabric.save(path, state)),
+            prepare=(lambda: _staged_fabric_state(fabric, state, copy=False)) if prepared else None,
             layout=_layout(fabric.strategy),
             signature=signature,
             phase_hook=self.phase_hook,
@@ -374,14 +374,26 @@ class DualCheckpoint(ModelCheckpoint):
         return remainder
 
 
+def _writes_prepared_state(strategy: Any, base_module: str) -> bool:
+    """Whether a synchronous save can collect ``strategy``'s state first and write it afterwards, as the
+    asynchronous one does: the sharded strategies (``stage_checkpoint``), and Lightning's strategies whose
+    ``save_checkpoint`` is the base class's (DDP, one device: rank 0 writes the checkpoint it was given)."""
+    if hasattr(strategy, "stage_checkpoint"):
+        return True
+    import importlib
+
+    base = importlib.import_module(base_module).Strategy
+    return type(strategy).save_checkpoint is base.save_checkpoint
+
+
 def _staged_trainer_checkpoint(trainer: Any, copy: bool = True) -> Any:
     """The Trainer's checkpoint of this step in host memory, and ``write(path, group)`` for the background thread
-    (``copy=False``, sharded strategies only: the live state, for a synchronous write)."""
+    (``copy=False``: the live state, for a synchronous write)."""
     strategy = trainer.strategy
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     if hasattr(strategy, "stage_checkpoint"):  # the sharded strategies: this rank's pieces, DCP over ``group``
         return strategy.stage_checkpoint(checkpoint, copy=copy)
-    staged = stage_to_host(checkpoint)  # Lightning's own strategies: one file, written by rank 0
+    staged = stage_to_host(checkpoint) if copy else checkpoint  # Lightning's own strategies: one file, by rank 0
 
     def write(path: Path, group: Any) -> None:
         if rank_world()[0] == 0:
@@ -393,14 +405,15 @@ def _staged_trainer_checkpoint(trainer: Any, copy: bool = True) -> Any:
 
 def _staged_fabric_state(fabric: Any, state: dict[str, Any], copy: bool = True) -> Any:
     """Fabric ``state`` of this step in host memory, and ``write(path, group)`` for the background thread
-    (``copy=False``, sharded strategies only: the live state, for a synchronous write)."""
+    (``copy=False``: the live state, for a synchronous write)."""
     from lightning.fabric.fabric import _unwrap_objects
 
     strategy = fabric.strategy
     state = _unwrap_objects(state)
     if hasattr(strategy, "stage_checkpoint"):  # the sharded strategies: this rank's pieces, DCP over ``group``
         return strategy.stage_checkpoint(state, copy=copy)
-    staged = stage_to_host(strategy._convert_stateful_objects_in_state(state, filter={}))  # as fabric.save does
+    converted = strategy._convert_stateful_objects_in_state(state, filter={})  # as fabric.save does
+    staged = stage_to_host(converted) if copy else converted
 
     def write(path: Path, group: Any) -> None:
         if rank_world()[0] == 0:
