@@ -183,12 +183,12 @@ def _trainer_fit_both_paths(rank, world_size):
     def whole_model_path(*args, **kwargs):
         raise AssertionError("the sharded setup materialised the whole model")
 
-    whole, sharded_init = zero_topo._materialize, zero_topo.ZeroTopoOptions._sharded_initializer
-    zero_topo._materialize = whole_model_path
+    whole, sharded_init = zero_topo._materialize_whole, zero_topo.ZeroTopoOptions._sharded_initializer
+    zero_topo._materialize_whole = whole_model_path
     try:
         sharded = fit()
     finally:
-        zero_topo._materialize = whole
+        zero_topo._materialize_whole = whole
     zero_topo.ZeroTopoOptions._sharded_initializer = lambda self, module: None
     try:
         reference = fit()
@@ -322,3 +322,63 @@ def test_each_rank_draws_only_its_weight_chunk(layout):
         assert kept * weight_size == sum(numel for _, numel in chunks)
         assert 0 < sum(count for _, _, count in drawn) == in_chunk <= kept  # padding is zero, never drawn
         assert max(count for _, _, count in drawn) < max(numel for _, numel in chunks)
+
+
+def _validate_sharded(rank, world_size, path):
+    """Fit 2 steps and save (``trainer.save_checkpoint``); then ``Trainer.validate`` of a fresh meta model from that
+    checkpoint, with the whole-model path made to raise. Returns (the loss validation logged, the fitted model's loss
+    on the same batch computed with its full parameters)."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader
+
+    from mula_lightning.strategies import ZeroTopoStrategy, zero_topo
+
+    class TinyLM(LightningModule):
+        def configure_model(self):
+            with torch.device("meta"):
+                self.model = MulaForCausalLM(_config())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch, labels=batch).loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(batch, labels=batch).loss, sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), **HP)
+
+    def trainer(**kwargs):
+        return Trainer(
+            accelerator="cpu", devices=world_size, precision="64-true", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            strategy=ZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, block_size=16), **kwargs,
+        )  # fmt: skip
+
+    fitted = TinyLM()
+    fit = trainer(max_steps=2)
+    fit.fit(fitted, DataLoader(torch.cat([_batch(s, rank) for s in range(2)]), batch_size=2))
+    fit.save_checkpoint(path)
+    x = _batch(9, 0)
+    with fit.strategy.engine.full_parameters(), torch.no_grad():
+        expected = fitted.model(x, labels=x).loss.item()
+
+    def whole_model_path(*args, **kwargs):
+        raise AssertionError("validation materialised the whole model")
+
+    whole, zero_topo._materialize_whole = zero_topo._materialize_whole, whole_model_path
+    try:
+        check = trainer()
+        metrics = check.validate(TinyLM(), DataLoader(x, batch_size=2), ckpt_path=path, verbose=False)
+    finally:
+        zero_topo._materialize_whole = whole
+    return metrics[0]["val_loss"], expected, check.strategy.engine is not None
+
+
+@pytest.mark.distributed
+def test_trainer_validate_sets_up_sharded_and_reads_the_checkpoint(tmp_path):
+    """``Trainer.validate`` with ``zero_topo`` (2 processes, a model built on the meta device in ``configure_model``,
+    ``ckpt_path`` of a fitted run): the module is sharded by the engine, never materialised whole (before, every
+    evaluation took the whole-model path), and the validation loss equals the fitted model's on the same batch."""
+    for val_loss, expected, sharded in run_pooled_test(_validate_sharded, 2, path=str(tmp_path / "ckpt"), timeout=300):
+        assert sharded
+        assert abs(val_loss - expected) <= 1e-6 * abs(expected), (val_loss, expected)

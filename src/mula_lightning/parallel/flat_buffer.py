@@ -238,6 +238,14 @@ class FlatBuffer:
                 target.copy_(self.initial_value(source).reshape(-1)[first : first + target.numel()])
         return out
 
+    def regroup(self, group_of: dict[int, int]) -> None:
+        """Give the slots new param-group indices (``id(parameter) -> index``; others keep theirs) and recompute
+        :attr:`runs`. The layout stays as it is (laid out by the groups it was built with, a run may now be cut
+        where groups alternate): for an optimizer built after the buffer, from its parameters."""
+        for slot in self.slots:
+            slot.group_index = group_of.get(id(slot.param), slot.group_index)
+        self.runs = self._group_runs()
+
     def _group_runs(self) -> list[tuple[int, int, int]]:
         """Owned elements as maximal (local_start, local_end, group_index) runs; padding joins its neighbours.
 

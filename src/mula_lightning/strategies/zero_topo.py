@@ -24,6 +24,7 @@ Precision: ``32-true`` or ``bf16-true`` (bf16 weights, fp32 masters in the optim
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -61,6 +62,8 @@ from mula_lightning.strategies.common import (
     ddp_arguments,
     repoint_scheduler,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,8 +109,16 @@ def build_engine(
     optimizer = unwrap_optimizer(optimizer)
     if isinstance(optimizer, HierarchicalZeroAdamW):
         return optimizer
-    if type(optimizer) is not torch.optim.AdamW or any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise TypeError(f"the zero_topo strategy implements AdamW (amsgrad=False); got {type(optimizer).__name__}")
+    if optimizer is None:  # set up before its optimizer: one group of every trainable parameter, until adopted
+        return HierarchicalZeroAdamW(
+            module,
+            settings.layout(world_size),
+            None,
+            **settings.engine_kwargs(),
+            initializer=initializer,
+            device=device,
+        )
+    check_adamw(optimizer)
     current = {logical_name(n): p for n, p in module.named_parameters()}
     live = {id(p) for p in current.values()}
     keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
@@ -128,9 +139,23 @@ def build_engine(
     )
 
 
-def _materialize(
+def check_adamw(optimizer: Any) -> None:
+    """The engine implements AdamW: refuse anything else, naming it."""
+    if type(optimizer) is not torch.optim.AdamW or any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise TypeError(f"the zero_topo strategy implements AdamW (amsgrad=False); got {type(optimizer).__name__}")
+
+
+def _materialize_whole(
     module: nn.Module, device: torch.device, rank: int, world_size: int, seed: int, weights: InitWeights | None
 ) -> None:
+    """The whole model on every rank, drawn or read once and broadcast: for a module the engine cannot materialise
+    one unit at a time (not on the meta device, frozen parameters, modules outside a Mula model). Says so on rank 0
+    when the module was on the meta device (a sharded set-up was likely expected)."""
+    if rank == 0 and any(p.is_meta for p in module.parameters()):
+        log.warning(
+            "zero_topo: materialising the whole model on every rank before sharding it (the module holds frozen "
+            "parameters or parameters outside a Mula model, which are not drawn one unit at a time)"
+        )
     topology = MoETopology(dp_size=world_size, ep_size=1, rank=rank)
     materialize_and_broadcast(module, topology, device, seed=seed, weights=weights)
 
@@ -252,6 +277,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
     def _init_flavour(self) -> None:
         self._backward_sync_control = _NoReduceControl()
         self.engine: HierarchicalZeroAdamW | None = None
+        self._adopted = True  # False while an engine built at setup_module waits for the optimizer's param groups
         self._module: nn.Module | None = None
         self._names: dict[int, str] = {}
 
@@ -272,11 +298,25 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        """``fabric.setup_module(model)`` (then ``fabric.setup_optimizers(AdamW(model.parameters()))``, the order
+        Lightning documents for sharded strategies, or no optimizer at all for evaluation): a meta Mula model is
+        materialised by the engine one unit at a time, as by ``fabric.setup(model, optimizer)``; the optimizer built
+        afterwards gives the engine its param groups. Otherwise the whole model is materialised on every rank, and
+        a log line says so."""
         self._names = {id(p): n for n, p in module.named_parameters()}
-        _materialize(
-            module, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
-        )
         self._module = module
+        initializer = self._sharded_initializer(module)
+        if initializer is None:
+            _materialize_whole(
+                module, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
+            )
+            return module
+        move_real_tensors(module, self.root_device)
+        self.engine = build_engine(module, None, self.settings, self.world_size, self._names, initializer,
+                                   self.root_device)  # fmt: skip
+        self._adopted = False
+        _release(initializer)
+        init_mula_buffers(module, self.init_weights(), self.root_device)  # the routers' selection bias, if any
         return module
 
     @override
@@ -303,6 +343,13 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> HierarchicalZeroAdamW:
         if self._module is None:
             raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
+        if self.engine is not None and not self._adopted:  # the engine sharded the module at setup_module
+            inner = unwrap_optimizer(optimizer)
+            if inner is not self.engine:
+                check_adamw(inner)
+                self.engine.adopt_param_groups(inner.param_groups)
+            self._adopted = True
+            return self.engine
         self.engine = build_engine(self._module, optimizer, self.settings, self.world_size, self._names)
         return self.engine
 
@@ -343,9 +390,12 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
 
     strategy_name = "zero_topo"
 
+    _engine: HierarchicalZeroAdamW | None = None
+
     @property
     def engine(self) -> HierarchicalZeroAdamW | None:
-        return unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
+        """The engine holding the model's chunks (also for evaluation: the module is sharded whenever it can be)."""
+        return self._engine
 
     @override
     def setup_environment(self) -> None:
@@ -365,9 +415,9 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         self.precision_plugin.convert_module(self.model)
         names = {id(p): n for n, p in self.model.named_parameters()}
         fitting = trainer.state.fn == TrainerFn.FITTING
-        initializer = self._sharded_initializer(self.model) if fitting else None
-        if initializer is None:  # evaluation, or a model that cannot be made parameter by parameter
-            _materialize(
+        initializer = self._sharded_initializer(self.model)
+        if initializer is None:  # a model that cannot be made parameter by parameter
+            _materialize_whole(
                 self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
             )
         else:  # the engine materialises one unit at a time below
@@ -377,13 +427,19 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(f"zero_topo trains with exactly one optimizer, got {len(self.optimizers)}")
-            engine = build_engine(
+            self._engine = build_engine(
                 self.model, self.optimizers[0], self.settings, self.world_size, names, initializer, self.root_device
             )
-            _release(initializer)
             for config in self.lr_scheduler_configs:
-                repoint_scheduler(config.scheduler, engine)
-            self.optimizers = [engine]
+                repoint_scheduler(config.scheduler, self._engine)
+            self.optimizers = [self._engine]
+        elif initializer is not None:  # validate / test / predict: sharded too, the engine never steps
+            self._engine = build_engine(self.model, None, self.settings, self.world_size, names, initializer,
+                                        self.root_device)  # fmt: skip
+        else:
+            self._engine = None
+        if initializer is not None:
+            _release(initializer)
         self.setup_precision_plugin()
 
     @override
@@ -417,20 +473,22 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        engine = self.engine
-        if engine is None:  # validate / predict: plain full tensors
+        engine, training = self.engine, bool(self.optimizers)
+        if engine is None:  # a model set up whole: plain full tensors
             targets: dict[str, Any] = {
                 "state_dict": {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             }
         else:
             targets = {"state_dict": zc.model_state_dict(engine, self.model)}
-            targets["optimizer_0"] = zc.optimizer_state_dict(engine, for_load=True)
-        metadata = load_dcp(self.checkpoint_to_read(checkpoint_path), targets, strict=engine is not None)
+            if training:
+                targets["optimizer_0"] = zc.optimizer_state_dict(engine, for_load=True)
+        metadata = load_dcp(self.checkpoint_to_read(checkpoint_path), targets, strict=training)
         if engine is None:
             self.model.load_state_dict(targets["state_dict"])
         else:
             zc.load_model_state_dict(engine, targets["state_dict"])
-            zc.apply_optimizer_state_dict(engine, targets["optimizer_0"])
+            if training:
+                zc.apply_optimizer_state_dict(engine, targets["optimizer_0"])
         return metadata
 
     @classmethod

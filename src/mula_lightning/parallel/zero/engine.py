@@ -252,6 +252,43 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
         install_expert_bias_update(self, model)  # auxiliary-loss-free balancing: loads summed over every rank
 
+    def adopt_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Take the param groups and hyper-parameters of an optimizer built after the engine from the model's
+        (materialised, sharded) parameters: Lightning's two-call set-up of a sharded strategy, ``setup_module`` then
+        an AdamW of ``model.parameters()``. The layout and every chunk stay as they are; each parameter's updates
+        follow its new group.
+
+        Raises:
+            ValueError: naming parameters the engine does not hold, held twice, or trained by the engine but left out
+                of the groups (freeze them before the module is set up instead).
+        """
+        slots = {id(s.param): s for u in self.units for s in u.buf.slots}
+        names = {id(s.param): s.name for s in slots.values()}
+        seen: dict[int, int] = {}
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                if id(p) not in slots:
+                    raise ValueError(
+                        f"an optimizer parameter of shape {tuple(p.shape)} is not one the zero_topo engine holds: "
+                        "build the optimizer from the set-up module's parameters"
+                    )
+                if id(p) in seen:
+                    raise ValueError(f"parameter {names[id(p)]} is in more than one param group")
+                seen[id(p)] = gi
+        missing = [names[k] for k in slots if k not in seen]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameters are not in the optimizer ({', '.join(missing[:3])}, ...): "
+                "zero_topo updates every parameter it shards; freeze them (requires_grad_(False)) before setting up "
+                "the module, or pass them to the optimizer"
+            )
+        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+        self.param_groups = []
+        for group in groups:
+            self.add_param_group({"params": list(group["params"]), **{k: v for k, v in group.items() if k in keep}})
+        for u in self.units:
+            u.buf.regroup(seen)
+
     def _swap_parameters(
         self, replaced: dict[int, nn.Parameter], owners: dict[int, list[tuple[nn.Module, str]]]
     ) -> None:

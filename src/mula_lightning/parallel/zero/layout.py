@@ -172,7 +172,8 @@ class ZeroTopoLayout:
 
     def post_step_ranks(self, rank: int) -> list[int]:
         """Ranks of this optimizer group whose optimizer chunks tile this rank's weight chunk."""
-        return [r for r in self._block(rank, self.optimizer_size) if r % self.weight_size == rank % self.weight_size]
+        start = rank - rank % self.optimizer_size  # a multiple of weight_size, which divides optimizer_size
+        return list(range(start + rank % self.weight_size, start + self.optimizer_size, self.weight_size))
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         """Every group of every kind, in a fixed order (all ranks create them identically)."""
@@ -185,10 +186,9 @@ class ZeroTopoLayout:
         }
         out: dict[str, list[list[int]]] = {}
         for kind, fn in kinds.items():
-            seen: list[list[int]] = []
+            seen: dict[tuple[int, ...], list[int]] = {}  # first-seen order; a dict keeps it linear in the world size
             for r in range(self.world_size):
                 ranks = fn(r)
-                if ranks not in seen:
-                    seen.append(ranks)
-            out[kind] = seen
+                seen.setdefault(tuple(ranks), ranks)
+            out[kind] = list(seen.values())
         return out
