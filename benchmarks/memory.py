@@ -5,7 +5,8 @@ Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; about a minute). Opti
 saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh process;
 ``--init-from``: instead, the setup of a run that starts from existing weights (``init_from``: a DCP checkpoint and
 a transformers directory of the model, written by one process), per layout; ``--precision bf16-true``: bf16
-parameters (the optimizers keep float32 masters, moments and, for ``epso``, float32 gradient buffers).
+parameters (the optimizers keep float32 masters, moments and, for ``epso``, float32 gradient buffers); ``--two-call``:
+setup as ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(AdamW(model.parameters()))``.
 
 Why: the presets go to 220B parameters; a rank that holds the whole model (or several copies of it) at any phase
 cannot start or checkpoint such a run. For each phase every rank samples its resident memory (``/proc/self/statm``,
@@ -111,8 +112,9 @@ def _strategy(layout: str, model: str, world_size: int):
     return FabricEPSOStrategy(ep_size=2 if model == "moe" and world_size > 1 else 1)
 
 
-def _phases(fabric, config, path: str) -> dict:
-    """Build on meta, setup, one step, save and load: each phase's rise and what setup kept (bytes)."""
+def _phases(fabric, config, path: str, two_call: bool = False) -> dict:
+    """Build on meta, setup, one step, save and load: each phase's rise and what setup kept (bytes). ``two_call``:
+    setup is ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(AdamW(model.parameters()))``."""
     from mula_lightning.models import MulaForCausalLM
 
     out: dict[str, int] = {}
@@ -120,7 +122,11 @@ def _phases(fabric, config, path: str) -> dict:
         net = MulaForCausalLM(config)
     out["full_bytes"] = sum(p.numel() * 4 for p in net.parameters())
     with PhaseSampler() as phase:
-        net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+        if two_call:  # the order Lightning documents for sharded strategies
+            net = fabric.setup_module(net)
+            optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-4))
+        else:
+            net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
     out["setup"], out["kept"] = phase.rise, phase.kept
     fabric.barrier()
     tokens = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -166,7 +172,9 @@ def fixed_mmap_threshold() -> None:
         ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024)
 
 
-def _rank(rank: int, world_size: int, layout: str, model: str, path: str, precision: str = "32-true") -> dict:
+def _rank(
+    rank: int, world_size: int, layout: str, model: str, path: str, precision: str = "32-true", two_call: bool = False
+) -> dict:
     from lightning.fabric import Fabric
 
     fixed_mmap_threshold()
@@ -181,8 +189,8 @@ def _rank(rank: int, world_size: int, layout: str, model: str, path: str, precis
     tiny["intermediate_size"] = 64
     from mula_lightning.models import MulaConfig
 
-    _phases(fabric, MulaConfig(**tiny), path + "-warmup")
-    return _phases(fabric, _config(model), path)
+    _phases(fabric, MulaConfig(**tiny), path + "-warmup", two_call)
+    return _phases(fabric, _config(model), path, two_call)
 
 
 def _export_rank(rank: int, world_size: int, model: str, path: str, out: str, streamed: bool) -> dict:
@@ -304,6 +312,10 @@ def main() -> None:
         "--precision", choices=("32-true", "bf16-true"), default="32-true",
         help="bf16-true: bf16 parameters with the optimizer's float32 master, moments and gradient buffers",
     )  # fmt: skip
+    parser.add_argument(
+        "--two-call", action="store_true",
+        help="set up with fabric.setup_module(model), then fabric.setup_optimizers(AdamW(model.parameters()))",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.init_from:
         init_from_table(args.models, args.world, args.layouts)
@@ -312,8 +324,8 @@ def main() -> None:
         export_table(args.models, args.world[0])
         return
     print(
-        f"torch {torch.__version__}, {args.precision}, CPU threads 1 per rank; ratios = largest rise over the ranks / "
-        "full fp32 bytes"
+        f"torch {torch.__version__}, {args.precision}{', setup_module + setup_optimizers' if args.two_call else ''}, "
+        "CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes"
     )
     columns = ("setup", "kept", "step", "save", "load", "model-only")
     print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>10}" for c in columns))
@@ -323,8 +335,9 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     path = os.path.join(tmp, "ckpt")
                     results = run_distributed_test(
-                        _rank, world, layout=layout, model=model, path=path, precision=args.precision, timeout=900
-                    )
+                        _rank, world, layout=layout, model=model, path=path, precision=args.precision,
+                        two_call=args.two_call, timeout=900,
+                    )  # fmt: skip
                 full = results[0]["full_bytes"]
                 ratios = " ".join(f"{max(r[c] for r in results) / full:>9.2f}x" for c in columns)
                 print(f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {ratios}", flush=True)

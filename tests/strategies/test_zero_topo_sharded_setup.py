@@ -149,13 +149,10 @@ def test_fabric_setup_of_a_meta_model_is_sharded_and_trains_like_one_process(siz
         assert_parity(torch.tensor(losses, dtype=DTYPE), expected, reduction_len=3, dtype=torch.float32)
 
 
-def _trainer_fit_both_paths(rank, world_size):
-    """Two fits of 2 accumulated steps: the sharded setup (the whole-model path made to raise) and the whole-model
-    setup (the sharded one turned off); the full trained weights of each."""
-    from lightning.pytorch import LightningModule, Trainer
-    from torch.utils.data import DataLoader
-
-    from mula_lightning.strategies import ZeroTopoStrategy, zero_topo
+def _tiny_lm():
+    """A LightningModule that builds the MoE model on the meta device in ``configure_model`` (Lightning imported in
+    the rank process)."""
+    from lightning.pytorch import LightningModule
 
     class TinyLM(LightningModule):
         def configure_model(self):
@@ -165,8 +162,24 @@ def _trainer_fit_both_paths(rank, world_size):
         def training_step(self, batch, batch_idx):
             return self.model(batch, labels=batch).loss
 
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(batch, labels=batch).loss, sync_dist=True)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), **HP)
+
+    return TinyLM
+
+
+def _trainer_fit_both_paths(rank, world_size):
+    """Two fits of 2 accumulated steps: the sharded setup (the whole-model path made to raise) and the whole-model
+    setup (the sharded one turned off); the full trained weights of each."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from mula_lightning.strategies import ZeroTopoStrategy, zero_topo
+
+    TinyLM = _tiny_lm()
 
     def fit():
         trainer = Trainer(
@@ -328,24 +341,12 @@ def _validate_sharded(rank, world_size, path):
     """Fit 2 steps and save (``trainer.save_checkpoint``); then ``Trainer.validate`` of a fresh meta model from that
     checkpoint, with the whole-model path made to raise. Returns (the loss validation logged, the fitted model's loss
     on the same batch computed with its full parameters)."""
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
     from mula_lightning.strategies import ZeroTopoStrategy, zero_topo
 
-    class TinyLM(LightningModule):
-        def configure_model(self):
-            with torch.device("meta"):
-                self.model = MulaForCausalLM(_config())
-
-        def training_step(self, batch, batch_idx):
-            return self.model(batch, labels=batch).loss
-
-        def validation_step(self, batch, batch_idx):
-            self.log("val_loss", self.model(batch, labels=batch).loss, sync_dist=True)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), **HP)
+    TinyLM = _tiny_lm()
 
     def trainer(**kwargs):
         return Trainer(

@@ -39,6 +39,10 @@ from typing_extensions import override
 from mula_lightning.checkpoint.dcp_format import load_dcp
 from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.scattered import SpreadReplicasSavePlanner
+from mula_lightning.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    parse_activation_checkpointing,
+)
 from mula_lightning.parallel.parallelize import (
     init_mula_buffers,
     materialize_and_broadcast,
@@ -82,6 +86,7 @@ class ZeroTopoSettings:
     grad_bits: int = 4
     block_size: int = 256
     seed: int = 0
+    activation_checkpointing: bool | str | list[str] = False
 
     def layout(self, world_size: int) -> ZeroTopoLayout:
         sizes = dict(weight_size=self.weight_size, grad_size=self.grad_size, optimizer_size=self.optimizer_size)
@@ -190,6 +195,9 @@ class ZeroTopoOptions(ShardingOptions):
         grad_bits: bits of quantized gradients (8 or 4).
         block_size: values per quantization block (one scale each).
         seed: initialisation seed for models built on the meta device.
+        activation_checkpointing: as for ``epso``: ``"full"`` (or True: recompute each decoder layer in backward),
+            False, or a list of parts (``"norm"``, ``"attention"``, ``"moe"``, ``"mlp"``); the engine gathers a
+            layer's weights before its backward, so a recomputation finds them in place.
         async_save: ``save_checkpoint`` stages the state to host memory and writes it in the background while
             training goes on (at most one save in flight); every save replaces its directory whole.
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
@@ -213,6 +221,7 @@ class ZeroTopoOptions(ShardingOptions):
         grad_bits: int = 4,
         block_size: int = 256,
         seed: int = 0,
+        activation_checkpointing: bool | str | list[str] = False,
         async_save: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
@@ -230,13 +239,20 @@ class ZeroTopoOptions(ShardingOptions):
             grad_bits,
             block_size,
             seed,
+            activation_checkpointing,
         )
+        parse_activation_checkpointing(activation_checkpointing)  # an unknown part is named at construction
         self.async_save = bool(async_save)
         self._init_flavour()
 
     def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""
         return unwrap_optimizer(optimizer).global_grad_norm()
+
+    def _checkpoint_activations(self, module: nn.Module) -> None:
+        """Activation checkpointing on the (meta) module before it is materialised: it patches forward methods."""
+        if parse_activation_checkpointing(self.settings.activation_checkpointing):
+            apply_activation_checkpointing(module, self.settings.activation_checkpointing)
 
     def _sharded_initializer(self, module: nn.Module):
         """What gives a meta parameter its value when setup can be sharded (every meta parameter in a Mula model and
@@ -305,6 +321,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         a log line says so."""
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._module = module
+        self._checkpoint_activations(module)
         initializer = self._sharded_initializer(module)
         if initializer is None:
             _materialize_whole(
@@ -328,6 +345,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         if initializer is None:
             return super().setup_module_and_optimizers(module, optimizers, scheduler)
         self._names = {id(p): n for n, p in module.named_parameters()}
+        self._checkpoint_activations(module)
         move_real_tensors(module, self.root_device)
         self._module = module
         self.engine = build_engine(
@@ -414,6 +432,7 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         names = {id(p): n for n, p in self.model.named_parameters()}
+        self._checkpoint_activations(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         initializer = self._sharded_initializer(self.model)
         if initializer is None:  # a model that cannot be made parameter by parameter
