@@ -51,7 +51,14 @@ def _held_bytes(module):
     return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}.values())
 
 
-def _two_call(rank, world_size, kind, options):
+def _freeze(model):
+    """Freeze the embedding and the first layer's attention (a partly frozen layer and a frozen root parameter)."""
+    for name, p in model.named_parameters():
+        if name.startswith(("model.embed_tokens.", "model.layers.0.self_attn.")):
+            p.requires_grad_(False)
+
+
+def _two_call(rank, world_size, kind, options, frozen=False):
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
     if kind == "zero_topo":
@@ -62,9 +69,12 @@ def _two_call(rank, world_size, kind, options):
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = MulaForCausalLM(_config())
+    if frozen:
+        _freeze(model)
     model = fabric.setup_module(model)
     held = _held_bytes(model.module)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(_groups(model.module), **HP))
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in _groups(model.module)]
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(groups, **HP))
     data_rank = strategy.distributed_sampler_kwargs["rank"] if kind == "epso" else rank
     losses = []
     for step in range(STEPS):
@@ -104,3 +114,32 @@ def test_setup_module_then_an_optimizer_of_its_parameters_trains_like_one_proces
                           msg=f"rank {rank} {name}")  # fmt: skip
         if kind == "zero_topo":
             assert held == 0, f"rank {rank}: {held} bytes of parameters after setup_module (the whole model?)"
+
+
+@pytest.mark.distributed
+def test_frozen_parameters_are_sharded_and_never_updated():
+    """``zero_topo`` at 4 ranks (3-level), two-call set-up with the embedding and the first layer's attention frozen
+    (``requires_grad_(False)`` on the meta model): the module is still sharded at ``setup_module`` (before, a frozen
+    parameter sent the whole model to every rank), the frozen weights keep their initial values exactly, and the
+    others train as in one process with the same parameters frozen (float64, 3 clipped steps)."""
+    options = dict(ranks_per_node=2, ranks_per_gpu=2)
+    results = run_pooled_test(_two_call, 4, kind="zero_topo", options=options, frozen=True, timeout=300)
+    model = init_weights(MulaForCausalLM(_config()), seed=0).to(torch.float64)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    _freeze(model)
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in _groups(model)]
+    optimizer = torch.optim.AdamW(groups, **HP)
+    reference = one_process_data_parallel(model, _batch, 4, range(STEPS), CLIP, optimizer=optimizer)
+    scale = adamw_parameter_scale(lr=HP["lr"], grad_bound=CLIP, eps=HP["eps"])
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and len(frozen) < len(initial)
+    for rank, (losses, held, data_rank, weights) in enumerate(results):
+        assert held == 0, f"rank {rank}: {held} bytes of parameters after setup_module"
+        expected = torch.tensor([step[data_rank] for step in reference], dtype=torch.float64)
+        assert_parity(torch.tensor(losses, dtype=torch.float64), expected, reduction_len=3, dtype=torch.float32,
+                      msg=f"rank {rank} losses")  # fmt: skip
+        for name, value in model.state_dict().items():
+            if name in frozen:
+                assert torch.equal(weights[name], initial[name]), f"rank {rank}: frozen {name} changed"
+            assert_parity(weights[name], value, reduction_len=STEPS * 200, scale=scale + value.abs().max().item(),
+                          msg=f"rank {rank} {name}")  # fmt: skip

@@ -84,15 +84,15 @@ def test_engine_materialises_one_unit_at_a_time_with_the_whole_model_values(dens
             assert torch.equal(getattr(got, key), getattr(want, key)), f"unit {got.index} {key}"
 
 
-def test_frozen_or_foreign_meta_parameters_keep_the_whole_model_path():
-    """``parameter_initializer`` declines (None) when a meta parameter cannot be drawn by name alone: a frozen one,
-    one outside a Mula model, or a meta buffer other than a router's selection bias; a real model needs nothing
-    drawn."""
+def test_foreign_meta_parameters_keep_the_whole_model_path():
+    """``parameter_initializer`` declines (None) when a meta parameter cannot be drawn by name alone: one outside a
+    Mula model, or a meta buffer other than a router's selection bias; a real model needs nothing drawn. A frozen
+    parameter of a Mula model is drawn like the others (the engine shards it and never updates it)."""
     with torch.device("meta"):
         meta = MulaForCausalLM(_config())
     assert parameter_initializer(meta) is not None
     meta.model.norm.weight.requires_grad_(False)
-    assert parameter_initializer(meta) is None
+    assert parameter_initializer(meta) is not None
     with torch.device("meta"):
         outside = torch.nn.ModuleDict({"lm": MulaForCausalLM(_config()), "extra": torch.nn.Linear(2, 2)})
         buffered = MulaForCausalLM(_config())

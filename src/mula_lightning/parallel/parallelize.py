@@ -185,7 +185,7 @@ def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]]
     }
     if not any(p.is_meta for p in params) or any(b.is_meta and id(b) not in known for b in model.buffers()):
         return None
-    if any(p.is_meta and (id(p) not in table or not p.requires_grad) for p in params):
+    if any(p.is_meta and id(p) not in table for p in params):
         return None
     return table
 
@@ -294,8 +294,9 @@ def parameter_initializer(model: nn.Module, seed: int = 0) -> ParameterInitializ
     exactly what :func:`materialize_and_broadcast` gives it, so a strategy can materialise one shard at a time.
 
     None when that cannot be done parameter by parameter: a meta parameter outside a Mula model (its module's
-    ``reset_parameters`` needs the whole module), a frozen one, or a meta buffer outside a Mula model (a Mula
-    model's are set by :func:`init_mula_buffers`); the caller then materialises the whole model as before.
+    ``reset_parameters`` needs the whole module), or a meta buffer outside a Mula model (a Mula model's are set by
+    :func:`init_mula_buffers`); the caller then materialises the whole model as before. A frozen parameter of a Mula
+    model is drawn like any other.
     """
     table = _meta_parameter_table(model)
     return None if table is None else ParameterInitializer(table, seed)

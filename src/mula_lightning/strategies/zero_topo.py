@@ -154,12 +154,12 @@ def _materialize_whole(
     module: nn.Module, device: torch.device, rank: int, world_size: int, seed: int, weights: InitWeights | None
 ) -> None:
     """The whole model on every rank, drawn or read once and broadcast: for a module the engine cannot materialise
-    one unit at a time (not on the meta device, frozen parameters, modules outside a Mula model). Says so on rank 0
+    one unit at a time (not on the meta device, or with modules outside a Mula model). Says so on rank 0
     when the module was on the meta device (a sharded set-up was likely expected)."""
     if rank == 0 and any(p.is_meta for p in module.parameters()):
         log.warning(
-            "zero_topo: materialising the whole model on every rank before sharding it (the module holds frozen "
-            "parameters or parameters outside a Mula model, which are not drawn one unit at a time)"
+            "zero_topo: materialising the whole model on every rank before sharding it (the module holds parameters "
+            "or buffers outside a Mula model, which are not drawn one unit at a time)"
         )
     topology = MoETopology(dp_size=world_size, ep_size=1, rank=rank)
     materialize_and_broadcast(module, topology, device, seed=seed, weights=weights)

@@ -29,8 +29,9 @@ optimizer ``N / o`` x 8 (AdamW moments) plus 4 for an fp32 master when parameter
 parameters the primary chunk is the master). Quantized values never overwrite a master or a primary chunk.
 float64 parameters (parity checks) keep gradients, moments and sums in float64 (8 bytes where 4 are written above).
 
-Constraints: every parameter must receive a gradient in every backward (no unused parameters), so all ranks issue
-the same collectives in the same order.
+Constraints: every trainable parameter must receive a gradient in every backward (no unused parameters), so all ranks
+issue the same collectives in the same order. Frozen parameters (``requires_grad=False``) are sharded and gathered like
+the others and never updated; a unit of frozen parameters alone is gathered for its backward and freed at ``step``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.precision import at_least_float32
 
 UNIT_PATTERN = r"(^|\.)layers\.\d+$"
+#: the param-group index of frozen parameters (``requires_grad=False``) in the flat buffers: sharded and gathered like
+#: the others (a frozen layer costs each rank its chunks only), outside every param group, never updated
+FROZEN = -1
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -120,6 +124,7 @@ class _Unit:
         self.secondary: Any = None
         self.full_grad: torch.Tensor | None = None
         self.ready = 0
+        self.trainable = sum(s.param.requires_grad for s in buf.slots)  # gradients a backward brings the unit
         self.gathered = False
         self.pending: WeightGather | None = None
         buf.grads = buf.grads.new_empty(0)  # gradients go to full_grad / grad_shard, not the buffer's own
@@ -212,6 +217,9 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self._synced = False
 
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        for p in model.parameters():  # frozen parameters are sharded too, never updated (see FROZEN), also when
+            if not p.requires_grad:  # an optimizer lists them (torch's AdamW skips them: they have no gradient)
+                group_of[id(p)] = FROZEN
         modules = [m for n, m in model.named_modules() if re.search(unit_pattern, logical_name(n))]
         owner: dict[int, int] = {}
         for i, m in enumerate(modules):
@@ -246,7 +254,9 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
                 f"parameters left on the meta device after setup (not in the optimizer: frozen?): {still_meta[:5]}"
             )
         self._unit_of = {id(p): u for u in self.units for p in u.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params if p.requires_grad
+        ]
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
@@ -275,7 +285,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
                 if id(p) in seen:
                     raise ValueError(f"parameter {names[id(p)]} is in more than one param group")
                 seen[id(p)] = gi
-        missing = [names[k] for k in slots if k not in seen]
+        missing = [names[k] for k, slot in slots.items() if k not in seen and slot.param.requires_grad]
         if missing:
             raise ValueError(
                 f"{len(missing)} trainable parameters are not in the optimizer ({', '.join(missing[:3])}, ...): "
@@ -286,6 +296,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self.param_groups = []
         for group in groups:
             self.add_param_group({"params": list(group["params"]), **{k: v for k, v in group.items() if k in keep}})
+        seen.update({k: FROZEN for k, slot in slots.items() if not slot.param.requires_grad})
         for u in self.units:
             u.buf.regroup(seen)
 
@@ -394,7 +405,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         u.full_grad[slot.start : slot.end].add_(param.grad.reshape(-1))
         param.grad = None
         u.ready += 1
-        if u.ready == len(u.buf.slots):
+        if u.ready == u.trainable:
             self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:
@@ -413,6 +424,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         for u in reversed(self.units):
             if u.full_grad is not None:
                 self._reduce(u)
+            elif u.gathered and u.pending is None:  # a unit of frozen parameters: gathered for its backward only
+                u.free()
         group, size, _ = self._group("grad_cross")
         for u in self.units:
             all_reduce_(u.grad_shard, group, size, "grads.all_reduce")
@@ -448,9 +461,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self._step += 1
         group, size, positions = self._group("post_step")
         for u in self.units:
-            adamw_update_(
-                u.master, self._owned_grads(u), u.exp_avg, u.exp_avg_sq, u.buf.runs, self.param_groups, self._step
-            )
+            runs = [run for run in u.buf.runs if run[2] != FROZEN]  # frozen elements keep their values
+            adamw_update_(u.master, self._owned_grads(u), u.exp_avg, u.exp_avg_sq, runs, self.param_groups, self._step)
             own = u.primary[u.opt_offset : u.opt_offset + u.no]
             if not u.master_is_primary:
                 own.copy_(u.master)
