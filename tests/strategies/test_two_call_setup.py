@@ -143,3 +143,28 @@ def test_frozen_parameters_are_sharded_and_never_updated():
                 assert torch.equal(weights[name], initial[name]), f"rank {rank}: frozen {name} changed"
             assert_parity(weights[name], value, reduction_len=STEPS * 200, scale=scale + value.abs().max().item(),
                           msg=f"rank {rank} {name}")  # fmt: skip
+
+
+def test_an_optimizer_the_engine_cannot_take_over_is_named():
+    """One process: an engine built before its optimizer (as at ``setup_module``) refuses, naming them, param groups
+    that leave a trainable parameter out, hold a parameter it does not shard, or hold one twice; groups that cover
+    every parameter are taken over, their hyper-parameters included."""
+    from mula_lightning.parallel.parallelize import parameter_initializer
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
+
+    with torch.device("meta"):
+        model = MulaForCausalLM(_config())
+    engine = HierarchicalZeroAdamW(model, ZeroTopoLayout(1, 1, 1), block_size=16,
+                                   initializer=parameter_initializer(model))  # fmt: skip
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"1 trainable parameters are not in the optimizer \(model\.norm\.weight"):
+        engine.adopt_param_groups([{"params": [p for n, p in params.items() if n != "model.norm.weight"]}])
+    with pytest.raises(ValueError, match=r"shape \(3,\) is not one the zero_topo engine holds"):
+        engine.adopt_param_groups([{"params": [*params.values(), torch.nn.Parameter(torch.zeros(3))]}])
+    with pytest.raises(ValueError, match="model.norm.weight is in more than one param group"):
+        engine.adopt_param_groups([{"params": list(params.values())}, {"params": [params["model.norm.weight"]]}])
+    groups = [{**g, "lr": 1e-3} for g in torch.optim.AdamW(_groups(model)).param_groups]  # AdamW's defaults filled
+    engine.adopt_param_groups(groups)
+    assert [g["lr"] for g in engine.param_groups] == [1e-3, 1e-3]
+    assert [g["weight_decay"] for g in engine.param_groups] == [0.01, 0.0]
