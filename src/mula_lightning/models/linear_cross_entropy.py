@@ -27,7 +27,14 @@ from torch.autograd.profiler import record_function
 
 from mula_lightning.utils.precision import at_least_float32
 
-__all__ = ["ACCELERATOR_CHUNK_ELEMENTS", "CHUNK_ELEMENTS", "default_chunk_tokens", "linear_cross_entropy"]
+__all__ = [
+    "ACCELERATOR_CHUNK_ELEMENTS",
+    "CHUNK_ELEMENTS",
+    "IGNORE_INDEX",
+    "default_chunk_tokens",
+    "linear_cross_entropy",
+    "next_token_targets",
+]
 
 #: logits alive at once by default on CPU: 2**25 float32 = 128 MiB (667 rows of a 50k vocabulary, 8192 of a 4k one);
 #: fewer rows per chunk cost speed on CPU (256 rows of a 50k vocabulary: 0.92x the plain path), more cost memory
@@ -40,6 +47,12 @@ ACCELERATOR_CHUNK_ELEMENTS = 2**28
 IGNORE_INDEX = -100
 #: the ``record_function`` range around every call, for profiles (``benchmarks/step_profile.py`` reads it)
 PROFILER_RANGE = "mula::linear_cross_entropy"
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every position (``labels`` shifted left by one, the last position ignored): position t predicts
+    ``labels[t + 1]``; :data:`IGNORE_INDEX` (-100) marks what no loss counts (transformers' rule)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def _chunk_loss(
@@ -151,7 +164,7 @@ def linear_cross_entropy(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     with record_function(PROFILER_RANGE):  # a profile can tell the fused head + loss (and its GEMMs) apart
-        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+        targets = next_token_targets(labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
             with torch.no_grad():

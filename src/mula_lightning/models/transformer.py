@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mula_lightning.models.config import MulaConfig
-from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
+from mula_lightning.models.linear_cross_entropy import linear_cross_entropy, next_token_targets
 from mula_lightning.models.rms_norm import rms_norm
 from mula_lightning.models.rotary import apply_rotary
 from mula_lightning.moe.block import FastSparseMoEBlock
@@ -198,7 +198,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     The mean is over the real tokens; when every label is ignored (a prompt-only sample, a padding row) it is 0 with
     zero gradients, where ``F.cross_entropy``'s mean gives NaN (0/0), as the fused and vocabulary-parallel losses do.
     """
-    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    shifted = next_token_targets(labels)
     loss = F.cross_entropy(
         upcast(logits).reshape(-1, logits.shape[-1]),
         shifted.reshape(-1),

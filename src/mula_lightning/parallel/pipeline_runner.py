@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
+from mula_lightning.models.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, next_token_targets
 from mula_lightning.models.transformer import MulaForCausalLM
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
@@ -178,8 +178,7 @@ class PipelineRunner:
     def _real_tokens(self, labels: torch.Tensor) -> torch.Tensor:
         """The batch's next-token targets that count (labels shifted by one, -100 ignored), at least 1, as a float64
         tensor on the device (no host read)."""
-        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        return (shifted != -100).sum().clamp(min=1).to(self.device, torch.float64)
+        return (next_token_targets(labels) != IGNORE_INDEX).sum().clamp(min=1).to(self.device, torch.float64)
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

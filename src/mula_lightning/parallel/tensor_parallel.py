@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from mula_lightning.models.linear_cross_entropy import next_token_targets
 from mula_lightning.models.rms_norm import rms_norm
 from mula_lightning.models.transformer import MulaAttention, MulaDecoderLayer, MulaForCausalLM, MulaMLP, RMSNorm
 from mula_lightning.moe.router import Router
@@ -134,7 +134,7 @@ def vocab_parallel_cross_entropy(
     (``[vocab_start, vocab_start + logits.shape[-1])``), equal on every rank of ``group``; -100 is ignored."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    shifted = next_token_targets(labels).reshape(-1)
     valid = shifted != -100
     target = torch.where(valid, shifted, torch.zeros_like(shifted))
     per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, vocab_start, group)

@@ -319,22 +319,31 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         materialised by the engine one unit at a time, as by ``fabric.setup(model, optimizer)``; the optimizer built
         afterwards gives the engine its param groups. Otherwise the whole model is materialised on every rank, and
         a log line says so."""
-        self._names = {id(p): n for n, p in module.named_parameters()}
-        self._module = module
-        self._checkpoint_activations(module)
         initializer = self._sharded_initializer(module)
         if initializer is None:
+            self._names = {id(p): n for n, p in module.named_parameters()}
+            self._module = module
+            self._checkpoint_activations(module)
             _materialize_whole(
                 module, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
             )
             return module
-        move_real_tensors(module, self.root_device)
-        self.engine = build_engine(module, None, self.settings, self.world_size, self._names, initializer,
-                                   self.root_device)  # fmt: skip
+        self._shard(module, None, initializer)
         self._adopted = False
+        return module
+
+    def _shard(self, module: nn.Module, optimizer: Any, initializer: Any) -> None:
+        """Build the engine on a meta ``module``, materialising it one unit at a time with ``initializer``; with
+        ``optimizer`` None the engine has one param group until :meth:`setup_optimizer` gives it the optimizer's."""
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._checkpoint_activations(module)
+        move_real_tensors(module, self.root_device)
+        self._module = module
+        self.engine = build_engine(
+            module, optimizer, self.settings, self.world_size, self._names, initializer, self.root_device
+        )
         _release(initializer)
         init_mula_buffers(module, self.init_weights(), self.root_device)  # the routers' selection bias, if any
-        return module
 
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None):
@@ -344,15 +353,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         initializer = self._sharded_initializer(module) if len(optimizers) == 1 else None
         if initializer is None:
             return super().setup_module_and_optimizers(module, optimizers, scheduler)
-        self._names = {id(p): n for n, p in module.named_parameters()}
-        self._checkpoint_activations(module)
-        move_real_tensors(module, self.root_device)
-        self._module = module
-        self.engine = build_engine(
-            module, optimizers[0], self.settings, self.world_size, self._names, initializer, self.root_device
-        )
-        _release(initializer)
-        init_mula_buffers(module, self.init_weights(), self.root_device)  # the routers' selection bias, if any
+        self._shard(module, optimizers[0], initializer)
         if scheduler is not None:
             repoint_scheduler(scheduler, self.engine)
         return module, [self.engine], scheduler

@@ -288,7 +288,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         missing = [names[k] for k, slot in slots.items() if k not in seen and slot.param.requires_grad]
         if missing:
             raise ValueError(
-                f"{len(missing)} trainable parameters are not in the optimizer ({', '.join(missing[:3])}, ...): "
+                f"{len(missing)} trainable parameters are not in the optimizer "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
                 "zero_topo updates every parameter it shards; freeze them (requires_grad_(False)) before setting up "
                 "the module, or pass them to the optimizer"
             )
