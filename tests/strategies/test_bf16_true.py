@@ -1,6 +1,7 @@
 """bf16-true against float32 under ``epso`` and ``zero_topo``: 20 optimizer steps of the same model, data and layout
 (4 ranks: DP 2 x EP 2 for epso, and two of its tensor-parallel layouts: TP 2 + sequence parallelism folded with EP 2,
-ETP 2 x EP 2; weights over 2, gradients over 2, optimizer states over 4 for zero_topo; 2 micro-batches per step), the
+ETP 2 x EP 2; weights over 2, gradients over 2, optimizer states over 4 for zero_topo, also with EP 2 inside it; 2
+micro-batches per step), the
 relative loss difference printed and bounded. The other tensor-parallel layouts (TP 2 x DP 2, TP 2 folded with EP 2
 without sequence parallelism) are left to the float64 parity tests: what bf16 changes (parameter, gradient-reduction
 and optimizer-state dtypes) runs through the same code in them as in these two.
@@ -13,6 +14,7 @@ The gradient reductions' dtype itself is checked in the communication ledger: ov
 rounds the same sums as bf16 gradients already do, so no loss bound could tell it apart.
 """
 
+import contextlib
 import functools
 
 import pytest
@@ -29,6 +31,7 @@ EPSO_LAYOUTS = {
     "epso tp2+sp ep2": dict(tp_size=2, sequence_parallel=True, ep_size=2),
     "epso etp2 ep2": dict(etp_size=2, ep_size=2),
 }
+ZERO_TOPO_LAYOUTS = {"zero_topo": {}, "zero_topo ep2": dict(ep_size=2)}  # the experts' slices over their 2 edp ranks
 V, T, B = 128, 32, 4
 
 
@@ -55,24 +58,37 @@ def _batch(step: int, rank: int, micro: int) -> torch.Tensor:
     return (start + stride * torch.arange(T)) % V
 
 
-def _bf16_optimizer_state() -> None:
-    """The wrong configuration: both optimizers keep master weights and moments in the parameters' dtype (bf16)."""
+@contextlib.contextmanager
+def _bf16_optimizer_state(wrong: bool):
+    """The wrong configuration: both optimizers keep master weights and moments in the parameters' dtype (bf16);
+    undone on exit (the pooled ranks run later tests)."""
     import mula_lightning.parallel.sharded_optimizer as sharded
     import mula_lightning.parallel.zero.engine as engine
 
-    sharded.at_least_float32 = engine.at_least_float32 = lambda dtype: dtype
+    right = sharded.at_least_float32
+    if wrong:
+        sharded.at_least_float32 = engine.at_least_float32 = lambda dtype: dtype
+    try:
+        yield
+    finally:
+        sharded.at_least_float32 = engine.at_least_float32 = right
 
 
 def _train(rank, world_size, strategy_name, precision, wrong_state):
+    with _bf16_optimizer_state(wrong_state):
+        return _train_with(world_size, strategy_name, precision)
+
+
+def _train_with(world_size, strategy_name, precision):
     from mula_lightning.parallel.ledger import CommLedger
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
-    if wrong_state:
-        _bf16_optimizer_state()
     if strategy_name.startswith("epso"):
         strategy = FabricEPSOStrategy(**EPSO_LAYOUTS[strategy_name])
     else:
-        strategy = FabricZeroTopoStrategy(block_size=16, ranks_per_node=2, ranks_per_gpu=2)
+        strategy = FabricZeroTopoStrategy(
+            block_size=16, ranks_per_node=2, ranks_per_gpu=2, **ZERO_TOPO_LAYOUTS[strategy_name]
+        )
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -117,7 +133,7 @@ def _relative_difference(strategy_name: str, wrong_state: bool) -> torch.Tensor:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy_name", [*EPSO_LAYOUTS, "zero_topo"])
+@pytest.mark.parametrize("strategy_name", [*EPSO_LAYOUTS, *ZERO_TOPO_LAYOUTS])
 def test_bf16_true_follows_float32_within_the_bound(strategy_name):
     """bf16-true trains (the loss falls by more than 0.5 in 20 steps) and stays within BOUND of the float32 run in
     every step; its parameters are bf16 and its gradients are reduced in float32 (the ledger's records)."""

@@ -80,7 +80,7 @@ def _train(rank, world_size, strategy, path=None):
             state = {k: v.detach().clone() for k, v in inner.state_dict().items()}
     else:
         state = {k: v.detach().clone() for k, v in inner.state_dict().items()}
-    topo = getattr(strategy, "topology", None)
+    topo = strategy.expert_topology() if kind == "zero_topo" else getattr(strategy, "topology", None)
     return state, (topo.ep_rank, topo.ep_size) if topo is not None else (0, 1)
 
 
@@ -109,6 +109,18 @@ LAYOUTS = {
     "epso pp2 only, equal stages": (2, 1, ("epso", dict(pp_size=2, pp_schedule="1f1b", pp_boundaries=[2]))),
     "epso pp2 only, dense first stage": (2, 1, ("epso", dict(pp_size=2, pp_schedule="gpipe", pp_boundaries=[1]))),
     "zero_topo over 2 ranks": (2, 2, ("zero_topo", dict(weight_size=2, grad_size=2, optimizer_size=2))),
+    # expert parallelism inside the hierarchical engine, 2 nodes x 2 GPUs x 2 GCDs: the expert slices sharded over
+    # their edp ranks (EP=2: w 1, g 2, o 4 of them; EP=4: w 1, g 1, o 2), the dense weights over all 8 as before
+    "zero_topo 3-level ep2 allgather, 8 ranks": (
+        8,
+        8,
+        ("zero_topo", dict(ranks_per_node=4, ranks_per_gpu=2, ep_size=2, block_size=16)),
+    ),
+    "zero_topo 3-level ep4 alltoall, 8 ranks": (
+        8,
+        8,
+        ("zero_topo", dict(ranks_per_node=4, ranks_per_gpu=2, ep_size=4, dispatcher="alltoall", block_size=16)),
+    ),
 }
 
 

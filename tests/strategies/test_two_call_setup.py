@@ -15,6 +15,7 @@ from lightning.fabric import Fabric
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.testing import adamw_parameter_scale, assert_parity, one_process_data_parallel, run_pooled_test
+from mula_lightning.testing.fabric_run import clipped_fabric_steps
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP, STEPS, T, V = 0.05, 3, 12, 128
@@ -22,6 +23,7 @@ LAYOUTS = {
     "zero_topo 3-level, 4 ranks": (4, "zero_topo", dict(ranks_per_node=2, ranks_per_gpu=2)),
     "zero_topo ZeRO-3, 4 ranks": (4, "zero_topo", dict(ranks_per_node=4, weight_size=4, grad_size=4)),
     "zero_topo 2 nodes x 2 GPUs x 2 GCDs, 8 ranks": (8, "zero_topo", dict(ranks_per_node=4, ranks_per_gpu=2)),
+    "zero_topo 2 x 2 x 2 with ep4, 8 ranks": (8, "zero_topo", dict(ranks_per_node=4, ranks_per_gpu=2, ep_size=4)),
     "epso ep2, 4 ranks": (4, "epso", dict(ep_size=2)),
     "epso ep4, 8 ranks": (8, "epso", dict(ep_size=4)),
 }
@@ -76,15 +78,7 @@ def _two_call(rank, world_size, kind, options, frozen=False):
     groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in _groups(model.module)]
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(groups, **HP))
     data_rank = strategy.distributed_sampler_kwargs["rank"] if kind == "epso" else rank
-    losses = []
-    for step in range(STEPS):
-        x = _batch(step, data_rank)
-        loss = model(x, labels=x).loss
-        fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = clipped_fabric_steps(fabric, model, optimizer, _batch, data_rank, range(STEPS), CLIP)
     from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
 
     weights = {k: v.clone() for k, v in full_state_dict(model.module, strategy).items()}  # collective

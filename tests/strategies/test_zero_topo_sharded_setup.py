@@ -17,6 +17,7 @@ from mula_lightning.parallel.parallelize import parameter_initializer
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
 from mula_lightning.parallel.zero.layout import ZeroTopoLayout
 from mula_lightning.testing import assert_parity, one_process_data_parallel, run_pooled_test
+from mula_lightning.testing.fabric_run import clipped_fabric_steps
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP, STEPS, T = 0.05, 4, 12
@@ -120,16 +121,7 @@ def _fabric_sharded(rank, world_size, sizes):
         model = MulaForCausalLM(_config())
     assert all(p.is_meta for p in model.parameters())
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), **HP))
-    losses = []
-    for step in range(STEPS):
-        x = _batch(step, rank)
-        loss = model(x, labels=x).loss
-        fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return clipped_fabric_steps(fabric, model, optimizer, _batch, rank, range(STEPS), CLIP)
 
 
 def _reference(world_size):

@@ -14,6 +14,7 @@ from mula_lightning.lightning_module import MulaLM
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.models.checkpoint_io import save_model_only
 from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
+from mula_lightning.parallel.zero.state_dict import full_model_state_dict
 from mula_lightning.testing import run_pooled_test
 
 SHAPE = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=16)
@@ -33,7 +34,9 @@ class _Capture(Callback):
         topology = getattr(strategy, "topology", None)
         engine = getattr(strategy, "engine", None)  # zero_topo frees the weights between steps: summon them
         with engine.full_parameters() if engine is not None else contextlib.nullcontext():
-            if topology is not None and topology.ep_size > 1:
+            if engine is not None:
+                state = full_model_state_dict(engine, pl_module.model)  # its expert slices gathered
+            elif topology is not None and topology.ep_size > 1:
                 state = gather_expert_parallel_state_dict(pl_module.model, topology.ep_group)
             else:
                 state = pl_module.model.state_dict()
@@ -89,18 +92,21 @@ def _start_rank(rank, world_size, path, strategy_name):
     if strategy_name == "epso":
         strategy = EPSOStrategy(ep_size=2)
     else:
-        strategy = ZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, block_size=16)
+        ep = dict(ep_size=2) if strategy_name.endswith("ep2") else {}
+        strategy = ZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, block_size=16, **ep)
     _, capture = _start(strategy, world_size, path)
     return capture.state
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy_name", ["epso", "zero_topo"])
+@pytest.mark.parametrize("strategy_name", ["epso", "zero_topo", "zero_topo ep2"])
 def test_sharded_strategies_start_from_the_source(tmp_path, strategy_name):
-    """2 processes under ``epso`` (EP=2: each rank reads its own experts) and ``zero_topo``: the gathered weights when
-    training starts equal the source on every rank."""
+    """2 processes under ``epso`` (EP=2: each rank reads its own experts) and ``zero_topo``, 4 under ``zero_topo`` with
+    EP=2 (2 nodes x 2 GCDs: each expert slice's weight chunks read once by one of its two replicas): the gathered
+    weights when training starts equal the source on every rank."""
     source, path = _source(tmp_path)
-    for state in run_pooled_test(_start_rank, 2, path=path, strategy_name=strategy_name, timeout=240):
+    world = 4 if strategy_name.endswith("ep2") else 2
+    for state in run_pooled_test(_start_rank, world, path=path, strategy_name=strategy_name, timeout=240):
         _assert_weights_of(state, source)
 
 

@@ -32,7 +32,13 @@ def test_examples_ship_every_preset():
     MoE-parallel-folding and pipeline layouts), and the upcycling recipe."""
     names = {p.stem for p in CONFIGS}
     presets = {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
-    cpu = {"mula-tiny-dense", "mula-tiny-upcycled", "mula-tiny-moe-folded", "mula-tiny-moe-pipeline"}
+    cpu = {
+        "mula-tiny-dense",
+        "mula-tiny-upcycled",
+        "mula-tiny-moe-folded",
+        "mula-tiny-moe-pipeline",
+        "mula-tiny-moe-zero-topo",
+    }
     assert names == presets | cpu | {"upcycle-llama3-8b-e8t2"}
 
 

@@ -81,6 +81,8 @@ def _layout(strategy: Any) -> dict[str, Any]:
         "strategy": type(strategy).__name__,
         "world_size": int(getattr(strategy, "world_size", 1)),
     }
+    if getattr(strategy, "engine", None) is not None:  # zero_topo: its expert-parallel degree
+        layout["ep_size"] = int(getattr(strategy, "ep_size", 1))
     topology = getattr(strategy, "topology", None)
     if topology is not None:
         layout.update(
@@ -92,6 +94,11 @@ def _layout(strategy: Any) -> dict[str, Any]:
 def _module_signature(strategy: Any, module: nn.Module) -> dict[str, list[int]]:
     """Logical key -> full shape of a (possibly expert-parallel) module, as the strategy would save it."""
     module = getattr(module, "module", module)  # Fabric's wrapper
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:  # zero_topo: the single-device shapes its pieces stand for (expert slices included)
+        from mula_lightning.parallel.zero.state_dict import model_state_dict as zero_state_dict
+
+        return model_signature(zero_state_dict(engine, module))
     topology = getattr(strategy, "topology", None)
     if topology is not None:
         from mula_lightning.parallel.state_dict import model_state_dict

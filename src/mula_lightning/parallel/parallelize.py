@@ -190,7 +190,30 @@ def _meta_parameter_table(model: nn.Module) -> dict[int, tuple[MulaConfig, str]]
     return table
 
 
-class ParameterInitializer:
+class _MetaSources:
+    """What a meta parameter of a Mula model is a part of: its config, single-device name, full shape and where its
+    elements start in the full tensor's flattened elements (an expert slice of expert parallelism: its rows)."""
+
+    def __init__(self, table: dict[int, tuple[MulaConfig, str]]) -> None:
+        self.table = table
+        self.slices: dict[int, tuple[tuple[int, ...], int]] = {}
+
+    def slice_experts(self, model: nn.Module, ep_rank: int, ep_size: int) -> None:
+        """Record that the (meta) expert parameters of ``model`` hold slice ``ep_rank`` of ``ep_size`` of their
+        layer's experts (:func:`~mula_lightning.parallel.expert_parallel.apply_expert_parallel` cut them), so a range
+        of one is drawn or read at its rows of the full tensor."""
+        for param in model.parameters():
+            if id(param) in self.table and is_expert_param(self.table[id(param)][1]) and ep_size > 1:
+                shape = tuple(param.shape)
+                self.slices[id(param)] = ((shape[0] * ep_size, *shape[1:]), ep_rank * param.numel())
+
+    def source(self, param: nn.Parameter) -> tuple[MulaConfig, str, tuple[int, ...], int]:
+        config, name = self.table[id(param)]
+        shape, offset = self.slices.get(id(param), (tuple(param.shape), 0))
+        return config, name, shape, offset
+
+
+class ParameterInitializer(_MetaSources):
     """The initial value of any meta parameter of a Mula model, drawn on demand from (seed, single-device name).
 
     Calling it gives a parameter's full value; :meth:`fill_` writes an element range of it, drawing only the blocks
@@ -199,16 +222,21 @@ class ParameterInitializer:
     """
 
     def __init__(self, table: dict[int, tuple[MulaConfig, str]], seed: int) -> None:
-        self.table, self.seed = table, seed
+        super().__init__(table)
+        self.seed = seed
 
     def __call__(self, param: nn.Parameter) -> torch.Tensor:
-        config, name = self.table[id(param)]
-        return init_parameter(name, param.shape, config, self.seed)
+        config, name, shape, offset = self.source(param)
+        return (
+            init_parameter(name, shape, config, self.seed)
+            .reshape(-1)[offset : offset + param.numel()]
+            .view(param.shape)
+        )
 
     def fill_(self, param: nn.Parameter, out: torch.Tensor, start: int) -> torch.Tensor:
         """Elements ``[start, start + out.numel())`` of ``param``'s flattened initial value, written into ``out``."""
-        config, name = self.table[id(param)]
-        return fill_initial_(out, name, param.shape, config, self.seed, start)
+        config, name, shape, offset = self.source(param)
+        return fill_initial_(out, name, shape, config, self.seed, start + offset)
 
     def fill_many_(self, requests: list[tuple[nn.Parameter, torch.Tensor, int]]) -> None:
         """:meth:`fill_` for several ``(param, out, start)`` requests (a flat buffer's chunk), every request's staged
@@ -217,11 +245,11 @@ class ParameterInitializer:
         materialising a chunk peaks at the chunk, not the chunk plus a block."""
         for blocks in ("staged", "direct"):
             for param, out, start in requests:
-                config, name = self.table[id(param)]
-                fill_initial_(out, name, param.shape, config, self.seed, start, blocks=blocks)
+                config, name, shape, offset = self.source(param)
+                fill_initial_(out, name, shape, config, self.seed, start + offset, blocks=blocks)
 
 
-class WeightsInitializer:
+class WeightsInitializer(_MetaSources):
     """Like :class:`ParameterInitializer`, with the values read from ``weights`` (``init_from``, an
     :class:`~mula_lightning.checkpoint.init_source.InitWeights`), each part read once and broadcast to the ranks that
     keep the same part.
@@ -239,6 +267,8 @@ class WeightsInitializer:
 
     Args:
         replicas: this rank's replica group: ``(process group, its global ranks)``; see :func:`weights_initializer`.
+        expert_replicas: the same for the expert slices (:meth:`slice_experts`): the ranks keeping the same ranges of
+            the same slice; default ``replicas``.
     """
 
     def __init__(
@@ -249,12 +279,18 @@ class WeightsInitializer:
         world_size: int,
         device: Any,
         replicas: tuple[Any, list[int]] | None = None,
+        expert_replicas: tuple[Any, list[int]] | None = None,
     ) -> None:
-        self.table, self.weights, self.rank, self.world_size, self.device = table, weights, rank, world_size, device
+        super().__init__(table)
+        self.weights, self.rank, self.world_size, self.device = weights, rank, world_size, device
         self.replicas = replicas
+        self.expert_replicas = expert_replicas
         self.asked = 0
+        self.asked_experts = 0  # the round robin of each replica group counts what its members ask alike
 
     def __call__(self, param: nn.Parameter) -> torch.Tensor:
+        if id(param) in self.slices:
+            raise ValueError("a whole expert slice is read range by range (fill_), not whole")
         config, name = self.table[id(param)]
         reader, self.asked = self.asked % self.world_size, self.asked + 1
         if self.rank == reader:
@@ -271,22 +307,27 @@ class WeightsInitializer:
         if self.replicas is None:
             value = self(param).reshape(-1)
             return out.view(-1).copy_(value[start : start + out.numel()])
-        group, ranks = self.replicas
-        reader, self.asked = ranks[self.asked % len(ranks)], self.asked + 1
+        if id(param) in self.slices and self.expert_replicas is not None:
+            group, ranks = self.expert_replicas
+            reader, self.asked_experts = ranks[self.asked_experts % len(ranks)], self.asked_experts + 1
+        else:
+            group, ranks = self.replicas
+            reader, self.asked = ranks[self.asked % len(ranks)], self.asked + 1
         if out.numel() == 0:  # the whole replica group keeps nothing of this parameter
             return out
-        config, name = self.table[id(param)]
+        config, name, _, offset = self.source(param)
         if self.rank == reader:
-            self.weights.read_range(config, name, out.view(-1), start)
+            self.weights.read_range(config, name, out.view(-1), start + offset)
         if group is not None:
             dist.broadcast(out, src=reader, group=group)
         return out
 
     def close(self) -> None:
         """Release the replica groups (a communicator each on NCCL / XCCL); the initializer is done."""
-        if self.replicas is not None and self.replicas[0] is not None:
-            dist.destroy_process_group(self.replicas[0])
-        self.replicas = None
+        for replicas in (self.replicas, self.expert_replicas):
+            if replicas is not None and replicas[0] is not None:
+                dist.destroy_process_group(replicas[0])
+        self.replicas = self.expert_replicas = None
 
 
 def parameter_initializer(model: nn.Module, seed: int = 0) -> ParameterInitializer | None:
@@ -309,6 +350,7 @@ def weights_initializer(
     world_size: int,
     device: torch.device | str = "cpu",
     replica_groups: list[list[int]] | None = None,
+    expert_replica_groups: list[list[int]] | None = None,
 ) -> WeightsInitializer | None:
     """A :class:`WeightsInitializer` for the meta parameters of ``model`` (collective: see there). None in the cases
     :func:`parameter_initializer` names.
@@ -317,23 +359,31 @@ def weights_initializer(
         replica_groups: a partition of the ranks into the sets that keep the same element ranges of every parameter
             (``ZeroTopoLayout.weight_replica_groups``); every rank creates their process groups, in this order. None:
             whole parameters are read and broadcast to every rank.
+        expert_replica_groups: the same partition for the expert slices of an expert-parallel model (the ranks that
+            keep the same ranges of the same slice); None: as ``replica_groups``.
     """
     table = _meta_parameter_table(model)
     if table is None:
         return None
-    replicas = None
-    if replica_groups is not None:
-        mine = next((list(ranks) for ranks in replica_groups if rank in ranks), None)
-        if mine is None or sorted(r for ranks in replica_groups for r in ranks) != list(range(world_size)):
-            raise ValueError(f"replica_groups {replica_groups} must partition the {world_size} ranks")
-        group = None
-        if is_distributed() and any(len(ranks) > 1 for ranks in replica_groups):
-            for ranks in replica_groups:  # every rank creates every group, in one order
-                created = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-                if rank in ranks:
-                    group = created
-        replicas = (group, mine)
-    return WeightsInitializer(table, weights, rank, world_size, device, replicas)
+    replicas = _replica_group(replica_groups, rank, world_size)
+    expert_replicas = _replica_group(expert_replica_groups, rank, world_size)
+    return WeightsInitializer(table, weights, rank, world_size, device, replicas, expert_replicas)
+
+
+def _replica_group(replica_groups: list[list[int]] | None, rank: int, world_size: int) -> tuple[Any, list[int]] | None:
+    """(this rank's process group, its ranks) of a partition of the ranks, every group created by every rank."""
+    if replica_groups is None:
+        return None
+    mine = next((list(ranks) for ranks in replica_groups if rank in ranks), None)
+    if mine is None or sorted(r for ranks in replica_groups for r in ranks) != list(range(world_size)):
+        raise ValueError(f"replica_groups {replica_groups} must partition the {world_size} ranks")
+    group = None
+    if is_distributed() and any(len(ranks) > 1 for ranks in replica_groups):
+        for ranks in replica_groups:  # every rank creates every group, in one order
+            created = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if rank in ranks:
+                group = created
+    return group, mine
 
 
 def move_real_tensors(model: nn.Module, device: torch.device) -> None:

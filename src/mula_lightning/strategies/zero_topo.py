@@ -14,6 +14,10 @@ communication plan and the memory per rank):
   ``optimizer_size`` and keeps a secondary partition over ``secondary_size``; sizes default to the paper's design
   from the topology (``ranks_per_node`` / ``ranks_per_gpu``, else ``MULA_RANKS_PER_NODE`` / ``LOCAL_WORLD_SIZE``
   and ``MULA_RANKS_PER_GPU``) and are validated against the dependency rule;
+* expert parallelism (``ep_size``): each MoE layer's experts are cut to this rank's slice on the meta module (as in
+  ``epso``, over ``ep_size`` consecutive ranks of a node, with the chosen token dispatcher) before the engine shards
+  anything; the engine shards each expert slice over its ``world / ep_size`` replicas with the same three levels
+  (:func:`~mula_lightning.parallel.zero.layout.expert_layout`) and the dense weights over every rank;
 * gradient accumulation: every micro-batch reduce-scatters inside the gradient group (the shard accumulates), the
   cross-node all-reduce runs once per optimizer step; clipping by the global L2 norm;
 * checkpoints: ``torch.distributed.checkpoint`` directories with logical keys
@@ -43,6 +47,7 @@ from mula_lightning.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     parse_activation_checkpointing,
 )
+from mula_lightning.parallel.expert_parallel import DISPATCHERS, apply_expert_parallel
 from mula_lightning.parallel.parallelize import (
     init_mula_buffers,
     materialize_and_broadcast,
@@ -52,10 +57,10 @@ from mula_lightning.parallel.parallelize import (
 )
 from mula_lightning.parallel.params import logical_name
 from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
-from mula_lightning.parallel.topology import MoETopology
+from mula_lightning.parallel.topology import MoETopology, build_topology
 from mula_lightning.parallel.zero import state_dict as zc
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
-from mula_lightning.parallel.zero.layout import ZeroTopoLayout
+from mula_lightning.parallel.zero.layout import ZeroTopoLayout, expert_layout, expert_weight_replica_groups
 from mula_lightning.strategies.common import (
     FabricDCPSaves,
     InPlaceCheckpointRestore,
@@ -87,17 +92,43 @@ class ZeroTopoSettings:
     block_size: int = 256
     seed: int = 0
     activation_checkpointing: bool | str | list[str] = False
+    ep_size: int = 1
+    dispatcher: str = "allgather"
 
     def layout(self, world_size: int) -> ZeroTopoLayout:
+        """The dense layout at ``world_size`` ranks; with ``ep_size > 1`` the experts' edp layout is checked too."""
         sizes = dict(weight_size=self.weight_size, grad_size=self.grad_size, optimizer_size=self.optimizer_size)
         sizes["secondary_size"] = self.secondary_size
         if self.ranks_per_node is None:
-            return ZeroTopoLayout.from_env(world_size, **sizes)
-        return ZeroTopoLayout(world_size, self.ranks_per_node, self.ranks_per_gpu or 1, **sizes)
+            layout = ZeroTopoLayout.from_env(world_size, **sizes)
+        else:
+            layout = ZeroTopoLayout(world_size, self.ranks_per_node, self.ranks_per_gpu or 1, **sizes)
+        expert_layout(layout, self.ep_size)  # ep_size dividing a node, group sizes nesting with it: named
+        return layout
 
     def engine_kwargs(self) -> dict[str, Any]:
         keys = ("quantize_weights", "quantize_grads", "weight_bits", "grad_bits", "block_size")
         return {k: v for k, v in asdict(self).items() if k in keys}
+
+
+def check_expert_parallel(ep_size: int, dispatcher: str, etp_size: int, ranks_per_node: int | None) -> None:
+    """The expert-parallel options of ``zero_topo``, refused in one line at construction (before any process starts):
+    an ``ep_size`` below 1 or not dividing a given ``ranks_per_node``, an unknown dispatcher, expert tensor parallelism
+    (``epso`` has it; inside the hierarchical engine an expert part would need a third family)."""
+    if not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size ({ep_size!r}) must be a positive integer")
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher ({dispatcher!r}) must be one of {tuple(DISPATCHERS)}")
+    if etp_size != 1:
+        raise ValueError(
+            f"zero_topo has no expert tensor parallelism (etp_size {etp_size}): use strategy 'epso' for it, or "
+            "ep_size alone here"
+        )
+    if ranks_per_node is not None and ranks_per_node % ep_size:
+        raise ValueError(
+            f"ep_size ({ep_size}) must divide ranks_per_node ({ranks_per_node}): an expert-parallel group stays "
+            "inside one node"
+        )
 
 
 def build_engine(
@@ -122,6 +153,7 @@ def build_engine(
             **settings.engine_kwargs(),
             initializer=initializer,
             device=device,
+            ep_size=settings.ep_size,
         )
     check_adamw(optimizer)
     current = {logical_name(n): p for n, p in module.named_parameters()}
@@ -141,6 +173,7 @@ def build_engine(
         **settings.engine_kwargs(),
         initializer=initializer,
         device=device,
+        ep_size=settings.ep_size,
     )
 
 
@@ -151,17 +184,24 @@ def check_adamw(optimizer: Any) -> None:
 
 
 def _materialize_whole(
-    module: nn.Module, device: torch.device, rank: int, world_size: int, seed: int, weights: InitWeights | None
+    module: nn.Module,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    seed: int,
+    weights: InitWeights | None,
+    topology: MoETopology | None = None,
 ) -> None:
-    """The whole model on every rank, drawn or read once and broadcast: for a module the engine cannot materialise
-    one unit at a time (not on the meta device, or with modules outside a Mula model). Says so on rank 0
-    when the module was on the meta device (a sharded set-up was likely expected)."""
+    """The whole model on every rank (with expert parallelism, its expert slice: ``topology``), drawn or read once
+    and broadcast: for a module the engine cannot materialise one unit at a time (not on the meta device, or with
+    modules outside a Mula model). Says so on rank 0 when the module was on the meta device (a sharded set-up was
+    likely expected)."""
     if rank == 0 and any(p.is_meta for p in module.parameters()):
         log.warning(
             "zero_topo: materialising the whole model on every rank before sharding it (the module holds parameters "
             "or buffers outside a Mula model, which are not drawn one unit at a time)"
         )
-    topology = MoETopology(dp_size=world_size, ep_size=1, rank=rank)
+    topology = topology or MoETopology(dp_size=world_size, ep_size=1, rank=rank)
     materialize_and_broadcast(module, topology, device, seed=seed, weights=weights)
 
 
@@ -198,14 +238,17 @@ class ZeroTopoOptions(ShardingOptions):
         activation_checkpointing: as for ``epso``: ``"full"`` (or True: recompute each decoder layer in backward),
             False, or a list of parts (``"norm"``, ``"attention"``, ``"moe"``, ``"mlp"``); the engine gathers a
             layer's weights before its backward, so a recomputation finds them in place.
+        ep_size: expert-parallel degree: ``ep_size`` consecutive ranks (inside one node: it divides the ranks per
+            node) split each MoE layer's experts as under ``epso``; the expert slices are sharded by the engine over
+            their ``world / ep_size`` replicas, the dense weights over every rank, as before.
+        dispatcher: the token dispatcher of expert parallelism: ``"allgather"`` or ``"alltoall"``.
+        etp_size: only 1 (expert tensor parallelism is ``epso``'s); anything else is refused, naming it.
         async_save: ``save_checkpoint`` stages the state to host memory and writes it in the background while
             training goes on (at most one save in flight); every save replaces its directory whole.
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
     """
-
-    ep_size = 1  # experts are sharded like every other weight
 
     def __init__(
         self,
@@ -222,9 +265,13 @@ class ZeroTopoOptions(ShardingOptions):
         block_size: int = 256,
         seed: int = 0,
         activation_checkpointing: bool | str | list[str] = False,
+        ep_size: int = 1,
+        dispatcher: str = "allgather",
+        etp_size: int = 1,
         async_save: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
+        check_expert_parallel(ep_size, dispatcher, etp_size, ranks_per_node)
         super().__init__(**ddp_arguments(type(self), ZeroTopoOptions.__init__, ddp_kwargs))
         self.settings = ZeroTopoSettings(
             weight_size,
@@ -240,14 +287,41 @@ class ZeroTopoOptions(ShardingOptions):
             block_size,
             seed,
             activation_checkpointing,
+            ep_size,
+            dispatcher,
         )
         parse_activation_checkpointing(activation_checkpointing)  # an unknown part is named at construction
+        self.ep_size = ep_size
         self.async_save = bool(async_save)
+        self._expert_topology: MoETopology | None = None
         self._init_flavour()
 
     def global_grad_norm(self, optimizer: Any) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (see ``ShardingStrategy``)."""
         return unwrap_optimizer(optimizer).global_grad_norm()
+
+    def expert_topology(self) -> MoETopology | None:
+        """The DP x EP layout of the experts (built once, collective: its process groups), None without EP."""
+        if self.ep_size == 1:
+            return None
+        if self._expert_topology is None:
+            self._expert_topology = build_topology(self.ep_size)
+        return self._expert_topology
+
+    def _expert_parallel(self, module: nn.Module) -> None:
+        """Cut every MoE layer's experts to this rank's slice and give it the dispatcher (on the meta module, before
+        anything is materialised; again on the same module: nothing changes)."""
+        topology = self.expert_topology()
+        if topology is not None:
+            apply_expert_parallel(module, topology.expert_group, dispatcher=self.settings.dispatcher)
+
+    def _whole(self, module: nn.Module) -> None:
+        """The whole-model path (see :func:`_materialize_whole`), the experts cut first."""
+        self._expert_parallel(module)
+        _materialize_whole(
+            module, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights(),
+            self.expert_topology(),
+        )  # fmt: skip
 
     def _checkpoint_activations(self, module: nn.Module) -> None:
         """Activation checkpointing on the (meta) module before it is materialised: it patches forward methods."""
@@ -259,13 +333,20 @@ class ZeroTopoOptions(ShardingOptions):
         trained), else None: drawn from the seed, or with ``init_from`` each weight chunk read by one rank of the
         ranks that keep it (round robin over the parameters) and broadcast to the others; each rank writes only its
         weight chunk of each unit. Call :func:`_release` on it once the engine is built."""
-        weights = self.init_weights()
+        self._expert_parallel(module)  # the experts cut first: each rank draws or reads its slice's chunks
+        weights, ep = self.init_weights(), self.ep_size
         if weights is not None:
-            groups = self.settings.layout(self.world_size).weight_replica_groups()
-            return weights_initializer(
-                module, weights, self.global_rank, self.world_size, self.root_device, replica_groups=groups
-            )
-        return parameter_initializer(module, self.settings.seed)
+            layout = self.settings.layout(self.world_size)
+            initializer = weights_initializer(
+                module, weights, self.global_rank, self.world_size, self.root_device,
+                replica_groups=layout.weight_replica_groups(),
+                expert_replica_groups=expert_weight_replica_groups(layout, ep) if ep > 1 else None,
+            )  # fmt: skip
+        else:
+            initializer = parameter_initializer(module, self.settings.seed)
+        if initializer is not None:
+            initializer.slice_experts(module, self.global_rank % ep, ep)
+        return initializer
 
 
 def _release(initializer: Any) -> None:
@@ -323,10 +404,8 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         if initializer is None:
             self._names = {id(p): n for n, p in module.named_parameters()}
             self._module = module
+            self._whole(module)
             self._checkpoint_activations(module)
-            _materialize_whole(
-                module, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
-            )
             return module
         self._shard(module, None, initializer)
         self._adopted = False
@@ -433,13 +512,11 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        self._checkpoint_activations(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        initializer = self._sharded_initializer(self.model)
+        initializer = self._sharded_initializer(self.model)  # the experts cut first (expert parallelism)
+        self._checkpoint_activations(self.model)
         if initializer is None:  # a model that cannot be made parameter by parameter
-            _materialize_whole(
-                self.model, self.root_device, self.global_rank, self.world_size, self.settings.seed, self.init_weights()
-            )
+            self._whole(self.model)
         else:  # the engine materialises one unit at a time below
             move_real_tensors(self.model, self.root_device)
         self.barrier()

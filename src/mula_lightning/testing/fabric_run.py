@@ -12,7 +12,7 @@ import torch
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 
-__all__ = ["fabric_after_one_step", "tiny_moe_config"]
+__all__ = ["clipped_fabric_steps", "fabric_after_one_step", "tiny_moe_config"]
 
 
 def tiny_moe_config(**overrides: Any) -> MulaConfig:
@@ -38,3 +38,20 @@ def fabric_after_one_step(strategy: Any, world_size: int, rank: int, config: Mul
     fabric.backward(out.loss + out.aux_loss)
     optimizer.step()
     return fabric, model, optimizer
+
+
+def clipped_fabric_steps(
+    fabric: Any, model: Any, optimizer: Any, batch: Any, rank: int, steps: range, max_norm: float
+) -> list[float]:
+    """Train ``steps``: each step one forward on ``batch(step, rank)`` (labels the inputs), Fabric's backward, global
+    gradient-norm clipping to ``max_norm``, the optimizer's step; the losses (the parity tests' training loop)."""
+    losses = []
+    for step in steps:
+        x = batch(step, rank)
+        loss = model(x, labels=x).loss
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

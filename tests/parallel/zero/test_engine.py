@@ -61,8 +61,8 @@ def _inject(bug):
 
     if bug == "no_cross_node_reduce":  # gradient shards summed inside the node only, not over the other nodes
 
-        def group_without_cross(self, kind):
-            return (None, 1, [0]) if kind == "grad_cross" else group(self, kind)
+        def group_without_cross(self, kind, unit=None):
+            return (None, 1, [0]) if kind == "grad_cross" else group(self, kind, unit)
 
         hz.HierarchicalZeroAdamW._group = group_without_cross
     elif bug == "missing_world_scale":  # summed gradients never divided by the world size

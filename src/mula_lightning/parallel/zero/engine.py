@@ -29,6 +29,13 @@ optimizer ``N / o`` x 8 (AdamW moments) plus 4 for an fp32 master when parameter
 parameters the primary chunk is the master). Quantized values never overwrite a master or a primary chunk.
 float64 parameters (parity checks) keep gradients, moments and sums in float64 (8 bytes where 4 are written above).
 
+Expert parallelism (``ep_size > 1``): the model's experts are cut to this rank's slice beforehand and a token
+dispatcher moves tokens inside each EP group of ``ep_size`` consecutive ranks; a decoder layer's expert tensors form a
+unit of their own (after the layer's dense unit), sharded by the same plan over their ``world / ep_size`` edp replicas
+with the group sizes of :func:`~mula_lightning.parallel.zero.layout.expert_layout` (each collective above runs inside
+the edp ranks of the dense group of its level). An expert gradient holds every token its EP group routed to it, so the
+sum over the edp replicas is the sum over every rank's batch: both families are divided by the world size.
+
 Constraints: every trainable parameter must receive a gradient in every backward (no unused parameters), so all ranks
 issue the same collectives in the same order. Frozen parameters (``requires_grad=False``) are sharded and gathered like
 the others and never updated; a unit of frozen parameters alone is gathered for its backward and freed at ``step``.
@@ -40,6 +47,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,7 +57,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.parallel.flat_buffer import FlatBuffer
-from mula_lightning.parallel.params import logical_name
+from mula_lightning.parallel.params import is_expert_param, logical_name
 from mula_lightning.parallel.sharded_optimizer import adamw_update_, clip_coefficient
 from mula_lightning.parallel.zero.collectives import (
     WeightGather,
@@ -58,7 +66,7 @@ from mula_lightning.parallel.zero.collectives import (
     reduce_scatter_chunks,
     slice_quantized,
 )
-from mula_lightning.parallel.zero.layout import ZeroTopoLayout
+from mula_lightning.parallel.zero.layout import ShardPositions, ZeroTopoLayout, edp_ranks, expert_layout
 from mula_lightning.utils.dist import is_distributed
 from mula_lightning.utils.precision import at_least_float32
 
@@ -91,12 +99,42 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]
     return owners
 
 
+@dataclass
+class _Family:
+    """A parameter family and the ranks it is sharded over: the dense parameters over every rank, or (expert
+    parallelism) this rank's expert slices over their edp replicas, global rank ``offset + stride * k`` for index
+    ``k`` of ``layout`` (see :func:`~mula_lightning.parallel.zero.layout.expert_layout`).
+
+    Attributes:
+        groups: kind -> (process group, size, chunk position of each group index), for this rank.
+    """
+
+    name: str
+    layout: ZeroTopoLayout
+    index: int  # this rank's index in ``layout``
+    stride: int = 1
+    offset: int = 0
+    groups: dict[str, tuple[Any, int, list[int]]] = field(default_factory=dict)
+
+    @property
+    def positions(self) -> ShardPositions:
+        return self.layout.positions(self.index)
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each optimizer chunk over the family's ranks (the global norm counts each element once)."""
+        return self.layout.world_size // self.layout.optimizer_size
+
+    def group(self, kind: str) -> tuple[Any, int, list[int]]:
+        return self.groups.get(kind, (None, 1, [0]))
+
+
 class _Unit:
     """One unit's flat buffer, chunks and state (see the module docstring)."""
 
-    def __init__(self, index: int, module: nn.Module, buf: FlatBuffer, engine: HierarchicalZeroAdamW) -> None:
-        lay, pos = engine.layout, engine.positions
-        self.index, self.module, self.buf = index, module, buf
+    def __init__(self, index: int, module: nn.Module, buf: FlatBuffer, family: _Family) -> None:
+        lay, pos = family.layout, family.positions
+        self.index, self.module, self.buf, self.family = index, module, buf, family
         n = buf.numel
         self.nw, self.ns, self.ng, self.no = (
             n // lay.weight_size,
@@ -183,6 +221,10 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             block (see :class:`~mula_lightning.parallel.parallelize.ParameterInitializer`); a plain callable costs
             one parameter's full value at a time.
         device: where meta parameters are materialised (default: CPU).
+        ep_size: expert-parallel degree: the model's experts are already cut to this rank's slice (rank ``r`` holds
+            slice ``r % ep_size``, :func:`~mula_lightning.parallel.expert_parallel.apply_expert_parallel` over
+            groups of ``ep_size`` consecutive ranks); expert parameters then form units of their own, sharded over
+            their edp replicas by :func:`~mula_lightning.parallel.zero.layout.expert_layout`.
     """
 
     def __init__(
@@ -202,6 +244,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         unit_pattern: str = UNIT_PATTERN,
         initializer: Callable[[nn.Parameter], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
+        ep_size: int = 1,
     ) -> None:
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -210,9 +253,19 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self.rank = dist.get_rank() if distributed else 0
         self.layout = layout or ZeroTopoLayout.from_env()
         self.positions = self.layout.positions(self.rank)
+        self.ep_size = ep_size
+        self.ep_rank = self.rank % ep_size
+        self.dense = _Family("dense", self.layout, self.rank)
+        self.experts = self.dense  # without expert parallelism, expert weights are dense ones
+        if ep_size > 1:
+            self.experts = _Family(
+                "expert", expert_layout(self.layout, ep_size), self.rank // ep_size, ep_size, self.ep_rank
+            )
         self.weight_quant = (weight_bits, block_size) if quantize_weights else None
         self.grad_quant = (grad_bits, block_size) if quantize_grads else None
-        self._groups = self._build_groups() if distributed else {}
+        self.ep_group: Any = None
+        if distributed:
+            self._build_groups()
         self._step = 0
         self._synced = False
 
@@ -225,13 +278,13 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         for i, m in enumerate(modules):
             for p in m.parameters():
                 owner.setdefault(id(p), i + 1)
-        by_unit: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        # a unit per layer and family: [root, layer 0, layer 0's experts, layer 1, ...], the order forward needs them
+        by_unit: dict[tuple[int, int], list[tuple[str, nn.Parameter, int]]] = {}
         for name, p in model.named_parameters():
             if id(p) in group_of:
-                by_unit.setdefault(owner.get(id(p), 0), []).append((logical_name(name), p, group_of[id(p)]))
-        lay = self.layout
-        align = block_size * (lay.optimizer_size * lay.secondary_size // _gcd(lay.optimizer_size, lay.secondary_size))
-        align //= lay.optimizer_size
+                name = logical_name(name)
+                key = (owner.get(id(p), 0), int(ep_size > 1 and is_expert_param(name)))
+                by_unit.setdefault(key, []).append((name, p, group_of[id(p)]))
         if initializer is None and (meta := [n for items in by_unit.values() for n, p, _ in items if p.is_meta]):
             raise ValueError(
                 f"{len(meta)} parameters are on the meta device ({', '.join(meta[:3])}, ...): pass an initializer "
@@ -239,16 +292,21 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             )
         owners = _parameter_owners(model)
         self.units: list[_Unit] = []
-        for i in sorted(by_unit):
-            meta_unit = any(p.is_meta for _, p, _ in by_unit[i])  # each rank draws its weight chunk only
+        for i, kind in sorted(by_unit):
+            family = self.experts if kind else self.dense
+            lay = family.layout
+            o, sec = lay.optimizer_size, lay.secondary_size
+            align = block_size * (o * sec // _gcd(o, sec)) // o
+            items = by_unit[i, kind]
+            meta_unit = any(p.is_meta for _, p, _ in items)  # each rank draws its weight chunk only
             buf = FlatBuffer(
-                by_unit[i], lay.optimizer_size, self.positions.optimizer, None, align=align, allocate_grads=False,
+                items, lay.optimizer_size, family.positions.optimizer, None, align=align, allocate_grads=False,
                 device=torch.device(device or "cpu") if meta_unit else None, initial_value=initializer,
                 defer_initial_values=True,
             )  # fmt: skip
             self._swap_parameters(buf.replaced, owners)
             module = _root_module(model, [s.param for s in buf.slots]) if i == 0 else modules[i - 1]
-            self.units.append(_Unit(len(self.units), module, buf, self))
+            self.units.append(_Unit(len(self.units), module, buf, family))
         if still_meta := [n for n, p in model.named_parameters() if p.is_meta]:
             raise ValueError(
                 f"parameters left on the meta device after setup (not in the optimizer: frozen?): {still_meta[:5]}"
@@ -315,26 +373,31 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]
 
     # ------------------------------------------------------------------ groups
-    def _build_groups(self) -> dict[str, tuple[Any, int, list[int]]]:
-        """(group, size, chunk position per group index) of each kind for this rank; creates every group."""
+    def _build_groups(self) -> None:
+        """Create every group of every family (each rank creates all of them, in one order) and give each family
+        this rank's (group, size, chunk position per group index) of each kind."""
         cache: dict[tuple[int, ...], Any] = {}
-        for kind_groups in self.layout.all_groups().values():
-            for ranks in kind_groups:
-                if len(ranks) > 1 and tuple(ranks) not in cache:
-                    cache[tuple(ranks)] = dist.new_group(ranks)
-        lay, r = self.layout, self.rank
-        pos = lay.positions
-        kinds = {
-            "weight": (lay.weight_ranks(r), lambda q: pos(q).weight),
-            "secondary": (lay.secondary_ranks(r), lambda q: pos(q).secondary),
-            "grad": (lay.grad_ranks(r), lambda q: pos(q).grad),
-            "grad_cross": (lay.grad_cross_ranks(r), lambda q: 0),
-            "post_step": (lay.post_step_ranks(r), lambda q: pos(q).optimizer % (lay.optimizer_size // lay.weight_size)),
-        }
-        return {k: (cache.get(tuple(rs)), len(rs), [f(q) for q in rs]) for k, (rs, f) in kinds.items()}
+        families = [self.dense] + ([self.experts] if self.experts is not self.dense else [])
+        for fam in families:
+            for offset in range(fam.stride):  # every EP rank's edp ranks, for the experts
+                for kind_groups in fam.layout.all_groups().values():
+                    for local in kind_groups:
+                        ranks = tuple(edp_ranks(local, offset, fam.stride))
+                        if len(ranks) > 1 and ranks not in cache:
+                            cache[ranks] = dist.new_group(list(ranks))
+        if self.ep_size > 1:  # the EP groups, where expert slices are gathered whole (full_state_dict)
+            for start in range(0, self.layout.world_size, self.ep_size):
+                ranks = tuple(range(start, start + self.ep_size))
+                if ranks not in cache:
+                    cache[ranks] = dist.new_group(list(ranks))
+            first = self.rank - self.ep_rank
+            self.ep_group = cache[tuple(range(first, first + self.ep_size))]
+        for fam in families:
+            fam.groups = _family_groups(fam, cache)
 
-    def _group(self, kind: str) -> tuple[Any, int, list[int]]:
-        return self._groups.get(kind, (None, 1, [0]))
+    def _group(self, kind: str, unit: _Unit | None = None) -> tuple[Any, int, list[int]]:
+        """(group, size, positions) of ``kind`` for ``unit``'s family (default: the dense one)."""
+        return (self.dense if unit is None else unit.family).group(kind)
 
     # ------------------------------------------------------------- weights
     def _start_gather(self, u: _Unit, phase: str) -> None:
@@ -343,10 +406,10 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         u.allocate()
         tag = f"weights.{phase}"
         if phase == "forward" or u.secondary is None:  # the primary (also in backward when s == w, unquantized)
-            group, size, positions = self._group("weight")
+            group, size, positions = self._group("weight", u)
             u.pending = WeightGather(u.primary, u.buf.params, group, size, positions, self.weight_quant, phase, tag)
         else:
-            group, size, positions = self._group("secondary")
+            group, size, positions = self._group("secondary", u)
             if isinstance(u.secondary, torch.Tensor):
                 chunk, pre = u.secondary, None
             else:
@@ -363,7 +426,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         u.gathered = True
         if pending.phase != "forward":
             return
-        lay, p = self.layout, self.positions.secondary
+        lay, p = u.family.layout, u.family.positions.secondary
         lo, hi = p * u.ns, (p + 1) * u.ns
         if self.weight_quant is not None and chunks is not None and lay.secondary_size > 1:
             u.secondary = slice_quantized(chunks, u.nw, lo, hi)  # what was gathered: no re-quantization
@@ -410,7 +473,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:
-        group, size, positions = self._group("grad")
+        group, size, positions = self._group("grad", u)
         quant = self.grad_quant if size > 1 else None
         u.grad_shard.add_(reduce_scatter_chunks(u.full_grad, group, size, positions, quant, "grads.reduce_scatter"))
         u.full_grad, u.ready = None, 0
@@ -427,10 +490,10 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
                 self._reduce(u)
             elif u.gathered and u.pending is None:  # a unit of frozen parameters: gathered for its backward only
                 u.free()
-        group, size, _ = self._group("grad_cross")
         for u in self.units:
+            group, size, _ = self._group("grad_cross", u)
             all_reduce_(u.grad_shard, group, size, "grads.all_reduce")
-            u.grad_shard.div_(self.layout.world_size)
+            u.grad_shard.div_(self.layout.world_size)  # every rank's batch, the experts' included
 
     def _owned_grads(self, u: _Unit) -> torch.Tensor:
         return u.grad_shard[u.grad_offset : u.grad_offset + u.no]
@@ -440,8 +503,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
     def global_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (each element counted once); runs the pending reductions first."""
         self.finish_grad_sync()
-        total = sum(self._owned_grads(u).pow(2).sum() for u in self.units)
-        total = total / (self.layout.world_size // self.layout.optimizer_size)  # optimizer chunks are replicated
+        # each optimizer chunk is held by its family's replicas: counted once
+        total = sum(self._owned_grads(u).pow(2).sum() / u.family.replicas for u in self.units)
         if is_distributed():
             all_reduce_(total, None, self.layout.world_size, "grads.norm")
         return total.sqrt()
@@ -460,8 +523,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         self.finish_grad_sync()
         self._step += 1
-        group, size, positions = self._group("post_step")
         for u in self.units:
+            group, size, positions = self._group("post_step", u)
             runs = [run for run in u.buf.runs if run[2] != FROZEN]  # frozen elements keep their values
             adamw_update_(u.master, self._owned_grads(u), u.exp_avg, u.exp_avg_sq, runs, self.param_groups, self._step)
             own = u.primary[u.opt_offset : u.opt_offset + u.no]
@@ -483,11 +546,20 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self._synced = False
 
     # --------------------------------------------------------- inspection
+    def checkpoint_layout(self, name: str, param: torch.Tensor) -> tuple[tuple[int, ...], list[tuple[Any, tuple]]]:
+        """(single-device shape, ``[(index into the local tensor, its offsets there)]``) of a parameter this rank
+        holds: an expert slice sits at rows ``ep_rank * E / ep`` of the layer's experts, anything else is whole."""
+        local = tuple(param.shape)
+        whole = tuple(slice(None) for _ in local)
+        if self.ep_size > 1 and is_expert_param(name):
+            return (local[0] * self.ep_size, *local[1:]), [(whole, (self.ep_rank * local[0], *(0,) * (len(local) - 1)))]
+        return local, [(whole, (0,) * len(local))]
+
     @contextmanager
     def full_parameters(self):
         """Inside, every parameter holds its full unquantized value (from the primary chunks); freed on exit."""
         for u in self.units:
-            group, size, positions = self._group("weight")
+            group, size, positions = self._group("weight", u)
             u.allocate()
             WeightGather(u.primary, u.buf.params, group, size, positions, None, "step", "weights.summon").wait()
         try:
@@ -515,6 +587,25 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             out["optimizer"] += nbytes(u.exp_avg) + nbytes(u.exp_avg_sq)
             out["optimizer"] += 0 if u.master_is_primary else nbytes(u.master)
         return out
+
+
+def _family_groups(fam: _Family, cache: dict[tuple[int, ...], Any]) -> dict[str, tuple[Any, int, list[int]]]:
+    """(group, size, chunk position per group index) of each kind for this rank in family ``fam``, the groups taken
+    from ``cache`` (global ranks -> process group; None for a group of one)."""
+    lay, r = fam.layout, fam.index
+    pos = lay.positions
+    post_step = lay.optimizer_size // lay.weight_size
+    kinds = {
+        "weight": (lay.weight_ranks(r), lambda q: pos(q).weight),
+        "secondary": (lay.secondary_ranks(r), lambda q: pos(q).secondary),
+        "grad": (lay.grad_ranks(r), lambda q: pos(q).grad),
+        "grad_cross": (lay.grad_cross_ranks(r), lambda q: 0),
+        "post_step": (lay.post_step_ranks(r), lambda q: pos(q).optimizer % post_step),
+    }
+    return {
+        k: (cache.get(tuple(edp_ranks(rs, fam.offset, fam.stride))), len(rs), [f(q) for q in rs])
+        for k, (rs, f) in kinds.items()
+    }
 
 
 def _root_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module:

@@ -25,6 +25,13 @@ With ``l = rank % g`` and ``m = rank % o`` (positions inside its gradient / opti
 
 Baselines as configurations: ZeRO-3 is ``w = g = o = s = world``; ZeRO++ (hpZ) is ``w = g = o = world, s = P``;
 ZeRO-topo is ``w = G, g = P, o = world, s = w``.
+
+Expert parallelism (:func:`expert_layout`): with ``ep`` consecutive ranks splitting the experts (``ep | P``, so an EP
+group stays inside a node), an expert slice is replicated over its ``world / ep`` *edp* ranks (``rank % ep`` equal,
+global rank ``ep_rank + ep * k`` for edp index ``k``). They are sharded by the same three levels, each group being the
+edp ranks inside the dense group of that level: ``x / ep`` of them where ``ep | x``, one (no sharding at that level)
+where ``x | ep``. So an expert weight is gathered inside the same GPU / node as a dense weight of its level, never
+further; the edp layout is an ordinary :class:`ZeroTopoLayout` of ``world / ep`` ranks, ``P / ep`` per node.
 """
 
 from __future__ import annotations
@@ -59,6 +66,47 @@ def shard_positions(rank: int, w: int, g: int, o: int, s: int) -> ShardPositions
         optimizer=_grad_position(m % g, w, g) * (o // g) + m // g,
         secondary=rank % s,
     )
+
+
+def expert_layout(layout: ZeroTopoLayout, ep_size: int) -> ZeroTopoLayout:
+    """The layout of the expert slices' edp ranks (see the module docstring); ``layout`` itself when ``ep_size`` is 1.
+
+    Raises:
+        ValueError: when ``ep_size`` does not divide the ranks of a node, or a group size neither divides ``ep_size``
+            nor is a multiple of it (naming them).
+    """
+    if ep_size == 1:
+        return layout
+    per_node = layout.ranks_per_node
+    if ep_size < 1 or per_node % ep_size:
+        raise ValueError(
+            f"ep_size ({ep_size}) must divide the ranks of a node ({per_node}): an expert-parallel group stays inside "
+            "one node"
+        )
+    sizes = {
+        "weight_size": layout.weight_size,
+        "grad_size": layout.grad_size,
+        "optimizer_size": layout.optimizer_size,
+        "secondary_size": layout.secondary_size,
+    }
+    out = {}
+    for name, size in sizes.items():
+        if size % ep_size and ep_size % size:
+            raise ValueError(f"{name} ({size}) must divide ep_size ({ep_size}) or be a multiple of it")
+        out[name] = max(1, size // ep_size)
+    per_gpu = layout.ranks_per_gpu // ep_size if layout.ranks_per_gpu % ep_size == 0 else 1
+    return ZeroTopoLayout(layout.world_size // ep_size, per_node // ep_size, per_gpu, **out)
+
+
+def expert_weight_replica_groups(layout: ZeroTopoLayout, ep_size: int) -> list[list[int]]:
+    """The global ranks holding the same weight chunk of the same expert slice, one list per (EP rank, chunk)."""
+    experts = expert_layout(layout, ep_size)
+    return [edp_ranks(g, e, ep_size) for e in range(ep_size) for g in experts.weight_replica_groups()]
+
+
+def edp_ranks(local_ranks: list[int], ep_rank: int, ep_size: int) -> list[int]:
+    """Global ranks of edp indices ``local_ranks`` of the experts of ``ep_rank``."""
+    return [ep_rank + ep_size * k for k in local_ranks]
 
 
 def _split(size: int, per_node: int, name: str) -> tuple[int, int]:

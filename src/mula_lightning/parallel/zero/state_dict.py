@@ -8,8 +8,11 @@ process:
   chunk (unquantized; :class:`~mula_lightning.parallel.tensor_pieces.TensorPieces`, no gather): every weight group
   holds the whole model, DCP's planner writes each piece once; a load reads straight into the primary chunks;
 * optimizer: ``state.<param name>.<exp_avg | exp_avg_sq | master>`` shaped like the parameter; each
-  rank of the first optimizer group (``rank < o``) writes the ranges its optimizer chunk holds (DP-scattered: every
-  writer writes ``1 / o`` of the states), and on load every rank reads its own ranges (no broadcast);
+  rank of the first optimizer group of a unit's family (``rank < o``; for expert slices, edp index ``< o`` of them)
+  writes the ranges its optimizer chunk holds (DP-scattered: every writer writes ``1 / o`` of the states), and on
+  load every rank reads its own ranges (no broadcast);
+* expert slices (expert parallelism) are saved at their rows of the single-device tensor, so a checkpoint loads at
+  any ``ep_size`` or in one process;
   ``step`` and the param groups' hyper-parameters as plain values.
 """
 
@@ -20,7 +23,8 @@ from typing import Any
 
 import torch
 
-from mula_lightning.parallel.state_dict import state_pieces, whole_layout
+from mula_lightning.parallel.expert_parallel import gather_expert_parallel_state_dict
+from mula_lightning.parallel.state_dict import placed_pieces, state_pieces
 from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_pieces
 from mula_lightning.parallel.zero.collectives import all_gather_chunks
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
@@ -42,20 +46,21 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
     Saving, the ranks of the first optimizer group write; with ``for_load`` every rank reads its own ranges, its
     optimizer group's ranges forming the global layout (they tile every parameter exactly once).
     """
-    writes = for_load or engine.rank < engine.layout.optimizer_size
     out: dict[str, Any] = {
         "step": engine._step,
         "param_groups": json.dumps([{k: v for k, v in g.items() if k != "params"} for g in engine.param_groups]),
     }
     for u in engine.units:
         vectors = _vectors(engine, u)
+        writes = for_load or u.family.index < u.family.layout.optimizer_size  # the family's first optimizer group
         for slot in u.buf.slots:
             mine = [s for s in u.buf.segments if s.slot.name == slot.name] if writes else []
             for key, vec in vectors.items():
                 local = [(s.param_start, vec[s.local_start : s.local_start + s.numel]) for s in mine]
                 shape = tuple(slot.param.shape)
                 if is_distributed():
-                    out[f"state.{slot.name}.{key}"] = state_pieces(local, shape, whole_layout(shape), vec)
+                    layout = engine.checkpoint_layout(slot.name, slot.param)
+                    out[f"state.{slot.name}.{key}"] = state_pieces(local, shape, layout, vec)
                 else:  # one process holds every element: the whole state, in the parameter's shape
                     out[f"state.{slot.name}.{key}"] = torch.cat([t for _, t in local]).view(shape)
     return out
@@ -71,22 +76,28 @@ def model_state_dict(engine: HierarchicalZeroAdamW, model: torch.nn.Module) -> d
     """
     pieces: dict[int, TensorPieces] = {}
     for u in engine.units:
-        lo = engine.positions.weight * u.nw
+        lo = u.family.positions.weight * u.nw
         for slot in u.buf.slots:
             s, e = max(lo, slot.start), min(lo + u.nw, slot.end)
+            shape = tuple(slot.param.shape)
             held = []
             if s < e:
-                held = flat_range_pieces(u.primary[s - lo : e - lo], slot.param.shape, s - slot.start, e - slot.start)
-            pieces[id(slot.param)] = TensorPieces(
-                slot.param.shape, held, dtype=u.primary.dtype, device=u.primary.device
-            )
+                held = flat_range_pieces(u.primary[s - lo : e - lo], shape, s - slot.start, e - slot.start)
+            full, blocks = engine.checkpoint_layout(slot.name, slot.param)
+            held = placed_pieces(held, shape, blocks)  # an expert slice: at its experts' rows
+            pieces[id(slot.param)] = TensorPieces(full, held, dtype=u.primary.dtype, device=u.primary.device)
     return {k: pieces.get(id(v), v.detach()) for k, v in model.state_dict(keep_vars=True).items()}
 
 
 def full_model_state_dict(engine: HierarchicalZeroAdamW, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full, unquantized single-device state dict (cloned while the units are gathered, on every rank)."""
+    """The full, unquantized single-device state dict (cloned while the units are gathered, on every rank; expert
+    slices gathered over the EP group)."""
     with engine.full_parameters():
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if engine.ep_size > 1:
+            state = gather_expert_parallel_state_dict(model, engine.ep_group)
+        else:
+            state = model.state_dict()
+        return {k: v.detach().clone() for k, v in state.items()}
 
 
 @torch.no_grad()
@@ -118,5 +129,5 @@ def apply_optimizer_state_dict(engine: HierarchicalZeroAdamW, state: dict[str, A
         if not u.master_is_primary:
             own = u.primary[u.opt_offset : u.opt_offset + u.no]
             own.copy_(u.master)
-            group, size, positions = engine._group("post_step")
+            group, size, positions = engine._group("post_step", u)
             all_gather_chunks(own.clone(), u.primary, group, size, positions, "weights.post_step")
