@@ -1,12 +1,12 @@
 """Host memory per rank during setup, save and load of the sharded strategies, as a ratio to the full model's bytes.
 
-Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; about a minute). Options: ``--world 4 8``,
-``--models dense moe``, ``--layouts zero3 zero_topo epso``; ``--export``: instead, ``mula export`` of a checkpoint
-saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh process;
-``--init-from``: instead, the setup of a run that starts from existing weights (``init_from``: a DCP checkpoint and
-a transformers directory of the model, written by one process), per layout; ``--precision bf16-true``: bf16
-parameters (the optimizers keep float32 masters, moments and, for ``epso``, float32 gradient buffers); ``--two-call``:
-setup as ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(AdamW(model.parameters()))``.
+Run: ``.venv/bin/python benchmarks/memory.py`` (CPU, gloo; a few minutes). Options: ``--world 4 8``, ``--models dense
+moe``, ``--layouts zero3 zero3_ep zero_topo zero_topo_ep epso``; ``--export``: instead, ``mula export`` of a
+checkpoint saved by ZeRO-3 ranks, streamed (the default for sharded checkpoints) vs in memory, measured in a fresh
+process; ``--init-from``: instead, the setup of a run that starts from existing weights (``init_from``: a DCP
+checkpoint and a transformers directory of the model, written by one process), per layout; ``--precision bf16-true``:
+bf16 parameters (the optimizers keep float32 masters, moments and, for ``epso``, float32 gradient buffers);
+``--two-call``: setup as ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(AdamW(model.parameters()))``.
 
 Why: the presets go to 220B parameters; a rank that holds the whole model (or several copies of it) at any phase
 cannot start or checkpoint such a run. For each phase every rank samples its resident memory (``/proc/self/statm``,
@@ -29,7 +29,10 @@ export, every rank writing what it holds).
 
 Layouts: ``zero3`` = ``FabricZeroTopoStrategy`` with weights, gradients and optimizer states sharded over every
 rank; ``zero_topo`` = its 3-level layout with 2 ranks per GPU and per node (weights over 2, gradients over 2,
-optimizer over all); ``epso`` = ``FabricEPSOStrategy`` (EP = 2 for the MoE, 1 for the dense model).
+optimizer over all); ``zero3_ep`` / ``zero_topo_ep`` = the same with expert parallelism inside (EP = 2: each rank keeps
+half the experts, sharded over their 2 replicas by the same levels; MoE only); ``epso`` = ``FabricEPSOStrategy``
+(EP = 2 for the MoE, 1 for the dense model). ``to-step`` is the rise from before the model is built to the end of the
+first optimizer step (its moments allocated): the most a rank needs to start training.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ MODELS = {  # >= 150 MB in fp32 each
         num_experts=8, top_k=2,
     ),
 }  # fmt: skip
-LAYOUTS = ("zero3", "zero_topo", "epso")
+LAYOUTS = ("zero3", "zero3_ep", "zero_topo", "zero_topo_ep", "epso")
 
 
 def _rss() -> int:
@@ -105,10 +108,12 @@ def _config(model: str):
 def _strategy(layout: str, model: str, world_size: int):
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
-    if layout == "zero3":
-        return FabricZeroTopoStrategy(weight_size=world_size, grad_size=world_size, optimizer_size=world_size)
-    if layout == "zero_topo":
-        return FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2)
+    ep = dict(ep_size=2) if layout.endswith("_ep") else {}
+    if layout.startswith("zero3"):
+        sizes = dict(weight_size=world_size, grad_size=world_size, optimizer_size=world_size)
+        return FabricZeroTopoStrategy(ranks_per_node=world_size, **sizes, **ep)
+    if layout.startswith("zero_topo"):
+        return FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, **ep)
     return FabricEPSOStrategy(ep_size=2 if model == "moe" and world_size > 1 else 1)
 
 
@@ -118,23 +123,25 @@ def _phases(fabric, config, path: str, two_call: bool = False) -> dict:
     from mula_lightning.models import MulaForCausalLM
 
     out: dict[str, int] = {}
-    with fabric.init_module(empty_init=True):
-        net = MulaForCausalLM(config)
-    out["full_bytes"] = sum(p.numel() * 4 for p in net.parameters())
-    with PhaseSampler() as phase:
-        if two_call:  # the order Lightning documents for sharded strategies
-            net = fabric.setup_module(net)
-            optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-4))
-        else:
-            net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
-    out["setup"], out["kept"] = phase.rise, phase.kept
-    fabric.barrier()
-    tokens = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
-    with PhaseSampler() as phase:
-        fabric.backward(net(tokens, labels=tokens).loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    out["step"] = phase.rise
+    with PhaseSampler() as to_step:  # from before the model exists to after the first step's allocations
+        with fabric.init_module(empty_init=True):
+            net = MulaForCausalLM(config)
+        out["full_bytes"] = sum(p.numel() * 4 for p in net.parameters())
+        with PhaseSampler() as phase:
+            if two_call:  # the order Lightning documents for sharded strategies
+                net = fabric.setup_module(net)
+                optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-4))
+            else:
+                net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+        out["setup"], out["kept"] = phase.rise, phase.kept
+        fabric.barrier()
+        tokens = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        with PhaseSampler() as phase:
+            fabric.backward(net(tokens, labels=tokens).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        out["step"] = phase.rise
+    out["to-step"] = to_step.rise
     fabric.barrier()
     state = {"model": net, "optimizer": optimizer}
     with PhaseSampler() as phase:
@@ -327,11 +334,13 @@ def main() -> None:
         f"torch {torch.__version__}, {args.precision}{', setup_module + setup_optimizers' if args.two_call else ''}, "
         "CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes"
     )
-    columns = ("setup", "kept", "step", "save", "load", "model-only")
+    columns = ("setup", "kept", "step", "to-step", "save", "load", "model-only")
     print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>10}" for c in columns))
     for world in args.world:
         for model in args.models:
             for layout in args.layouts:
+                if layout.endswith("_ep") and model == "dense":
+                    continue  # expert parallelism needs experts
                 with tempfile.TemporaryDirectory() as tmp:
                     path = os.path.join(tmp, "ckpt")
                     results = run_distributed_test(

@@ -13,9 +13,9 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.models import MulaForCausalLM, init_weights
 from mula_lightning.testing import assert_parity, one_process_data_parallel, run_pooled_test
-from mula_lightning.testing.fabric_run import clipped_fabric_steps
+from mula_lightning.testing.fabric_run import clipped_fabric_steps, tiny_moe_config
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP, STEPS, SAVE_AT, WORLD = 0.05, 5, 3, 8
@@ -27,10 +27,7 @@ EP2_ZERO3 = dict(ranks_per_node=4, weight_size=8, grad_size=8, optimizer_size=8,
 
 
 def _config():
-    return MulaConfig.from_name(
-        "mula-tiny-moe", vocab_size=V, hidden_size=H, num_layers=2, num_heads=2, num_kv_heads=2,
-        intermediate_size=FF, num_experts=E, top_k=2, moe_impl="fast",
-    )  # fmt: skip
+    return tiny_moe_config(num_experts=E, intermediate_size=FF)  # hidden 16, vocabulary 64, 2 layers, top-2
 
 
 def _batch(step, rank):
@@ -120,6 +117,29 @@ def test_an_ep4_checkpoint_resumes_at_ep2_and_in_one_process_and_exports(tmp_pat
                       scale=value.abs().max().item() + 1e-2, msg=f"exported {key}")  # fmt: skip
 
 
+def _real_model_run(rank, world_size):
+    from mula_lightning.strategies import FabricZeroTopoStrategy
+
+    strategy = FabricZeroTopoStrategy(block_size=16, ranks_per_node=2, ranks_per_gpu=2, ep_size=2)
+    fabric = Fabric(accelerator="cpu", devices=world_size, precision="64-true", strategy=strategy)
+    fabric.launch()
+    model = init_weights(MulaForCausalLM(_config()), seed=0)  # built whole on every rank, not on the meta device
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), **HP))
+    return clipped_fabric_steps(fabric, model, optimizer, _batch, rank, range(SAVE_AT), CLIP)
+
+
+@pytest.mark.distributed
+def test_a_model_built_whole_is_cut_and_trains_like_one_process():
+    """A model built on every rank with its values (the whole-model path, not one unit at a time) under EP=2 over 4
+    ranks: its experts are cut to each rank's slice and the rest as on the meta path; 3 steps equal one process."""
+    results = run_pooled_test(_real_model_run, 4, timeout=300)
+    model = init_weights(MulaForCausalLM(_config()), seed=0).to(torch.float64)
+    ref = one_process_data_parallel(model, _batch, 4, range(SAVE_AT), CLIP, **HP)
+    for rank, losses in enumerate(results):
+        expected = torch.tensor([s[rank] for s in ref], dtype=torch.float64)
+        assert_parity(torch.tensor(losses, dtype=torch.float64), expected, **F32, msg=f"rank {rank}")
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -157,3 +177,14 @@ def test_group_sizes_that_do_not_nest_with_ep_size_are_named():
         expert_layout(ZeroTopoLayout(12, 6, 2), 3)
     with pytest.raises(ValueError, match=r"ep_size \(8\) must divide the ranks of a node \(4\)"):
         expert_layout(dense, 8)
+
+
+def test_an_engine_given_uncut_experts_names_the_layer():
+    """``ep_size`` > 1 on a model whose experts were not cut (every rank would take the whole layer for its slice and
+    train it as such): one ``ValueError`` naming the layer and the counts, before anything is sharded."""
+    from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
+    from mula_lightning.parallel.zero.layout import ZeroTopoLayout
+
+    model = MulaForCausalLM(_config())
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp holds 8 of its 8 experts; ep_size 2 needs them cut"):
+        HierarchicalZeroAdamW(model, ZeroTopoLayout(2, 2), ep_size=2)

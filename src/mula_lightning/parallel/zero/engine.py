@@ -255,6 +255,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self.positions = self.layout.positions(self.rank)
         self.ep_size = ep_size
         self.ep_rank = self.rank % ep_size
+        if ep_size > 1:
+            _check_experts_cut(model, ep_size)
         self.dense = _Family("dense", self.layout, self.rank)
         self.experts = self.dense  # without expert parallelism, expert weights are dense ones
         if ep_size > 1:
@@ -312,6 +314,9 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
                 f"parameters left on the meta device after setup (not in the optimizer: frozen?): {still_meta[:5]}"
             )
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._on_module: dict[int, list[_Unit]] = {}
+        for u in self.units:
+            self._on_module.setdefault(id(u.module), []).append(u)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params if p.requires_grad
         ]
@@ -435,12 +440,21 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         else:
             u.secondary = None  # the primary is gathered again
 
+    def _layer(self, index: int) -> list[_Unit]:
+        """The units hooked on the module of unit ``index`` (a layer's dense unit and its experts' unit)."""
+        return self._on_module[id(self.units[index].module)]
+
     def _make_pre_forward(self, u: _Unit):
         def hook(module: nn.Module, args: Any) -> None:
-            self._start_gather(u, "forward")
-            self._finish_gather(u)
-            if u.index + 1 < len(self.units):
-                self._start_gather(self.units[u.index + 1], "forward")  # prefetch the next layer
+            layer = self._layer(u.index)
+            for v in layer:  # the layer's units travel together (its sibling's hook then finds them gathered)
+                self._start_gather(v, "forward")
+            for v in layer:
+                self._finish_gather(v)
+            following = layer[-1].index + 1
+            if following < len(self.units):
+                for v in self._layer(following):
+                    self._start_gather(v, "forward")  # prefetch the next layer
 
         return hook
 
@@ -454,11 +468,16 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         return hook
 
     def _pre_backward(self, u: _Unit) -> None:
-        self._start_gather(u, "backward")
-        self._finish_gather(u)
-        prev = u.index - 1 if u.index > 0 else len(self.units) - 1  # the root's head runs first, then the last layer
+        layer = self._layer(u.index)
+        for v in layer:
+            self._start_gather(v, "backward")
+        for v in layer:
+            self._finish_gather(v)
+        first = layer[0].index
+        prev = first - 1 if first > 0 else len(self.units) - 1  # the root's head runs first, then the last layer
         if prev > 0:
-            self._start_gather(self.units[prev], "backward")  # prefetch the previous layer
+            for v in self._layer(prev):
+                self._start_gather(v, "backward")  # prefetch the previous layer
 
     # ----------------------------------------------------------- gradients
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -587,6 +606,19 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             out["optimizer"] += nbytes(u.exp_avg) + nbytes(u.exp_avg_sq)
             out["optimizer"] += 0 if u.master_is_primary else nbytes(u.master)
         return out
+
+
+def _check_experts_cut(model: nn.Module, ep_size: int) -> None:
+    """Every MoE block holds ``1 / ep_size`` of its experts (else the engine would take whole layers for slices)."""
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        total = getattr(module, "num_experts", None)
+        weight = getattr(experts, "gate_up_proj", None)
+        if isinstance(total, int) and weight is not None and weight.shape[0] * ep_size != total:
+            raise ValueError(
+                f"{logical_name(name)} holds {weight.shape[0]} of its {total} experts; ep_size {ep_size} needs them "
+                f"cut to {total // ep_size} per rank first (apply_expert_parallel over groups of {ep_size} ranks)"
+            )
 
 
 def _family_groups(fam: _Family, cache: dict[tuple[int, ...], Any]) -> dict[str, tuple[Any, int, list[int]]]:
