@@ -11,8 +11,11 @@ What it prints, one table:
 1. parity: ``FastSparseMoEBlock.from_hf(block)`` vs transformers' OLMoE block (eager) on the device, fp32 and bf16,
    forward output and every gradient (input, router, experts), against the project's parity rule
    (:func:`mula_lightning.testing.assert_parity`: reduction length x eps(dtype) x scale);
-2. speed: forward + backward of one MoE block, FastSparseMoE vs transformers eager and grouped_mm (median of
-   ``--reps`` runs, interleaved, the device synchronised around each), with the ratios;
+2. speed: forward + backward of one MoE block, FastSparseMoE (its ``grouped_mm`` experts backend and its Triton
+   kernels, ``experts_backend="triton"``) vs transformers eager and grouped_mm (median of ``--reps`` runs,
+   interleaved, the device synchronised around each), with the ratios, the TFLOP/s of the routed experts' GEMMs
+   (18 H I per routed row, forward + backward) and the kernels one forward + backward launches (the profiler's
+   count);
 3. host synchronisations: none in FastSparseMoE's forward + backward on one device, nor in a whole training step of
    the tiny Mula MoE with AdamW (CUDA's sync debug mode);
 4. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from moe_block import SHAPES, Shape, build  # noqa: E402
 from mula_lightning.testing import assert_parity  # noqa: E402
 
-CONTENDERS = ("hf_eager", "hf_grouped_mm", "fast")
+CONTENDERS = ("hf_eager", "hf_grouped_mm", "fast", "fast_triton")
 
 
 def _default_device() -> str:
@@ -60,9 +63,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _on_device(shape: Shape, dtype: torch.dtype, device: torch.device):
+    from mula_lightning.moe import FastSparseMoEBlock
+
     blocks, params, x, g = build(shape, dtype)
     for block in blocks.values():
         block.to(device)
+    # the Triton kernels on the same (shared) parameters and router
+    blocks["fast_triton"] = FastSparseMoEBlock.from_hf(blocks["hf_grouped_mm"], experts_backend="triton")
     return blocks, params, x.to(device), g.to(device)
 
 
@@ -76,13 +83,16 @@ def _forward_backward(block, params, x, g):
     return y.detach(), xi.grad, {name: p.grad.clone() for name, p in params.items()}
 
 
-def parity(shape: Shape, dtype: torch.dtype, device: torch.device) -> str:
+def parity(shape: Shape, dtype: torch.dtype, device: torch.device, contender: str = "fast") -> str:
     """FastSparseMoE vs the eager HF block on the device: output and every gradient within the parity rule."""
     blocks, params, x, g = _on_device(shape, dtype, device)
     # the block's parameters were moved by .to(device): refresh the shared-parameter view
     params = dict(blocks["hf_eager"].named_parameters())
     y_ref, gx_ref, grads_ref = _forward_backward(blocks["hf_eager"], params, x, g)
-    y, gx, grads = _forward_backward(blocks["fast"], params, x, g)
+    try:
+        y, gx, grads = _forward_backward(blocks[contender], params, x, g)
+    except Exception as err:  # a kernel that does not build or run on this device: say so, go on
+        return f"FAIL ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
     try:
         assert_parity(y, y_ref, reduction_len=shape.hidden)
         assert_parity(gx, gx_ref, reduction_len=shape.hidden)
@@ -95,13 +105,20 @@ def parity(shape: Shape, dtype: torch.dtype, device: torch.device) -> str:
 
 
 def speed(shape: Shape, dtype: torch.dtype, device: torch.device, reps: int) -> dict[str, float]:
+    """Median seconds of one forward + backward per contender; a contender that cannot run here is left out."""
     blocks, _, x, g = _on_device(shape, dtype, device)
     params = dict(blocks["hf_eager"].named_parameters())
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    running = []
     for name in CONTENDERS:  # warm-up (kernels, autotuning)
-        _forward_backward(blocks[name], params, x, g)
+        try:
+            _forward_backward(blocks[name], params, x, g)
+            running.append(name)
+        except (RuntimeError, ValueError) as err:
+            print(f"  ({name} does not run here: {str(err).splitlines()[0][:100]})")
+    times: dict[str, list[float]] = {name: [] for name in running}
     for r in range(reps):
-        for name in CONTENDERS[r % 3 :] + CONTENDERS[: r % 3]:
+        turn = r % len(running)
+        for name in running[turn:] + running[:turn]:
             _sync(device)
             start = time.perf_counter()
             _forward_backward(blocks[name], params, x, g)
@@ -110,14 +127,30 @@ def speed(shape: Shape, dtype: torch.dtype, device: torch.device, reps: int) -> 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def host_syncs(shape: Shape, dtype: torch.dtype, device: torch.device) -> str:
+def kernels_launched(shape: Shape, dtype: torch.dtype, device: torch.device, contender: str) -> str:
+    """Device kernels one forward + backward of ``contender`` launches (routing included), from the profiler."""
+    if device.type != "cuda":
+        return "n/a"
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks, _, x, g = _on_device(shape, dtype, device)
+    params = dict(blocks[contender].named_parameters())
+    _forward_backward(blocks[contender], params, x, g)  # warm-up: compilation, autotuning
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _forward_backward(blocks[contender], params, x, g)
+        torch.cuda.synchronize(device)
+    return str(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+
+
+def host_syncs(shape: Shape, dtype: torch.dtype, device: torch.device, contender: str = "fast") -> str:
     """FastSparseMoE's forward + backward on one device, dropless, through the grouped kernel: it must never wait
     for the device (no ``.item()`` / ``.tolist()`` / data-dependent allocation on the host), as CUDA's sync debug
     mode checks; a synchronisation stalls the host's kernel queue once per MoE layer."""
     if device.type != "cuda":
         return "n/a (CUDA's sync debug mode only)"
     blocks, _, x, g = _on_device(shape, dtype, device)
-    block = blocks["fast"]
+    block = blocks[contender]
     params = dict(block.named_parameters())
     _forward_backward(block, params, x, g)  # warm-up: kernels, lazy state
     torch.cuda.synchronize(device)
@@ -225,17 +258,30 @@ def main() -> None:
     if device.type == "xpu":
         name = torch.xpu.get_device_name(device)
     print(f"device: {name}; torch {torch.__version__}; shape {shape.name}, {shape.tokens} tokens\n")
-    print(f"{'check':<34}result")
+    print(f"{'check':<44}result")
     for dtype in (torch.float32, torch.bfloat16):
-        print(f"{'parity vs HF eager, ' + str(dtype)[6:]:<34}{parity(shape, dtype, device)}")
+        for contender in ("fast", "fast_triton"):
+            label = f"parity vs HF eager, {contender}, {str(dtype)[6:]}"
+            print(f"{label:<44}{parity(shape, dtype, device, contender)}")
+    flops = 18 * shape.hidden * shape.intermediate * shape.tokens * shape.top_k  # the experts' GEMMs, fwd + bwd
     for dtype in (torch.float32, torch.bfloat16):
         t = speed(shape, dtype, device, args.reps)
-        row = ", ".join(f"{n} {t[n] * 1e3:.2f} ms" for n in CONTENDERS)
-        ratios = f"fast vs eager {t['hf_eager'] / t['fast']:.2f}x, vs grouped_mm {t['hf_grouped_mm'] / t['fast']:.2f}x"
-        print(f"{'fwd+bwd, ' + str(dtype)[6:]:<34}{row}; {ratios}")
-    print(f"{'host syncs in fwd+bwd, bfloat16':<34}{host_syncs(shape, torch.bfloat16, device)}")
-    print(f"{'host syncs in a training step':<34}{training_step_syncs(device)}")
-    print(f"{'mula fit tiny MoE, epso, 1 device':<34}{fit(device, args.steps)}")
+        row = ", ".join(f"{n} {t[n] * 1e3:.2f} ms" for n in CONTENDERS if n in t)
+        ratios = ", ".join(
+            f"{n} vs eager {t['hf_eager'] / t[n]:.2f}x, vs grouped_mm {t['hf_grouped_mm'] / t[n]:.2f}x, "
+            f"{flops / t[n] / 1e12:.1f} TFLOP/s"
+            for n in ("fast", "fast_triton")
+            if n in t
+        )
+        print(f"{'fwd+bwd, ' + str(dtype)[6:]:<44}{row}; {ratios}")
+    for contender in ("hf_grouped_mm", "fast", "fast_triton"):
+        label = f"kernels per fwd+bwd, {contender}"
+        print(f"{label:<44}{kernels_launched(shape, torch.bfloat16, device, contender)}")
+    for contender in ("fast", "fast_triton"):
+        label = f"host syncs in fwd+bwd, {contender}"
+        print(f"{label:<44}{host_syncs(shape, torch.bfloat16, device, contender)}")
+    print(f"{'host syncs in a training step':<44}{training_step_syncs(device)}")
+    print(f"{'mula fit tiny MoE, epso, 1 device':<44}{fit(device, args.steps)}")
 
 
 if __name__ == "__main__":

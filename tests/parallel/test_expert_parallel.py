@@ -50,10 +50,11 @@ def _config(capacity_factor=None, **routing):
     )
 
 
-def _block(case, dtype=torch.float32):
+def _block(case, dtype=torch.float32, backend="auto"):
     torch.manual_seed(0)
     routing = DEEPSEEK_ROUTING if case == "deepseek" else {}
-    block = FastSparseMoEBlock(_config(capacity_factor=1.0 if case == "capacity" else None, **routing)).to(dtype)
+    config = _config(capacity_factor=1.0 if case == "capacity" else None, **routing)
+    block = FastSparseMoEBlock(config, experts_backend=backend).to(dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.5)
@@ -115,9 +116,9 @@ def _expert_parallel(block, group, dispatcher, where, bug=None):
     return block
 
 
-def _ep_run(rank, world_size, ep, dispatcher, case, dtype, bug=None, where="bare"):
+def _ep_run(rank, world_size, ep, dispatcher, case, dtype, bug=None, where="bare", experts_backend="auto"):
     topo = build_topology(ep)
-    block = _expert_parallel(_block(case, dtype), topo.ep_group, dispatcher, where, bug)
+    block = _expert_parallel(_block(case, dtype, experts_backend), topo.ep_group, dispatcher, where, bug)
     assert type(block) is FastSparseMoEBlock and block.dispatcher.name == dispatcher
     x, w = _batch(rank, case, dtype)
     with _injected(bug):
@@ -144,30 +145,33 @@ def _check_ep(results, refs, world_size, ep, dispatcher, dtype):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world_size,ep,case,dtype,where",
+    "world_size,ep,case,dtype,where,backend",
     [
-        (2, 2, "random", torch.float64, "bare"),
-        (4, 2, "skewed", torch.float64, "model"),
-        (4, 4, "capacity", torch.float64, "bare"),
-        (2, 2, "random", torch.float32, "model"),  # the grouped GEMM kernels
-        (4, 2, "deepseek", torch.float64, "bare"),  # sigmoid scores, group-limited routing, scaled weights
+        (2, 2, "random", torch.float64, "bare", "auto"),
+        (4, 2, "skewed", torch.float64, "model", "auto"),
+        (4, 4, "capacity", torch.float64, "bare", "auto"),
+        (2, 2, "random", torch.float32, "model", "auto"),  # the grouped GEMM kernels
+        (4, 2, "deepseek", torch.float64, "bare", "auto"),  # sigmoid scores, group-limited routing, scaled weights
+        (4, 2, "capacity", torch.float32, "bare", "triton"),  # the Triton kernels (interpreted) on local experts
     ],
     ids=["2-2-random-f64-bare", "4-2-skewed-f64-model", "4-4-capacity-f64-bare", "2-2-random-f32-model",
-         "4-2-deepseek-f64-bare"],
+         "4-2-deepseek-f64-bare", "4-2-capacity-f32-triton"],
 )  # fmt: skip
-def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dtype, where):
+def test_expert_parallel_matches_single_device_per_rank(world_size, ep, case, dtype, where, backend):
     """Both dispatchers equal the unsharded block: outputs, input/router grads, and summed expert-slice grads.
 
     Cases: random routing; a routing where one EP rank receives no token; capacity factor 1.0 with drops;
     DeepSeek-V3's router (sigmoid scores, 4 groups keep 2, renormalised weights scaled by 2.5); in
-    float64 (bound ~1e-13 relative) and, for random routing, in float32 through the grouped GEMM kernels.
+    float64 (bound ~1e-13 relative) and, for random routing, in float32 through the grouped GEMM kernels; with
+    drops, in float32 through the Triton kernels (``experts_backend="triton"``) against the grouped GEMM reference.
     ``apply_expert_parallel`` is given the bare block, or a model holding it (2 and 4 processes each).
     """
     refs = [_step(_block(case, dtype), *_batch(r, case, dtype)) for r in range(world_size)]
     for dispatcher in ("allgather", "alltoall"):
         results = run_pooled_test(
-            _ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, dtype=dtype, where=where, timeout=120
-        )
+            _ep_run, world_size, ep=ep, dispatcher=dispatcher, case=case, dtype=dtype, where=where,
+            experts_backend=backend, timeout=120,
+        )  # fmt: skip
         _check_ep(results, refs, world_size, ep, dispatcher, dtype)
     if case == "skewed":
         assert all(r[2]["experts.gate_up_proj"][E // 2 :].abs().sum() == 0 for r in refs)  # rank 1 really idles

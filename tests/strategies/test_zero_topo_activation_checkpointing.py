@@ -25,14 +25,14 @@ def _config():
     )  # fmt: skip
 
 
-def _train(rank, world_size):
+def _train(rank, world_size, ep_size):
     from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
     from mula_lightning.parallel.activation_checkpointing import checkpointed_parts
     from mula_lightning.strategies import FabricZeroTopoStrategy
 
     out = {}
     for name, option in OPTIONS.items():
-        strategy = FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, block_size=16,
+        strategy = FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, block_size=16, ep_size=ep_size,
                                           activation_checkpointing=option)  # fmt: skip
         fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
         fabric.launch()
@@ -54,11 +54,13 @@ def _train(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_activation_checkpointing_in_zero_topo_is_bit_identical_to_none():
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_activation_checkpointing_in_zero_topo_is_bit_identical_to_none(ep_size):
     """``activation_checkpointing="full"`` (every decoder layer) and the selective parts (norms, attention, MoE
-    blocks) under ``zero_topo`` on 2 ranks: every rank's losses, pre-clip gradient norms and trained weights equal the
-    run without checkpointing bit for bit, and the options did checkpoint what they name."""
-    for per_option in run_pooled_test(_train, 2, timeout=300):
+    blocks) under ``zero_topo`` on 2 ranks, also with the experts split over them (EP=2: the recomputed MoE block
+    dispatches its tokens again): every rank's losses, pre-clip gradient norms and trained weights equal the run
+    without checkpointing bit for bit, and the options did checkpoint what they name."""
+    for per_option in run_pooled_test(_train, 2, ep_size=ep_size, timeout=300):
         losses, norms, weights, parts = per_option["none"]
         assert parts["layer"] == parts["attention"] == parts["moe"] == 0
         assert per_option["full"][3]["layer"] == 2

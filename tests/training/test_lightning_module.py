@@ -96,19 +96,23 @@ def test_vocab_size_comes_from_the_data_and_a_small_one_is_refused(tiny_data, tm
 
 
 @pytest.mark.parametrize(
-    "ep_size, message",
+    "strategy_name, ep_size, message",
     [
-        (3, r"num_experts of mula-tiny-moe \(4\) must be divisible by ep_size \(3\)"),
-        (2, r"number of processes \(devices x nodes\) \(1\) must be divisible by ep_size \(2\)"),
+        ("epso", 3, r"num_experts of mula-tiny-moe \(4\) must be divisible by ep_size \(3\)"),
+        ("epso", 2, r"number of processes \(devices x nodes\) \(1\) must be divisible by ep_size \(2\)"),
+        ("zero_topo", 3, r"ep_size \(3\) must divide the ranks of a node \(1\)"),
+        ("zero_topo", 2, r"ep_size \(2\) must divide the ranks of a node \(1\)"),
     ],
 )
-def test_ep_size_that_does_not_fit_fails_before_building(tiny_data, tmp_path, ep_size, message):
-    """epso with ep_size 3 (does not divide 4 experts) or 2 (does not divide 1 process): a ValueError naming the
-    values, and no model was built."""
-    from mula_lightning.strategies import EPSOStrategy
+def test_ep_size_that_does_not_fit_fails_before_building(tiny_data, tmp_path, ep_size, message, strategy_name):
+    """epso with ep_size 3 (does not divide 4 experts) or 2 (does not divide 1 process), zero_topo with either (its
+    expert-parallel group must fit in a node, here of one process): a ValueError naming the values, and no model was
+    built."""
+    from mula_lightning.strategies import EPSOStrategy, ZeroTopoStrategy
 
     lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY)
-    trainer = _trainer(tmp_path, max_steps=1, strategy=EPSOStrategy(ep_size=ep_size))
+    strategy = EPSOStrategy(ep_size=ep_size) if strategy_name == "epso" else ZeroTopoStrategy(ep_size=ep_size)
+    trainer = _trainer(tmp_path, max_steps=1, strategy=strategy)
     with pytest.raises(ValueError, match=message):
         trainer.fit(lm, MulaDataModule(str(tiny_data), micro_batch_size=2))
     assert lm.model is None

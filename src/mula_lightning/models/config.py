@@ -74,6 +74,8 @@ class MulaConfig:
         moe_impl: which MoE block computes the sparse layers: ``"fast"`` (default, FastSparseMoE: grouped GEMMs)
             or ``"reference"`` (the plain per-expert loop every fast path is tested against); see
             :func:`mula_lightning.models.transformer.build_moe_block`. Both share one parameter layout.
+        experts_backend: what computes FastSparseMoE's experts: ``"auto"`` (default), ``"grouped_mm"`` or
+            ``"triton"`` (:class:`~mula_lightning.moe.config.MoEConfig`).
         extra: free-form metadata carried along (not used by the model).
     """
 
@@ -115,6 +117,7 @@ class MulaConfig:
     tie_word_embeddings: bool = False
     init_std: float = 0.02
     moe_impl: str = "fast"
+    experts_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -210,6 +213,7 @@ class MulaConfig:
             shared_experts=self.shared_experts,
             shared_expert_intermediate_size=self.shared_expert_intermediate_size,
             shared_expert_gate=self.shared_expert_gate,
+            experts_backend=self.experts_backend,
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -67,6 +67,8 @@ class FastSparseMoEBlock(nn.Module):
         reuse_dead_activations: backward writes gradients into the storage of the block's internal activations
             once they are dead (less memory and, on CPU, fewer page faults); the block's graph can then be
             backpropagated only once (a second ``backward`` with ``retain_graph=True`` raises). ``False`` lifts that.
+        experts_backend: ``"auto"``, ``"grouped_mm"`` or ``"triton"`` (default: the config's ``experts_backend``);
+            see :func:`~mula_lightning.moe.experts.resolve_experts_backend`.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class FastSparseMoEBlock(nn.Module):
         device: torch.device | str | None = None,
         use_grouped_mm: bool = True,
         reuse_dead_activations: bool = True,
+        experts_backend: str | None = None,
     ) -> None:
         super().__init__()
         config = as_moe_config(config)
@@ -92,6 +95,7 @@ class FastSparseMoEBlock(nn.Module):
             device=device,
             use_grouped_mm=use_grouped_mm,
             reuse_dead_activations=reuse_dead_activations,
+            experts_backend=experts_backend or config.experts_backend,
         )
         build_shared_experts(self, config, device)  # always-on experts (DeepSeek-V3, Qwen2-MoE), if any
 
@@ -115,6 +119,14 @@ class FastSparseMoEBlock(nn.Module):
     @use_grouped_mm.setter
     def use_grouped_mm(self, value: bool) -> None:
         self.experts.use_grouped_mm = value
+
+    @property
+    def experts_backend(self) -> str:
+        return self.experts.experts_backend
+
+    @experts_backend.setter
+    def experts_backend(self, value: str) -> None:
+        self.experts.experts_backend = value
 
     @property
     def reuse_dead_activations(self) -> bool:
@@ -171,7 +183,9 @@ class FastSparseMoEBlock(nn.Module):
 
     # ------------------------------------------------------------- transformers
     @classmethod
-    def from_hf(cls, hf_block: nn.Module, use_grouped_mm: bool = True) -> FastSparseMoEBlock:
+    def from_hf(
+        cls, hf_block: nn.Module, use_grouped_mm: bool = True, experts_backend: str = "auto"
+    ) -> FastSparseMoEBlock:
         """A fast block sharing the weights (and the router module) of a transformers sparse MoE block.
 
         Args:
@@ -180,6 +194,7 @@ class FastSparseMoEBlock(nn.Module):
                 gate are kept as they are, like its router: DeepSeek-V3's selection bias routes, and stays where it
                 was loaded, since transformers' router has no update).
             use_grouped_mm: see the class arguments.
+            experts_backend: see the class arguments.
 
         Returns:
             A block whose ``forward(hidden_states)`` returns what ``hf_block(hidden_states)`` returns, with the
@@ -188,7 +203,7 @@ class FastSparseMoEBlock(nn.Module):
         _check_hf_block(hf_block)
         gate, experts = hf_block.gate, hf_block.experts
         config = moe_config_of_hf_block(hf_block)
-        block = cls(config, device="meta", use_grouped_mm=use_grouped_mm)
+        block = cls(config, device="meta", use_grouped_mm=use_grouped_mm, experts_backend=experts_backend)
         block.gate = gate  # the transformers router itself: same routing, same parameter, same output hooks
         block.experts.gate_up_proj = experts.gate_up_proj
         block.experts.down_proj = experts.down_proj
@@ -266,7 +281,7 @@ def _check_hf_block(hf_block: nn.Module) -> None:
         raise ValueError("the transformers block is already expert-parallel; patch before sharding experts")
 
 
-def patch_hf_moe(model: nn.Module, use_grouped_mm: bool = True) -> Any:
+def patch_hf_moe(model: nn.Module, use_grouped_mm: bool = True, experts_backend: str = "auto") -> Any:
     """Swap every sparse MoE block of a transformers model (OLMoE, Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3; see
     :data:`HF_BLOCKS`) for a fast block.
 
@@ -277,6 +292,7 @@ def patch_hf_moe(model: nn.Module, use_grouped_mm: bool = True) -> Any:
     Args:
         model: a transformers model (or any module containing such blocks).
         use_grouped_mm: see :class:`FastSparseMoEBlock`.
+        experts_backend: see :class:`FastSparseMoEBlock`.
 
     Returns:
         ``model``.
@@ -293,5 +309,6 @@ def patch_hf_moe(model: nn.Module, use_grouped_mm: bool = True) -> Any:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FastSparseMoEBlock.from_hf(module, use_grouped_mm=use_grouped_mm))
+        block = FastSparseMoEBlock.from_hf(module, use_grouped_mm=use_grouped_mm, experts_backend=experts_backend)
+        setattr(parent, child, block)
     return model

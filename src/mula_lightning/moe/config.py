@@ -13,9 +13,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "EXPERTS_BACKENDS",
     "ROUTER_KINDS",
     "SCORE_FUNCTIONS",
     "MoEConfig",
+    "ExpertsBackend",
     "RouterKind",
     "ScoreFunction",
     "as_moe_config",
@@ -27,6 +29,8 @@ RouterKind = Literal["softmax_topk", "topk_softmax"]
 ROUTER_KINDS = ("softmax_topk", "topk_softmax")
 ScoreFunction = Literal["softmax", "sigmoid"]
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ExpertsBackend = Literal["auto", "grouped_mm", "triton"]
+EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton")
 
 
 def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -70,6 +74,10 @@ class MoEConfig:
         bias_update_rate: how far the bias moves per optimizer step: ``b_e += rate * sign(mean load - load_e)`` over
             the step's global batch (:func:`~mula_lightning.moe.balancing.update_expert_bias`; DeepSeek-V3 used
             0.001); 0 leaves it fixed.
+        experts_backend: what computes the experts: ``"grouped_mm"`` (``torch._grouped_mm`` and its fallbacks),
+            ``"triton"`` (the fused Triton kernels of :mod:`~mula_lightning.moe.triton_experts`; a device or dtype
+            they cannot serve is refused in one line) or ``"auto"`` (see
+            :func:`~mula_lightning.moe.experts.resolve_experts_backend`).
     """
 
     hidden_size: int
@@ -92,6 +100,7 @@ class MoEConfig:
     shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    experts_backend: ExpertsBackend = "auto"
 
     @property
     def shared_width(self) -> int:
@@ -114,6 +123,8 @@ class MoEConfig:
             raise ValueError(f"num_experts ({self.num_experts}) must be >= 1 for an MoE layer")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
+        if self.experts_backend not in EXPERTS_BACKENDS:
+            raise ValueError(f"experts_backend ({self.experts_backend!r}) must be one of {EXPERTS_BACKENDS}")
         if self.router_kind not in ROUTER_KINDS:
             raise ValueError(f"router_kind ({self.router_kind!r}) must be one of {ROUTER_KINDS}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mula_lightning.moe.config import EXPERTS_BACKENDS
 from mula_lightning.moe.dispatch import DispatchPlan, reduce_rows_to_tokens
 from mula_lightning.moe.reference import ExpertWeights
 
@@ -285,6 +286,30 @@ class GroupedSwiGLU(torch.autograd.Function):
         return grad_x_SH, grad_gate_up, grad_down, None, None, None, None
 
 
+def resolve_experts_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that computes the experts for tensors on ``device`` of ``dtype``: ``"grouped_mm"`` or
+    ``"triton"``.
+
+    ``"auto"`` resolves to ``"grouped_mm"`` everywhere for now: the Triton kernels are checked on the CPU (Triton's
+    interpreter) and compiled for an H100 without one, but no GPU has measured them against ``torch._grouped_mm`` yet,
+    and the default follows a measurement (BENCHMARKS.md), not a hope. ``"triton"`` asks for them explicitly.
+
+    Raises:
+        ValueError: ``"triton"`` where the kernels cannot run (no Triton, a device without a Triton backend, float64,
+            bf16 under the CPU interpreter), in one line naming why.
+    """
+    if backend == "triton":
+        from mula_lightning.moe.triton_experts import triton_unavailable_reason
+
+        reason = triton_unavailable_reason(device, dtype)
+        if reason is not None:
+            raise ValueError(f"experts_backend='triton' cannot compute these experts: {reason}")
+        return "triton"
+    if backend not in EXPERTS_BACKENDS:
+        raise ValueError(f"experts_backend ({backend!r}) must be one of {EXPERTS_BACKENDS}")
+    return "grouped_mm"
+
+
 class GroupedExperts(ExpertWeights):
     """The merged expert weights with a grouped-GEMM forward over the routed rows of a dispatch plan.
 
@@ -299,12 +324,24 @@ class GroupedExperts(ExpertWeights):
             caller that owns that gradient, as :class:`~mula_lightning.moe.block.FastSparseMoEBlock` does (it comes
             from its combine); the graph can then be backpropagated once only (a second backward raises
             autograd's in-place error).
+        experts_backend: ``"auto"``, ``"grouped_mm"`` or ``"triton"`` (:func:`resolve_experts_backend`); with
+            ``"triton"`` the fused kernels of :mod:`~mula_lightning.moe.triton_experts` compute the rows.
     """
 
-    def __init__(self, *args, use_grouped_mm: bool = True, reuse_dead_activations: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        use_grouped_mm: bool = True,
+        reuse_dead_activations: bool = False,
+        experts_backend: str = "auto",
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.use_grouped_mm = use_grouped_mm
         self.reuse_dead_activations = reuse_dead_activations
+        if experts_backend not in EXPERTS_BACKENDS:
+            raise ValueError(f"experts_backend ({experts_backend!r}) must be one of {EXPERTS_BACKENDS}")
+        self.experts_backend = experts_backend
 
     def forward(self, x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Every routed row of the plan through its local expert.
@@ -321,6 +358,10 @@ class GroupedExperts(ExpertWeights):
             x_SH = x_SH.to(gate_up_proj.dtype)
         if plan.num_rows == 0:  # no rows: keep the weights in the graph with zero gradients
             return x_SH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum() + x_SH.sum())
+        if resolve_experts_backend(self.experts_backend, x_SH.device, x_SH.dtype) == "triton":
+            from mula_lightning.moe.triton_experts import TritonSwiGLU
+
+            return TritonSwiGLU.apply(x_SH, gate_up_proj, down_proj, plan)
         # host sizes on CPU (reading them costs nothing there, and they let the weight gradients' fix-up touch only
         # the empty experts); on an accelerator they stay on the device unless a fallback needs them
         counts = plan.token_counts.tolist() if x_SH.device.type == "cpu" else GroupSizes(plan.token_counts)

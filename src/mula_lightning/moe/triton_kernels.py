@@ -1,0 +1,117 @@
+"""The Triton kernels of the ``"triton"`` experts backend (:mod:`~mula_lightning.moe.triton_experts` calls them).
+
+Imports Triton; kept apart so that the rest of the package imports without it. The kernels are plain functions here
+and wrapped on demand: ``triton.jit`` for GPU tensors, Triton's interpreter for CPU tensors (the tests' path), so one
+process can run both and no environment variable has to be set before Triton is imported. For that the kernels use
+Triton's built-in operations only, not its library functions written in Triton (``tl.sigmoid``, ``tl.cdiv``,
+``tl.zeros``), which the interpreter can run only when ``TRITON_INTERPRET=1`` was set before Triton was imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import triton
+import triton.language as tl
+
+
+def rows_times_weights(
+    a_ptr, a_index_ptr, w_ptr, out_ptr, extra_ptr, extra2_ptr, offs_ptr, block_expert_ptr, block_row_ptr,
+    n_out, n_red, stride_a, stride_we, stride_wn, stride_wk, stride_out, stride_extra,
+    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """out[r, n] = sum_k a[src(r), k] * w[e, n, k] for the rows of one row block of expert e; epilogues: see the
+    module docstring (SwiGLU: w holds the gate rows, then the up rows, at n_out; dSwiGLU: extra = gate/up
+    pre-activations, out = their gradients)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    row0 = tl.load(block_row_ptr + pid_m)
+    end = tl.load(offs_ptr + expert)
+    if row0 >= end:
+        return
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < end
+    if GATHER:
+        src = tl.load(a_index_ptr + rows, mask=row_ok, other=0)
+    else:
+        src = rows
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < n_out
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    acc_up = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    for k0 in range(0, n_red, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < n_red
+        a = tl.load(a_ptr + src.to(tl.int64)[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :] * stride_wk,
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, tl.trans(w), acc)
+        if EPILOGUE == 1:  # the up rows sit n_out rows below the gate rows
+            w_up = tl.load(w_base + (cols + n_out)[:, None] * stride_wn + ks[None, :] * stride_wk,
+                           mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+    mask = row_ok[:, None] & col_ok[None, :]
+    out_rows = rows.to(tl.int64)[:, None]
+    if EPILOGUE == 0:
+        tl.store(out_ptr + out_rows * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif EPILOGUE == 1:  # extra = pre-activations [gate | up] (RT, 2I), out = silu(gate) * up (RT, I)
+        tl.store(extra_ptr + out_rows * stride_extra + cols[None, :], acc.to(extra_ptr.dtype.element_ty), mask=mask)
+        tl.store(extra_ptr + out_rows * stride_extra + (cols + n_out)[None, :],
+                 acc_up.to(extra_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        gate = acc.to(extra_ptr.dtype.element_ty).to(tl.float32)  # what the backward will read back
+        up = acc_up.to(extra_ptr.dtype.element_ty).to(tl.float32)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + out_rows * stride_out + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # acc = dh; extra = [gate | up]; out (RT, 2I) = [dh * up * dsilu(gate) | dh * silu(gate)]
+        gate = tl.load(extra_ptr + out_rows * stride_extra + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(extra_ptr + out_rows * stride_extra + (cols + n_out)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)  # fmt: skip
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        silu = gate * sig
+        grad_gate = acc * up * (sig + silu * (1.0 - sig))
+        tl.store(out_ptr + out_rows * stride_out + cols[None, :], grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_rows * stride_out + (cols + n_out)[None, :], (acc * silu).to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+
+
+def expert_weight_grads(
+    a_ptr, b_ptr, b_index_ptr, out_ptr, offs_ptr, m_size, n_size, stride_a, stride_b, stride_oe, stride_om,
+    GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """out[e, m, n] = sum over the rows r of expert e of a[r, m] * b[src(r), n] (zero without rows)."""
+    expert = tl.program_id(0)
+    tiles_n = (n_size + BN - 1) // BN
+    pid = tl.program_id(1)
+    ms = (pid // tiles_n) * BM + tl.arange(0, BM)
+    ns = (pid % tiles_n) * BN + tl.arange(0, BN)
+    m_ok, n_ok = ms < m_size, ns < n_size
+    end = tl.load(offs_ptr + expert)
+    start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    for r0 in range(start, end, BK):
+        rows = r0 + tl.arange(0, BK)
+        r_ok = rows < end
+        if GATHER:
+            src = tl.load(b_index_ptr + rows, mask=r_ok, other=0)
+        else:
+            src = rows
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_a + ms[None, :], mask=r_ok[:, None] & m_ok[None, :],
+                    other=0.0)  # fmt: skip
+        b = tl.load(b_ptr + src.to(tl.int64)[:, None] * stride_b + ns[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(tl.trans(a), b, acc)
+    out = out_ptr + expert.to(tl.int64) * stride_oe + ms[:, None] * stride_om + ns[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@functools.cache
+def kernels(interpreted: bool) -> dict[str, Any]:
+    """``{"rows_times_weights", "expert_weight_grads"}``: compiled (``triton.jit``) or interpreted (CPU tensors)."""
+    if interpreted:
+        from triton.runtime.interpreter import InterpretedFunction as wrap
+    else:
+        wrap = triton.jit
+    return {"rows_times_weights": wrap(rows_times_weights), "expert_weight_grads": wrap(expert_weight_grads)}

@@ -1,0 +1,240 @@
+"""The ``"triton"`` experts backend against slow, obviously-right references, on the CPU under Triton's interpreter.
+
+The kernels (:mod:`mula_lightning.moe.triton_experts`) replace the gather, three grouped GEMMs and the SwiGLU passes
+of stage 4. Checked here, on fresh random inputs, forward and every gradient:
+
+* the whole block (``FastSparseMoEBlock(experts_backend="triton")``) against :class:`ReferenceMoEBlock`, the
+  per-expert loop, in float64 (the reference) vs float32 and float16 (the kernels; the interpreter's bf16 ``tl.dot``
+  is wrong, Triton issue 11584): input, router, gate/up and down weights, shared experts;
+* the expert stage alone against the per-expert loop on routings built to be awkward: sizes that are multiples of no
+  tile size, experts without tokens, every token on one expert, K = 1 and K = E, a local expert range with pairs
+  dropped by capacity;
+* that the checks see a kernel that loses a row block or reads the wrong rows for a weight gradient;
+* that the kernels compile for an H100 (sm_90, bf16) without a GPU, and that an impossible request is refused.
+
+Tiny shapes: the interpreter runs every program of the grid in Python.
+"""
+
+import pytest
+import torch
+
+from mula_lightning.moe import MoEConfig
+from mula_lightning.moe.block import FastSparseMoEBlock
+from mula_lightning.moe.dispatch import build_dispatch_plan
+from mula_lightning.moe.experts import GroupedSwiGLU
+from mula_lightning.moe.reference import ReferenceMoEBlock
+
+pytest.importorskip("triton")
+
+#: (rtol, atol as a fraction of the reference's largest magnitude): float16 rounds the kernels' inputs, the stored
+#: pre-activations and the pre-activation gradients (relative 2^-11 each) and sums over up to a few hundred products;
+#: a lost or doubled row changes elements by the tensor's own scale
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 2e-3)}
+
+
+def _close(got, want, dtype, msg):
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol * max(want.abs().max().item(), 1e-6), msg=msg)
+
+
+def _loop_reference(x, gate_up, down, plan):
+    """Stage 4 as the per-expert loop in float64 (``GroupedSwiGLU`` with its per-group fallback)."""
+    x64, gu64, dn64 = (t.detach().double().requires_grad_() for t in (x, gate_up, down))
+    y = GroupedSwiGLU.apply(x64, gu64, dn64, plan, plan.token_counts.tolist(), False, False)
+    return y, (x64, gu64, dn64)
+
+
+def _triton(x, gate_up, down, plan):
+    from mula_lightning.moe.triton_experts import TritonSwiGLU
+
+    return TritonSwiGLU.apply(x, gate_up, down, plan)
+
+
+def _check_stage(indices, experts, hidden, inter, dtype, seed=0, n_start=0, n_end=None):
+    g = torch.Generator().manual_seed(seed)
+    tokens = indices.shape[0]
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
+    local = (experts - 1 if n_end is None else n_end) - n_start + 1
+    gate_up = (torch.randn(local, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype).requires_grad_()
+    down = (torch.randn(local, hidden, inter, generator=g) / inter**0.5).to(dtype).requires_grad_()
+    plan = build_dispatch_plan(indices, experts, n_start, n_end)
+    y = _triton(x, gate_up, down, plan)
+    grad = torch.randn(y.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(y, (x, gate_up, down), grad)
+    y_ref, leaves = _loop_reference(x, gate_up, down, plan)
+    want = torch.autograd.grad(y_ref, leaves, grad.double())
+    _close(y, y_ref, dtype, "forward")
+    for name, a, b in zip(("input", "gate_up", "down"), got, want):
+        assert a.dtype == dtype
+        _close(a, b, dtype, f"{name} gradient")
+    return plan
+
+
+def _routing(tokens, experts, top_k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "case",
+    ["uneven sizes, an expert without tokens", "every token on one expert", "top-1", "top-k = every expert"],
+)
+def test_stage_matches_the_per_expert_loop(case, dtype):
+    """The kernels' rows and the input, gate/up and down gradients equal the per-expert loop in float64 (within the
+    dtype's rounding) on awkward routings; an expert without rows gets zero weight gradients."""
+    experts, hidden, inter = 5, 40, 24  # multiples of no tile size (32)
+    if case.startswith("uneven"):
+        indices = _routing(37, experts, 2)
+        indices[indices == 3] = 1  # expert 3 gets nothing
+    elif case == "every token on one expert":
+        indices = torch.full((45, 1), 2)
+    elif case == "top-1":
+        indices = _routing(70, experts, 1, seed=1)  # 70 rows: several row blocks per expert
+    else:
+        indices = _routing(9, experts, experts, seed=2)
+    plan = _check_stage(indices, experts, hidden, inter, dtype)
+    assert plan.num_rows == indices.numel()
+
+
+def test_a_local_expert_range_with_dropped_pairs():
+    """Under expert parallelism a rank computes its local experts [2, 4] of 7 only, and capacity drops (-1) remove
+    pairs: the kernels see exactly the plan's rows (float32)."""
+    indices = _routing(50, 7, 3, seed=3)
+    indices[::4, 0] = -1
+    plan = _check_stage(indices, 7, 24, 20, torch.float32, n_start=2, n_end=4)
+    assert 0 < plan.num_rows < indices.numel()
+
+
+def _blocks(config, dtype, backend, seed):
+    torch.manual_seed(seed)
+    ref = ReferenceMoEBlock(config).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    fast = FastSparseMoEBlock(config, experts_backend=backend).to(dtype)
+    fast.load_state_dict({k: v.to(dtype) for k, v in ref.state_dict().items()})
+    return ref, fast
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_block_matches_the_reference_block(dtype, shared):
+    """``FastSparseMoEBlock(experts_backend="triton")`` against ``ReferenceMoEBlock`` in float64: output, auxiliary
+    loss and the gradients of the input, the router, both expert tensors and (with them) the shared experts."""
+    config = MoEConfig(hidden_size=24, intermediate_size=20, num_experts=6, top_k=2, shared_experts=int(shared),
+                       z_loss_coef=1e-3)  # fmt: skip
+    ref, fast = _blocks(config, dtype, "triton", seed=4)
+    x = torch.randn(2, 11, 24, dtype=torch.float64)
+    x_fast = x.to(dtype).requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    out, aux = fast.forward_with_aux(x_fast)
+    out_ref, aux_ref = ref.forward_with_aux(x_ref)
+    grad = torch.randn_like(out_ref)
+    (out.double() * grad).sum().add(aux.aux_loss.double()).backward()
+    (out_ref * grad).sum().add(aux_ref.aux_loss).backward()
+    _close(out, out_ref, dtype, "output")
+    _close(x_fast.grad, x_ref.grad, dtype, "input gradient")
+    params = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        _close(p.grad, params[name].grad, dtype, name)
+    assert any("shared" in n for n in params) == shared
+
+
+def test_the_checks_see_a_lost_row_block_and_misplaced_weight_rows(monkeypatch):
+    """A schedule that loses an expert's last row block leaves rows unwritten, and a weight gradient that starts one
+    row early reads another expert's row: the comparisons of the tests above fail on both."""
+    import mula_lightning.moe.triton_experts as te
+
+    indices = _routing(40, 4, 2, seed=5)
+    right = te.row_block_schedule
+
+    def lose_a_block(offs, rows, block_m=te.BLOCK_M):
+        expert, row = right(offs, rows, block_m)
+        return expert, torch.where(torch.arange(row.numel()) == 1, offs[expert].to(row.dtype), row)
+
+    monkeypatch.setattr(te, "row_block_schedule", lose_a_block)
+    with pytest.raises(AssertionError):
+        _check_stage(indices, 4, 24, 20, torch.float32)
+    monkeypatch.setattr(te, "row_block_schedule", right)
+    weight_grads = te.expert_weight_grads
+
+    def early_start(a, b, offs, b_index=None, out_dtype=None):
+        shifted = torch.cat([a[:1], a[:-1]])  # row r's gradient paired with row r - 1's input
+        return weight_grads(shifted, b, offs, b_index, out_dtype)
+
+    monkeypatch.setattr(te, "expert_weight_grads", early_start)
+    with pytest.raises(AssertionError):
+        _check_stage(indices, 4, 24, 20, torch.float32)
+
+
+def test_kernels_compile_for_an_h100_without_a_gpu():
+    """Every kernel variant (plain, SwiGLU and dSwiGLU epilogues, gathered or not; the weight-gradient kernel) builds
+    for sm_90 in bf16 with GPU-sized tiles: Triton's front end, its MLIR passes and ptxas accept them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mula_lightning.moe.triton_kernels import kernels
+
+    compiled = kernels(False)
+    tiles = {"BM": 128, "BN": 128, "BK": 64}
+    rows = {"a_ptr": "*bf16", "a_index_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "extra_ptr": "*bf16",
+            "extra2_ptr": "*bf16", "offs_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32"}  # fmt: skip
+    ints = ("n_out", "n_red", "stride_a", "stride_we", "stride_wn", "stride_wk", "stride_out", "stride_extra")
+    signature = {**rows, **dict.fromkeys(ints, "i32"), **dict.fromkeys(("GATHER", "EPILOGUE", *tiles), "constexpr")}
+    for gather, epilogue in ((True, 1), (False, 0), (False, 2)):
+        source = ASTSource(compiled["rows_times_weights"], signature,
+                           constexprs={"GATHER": gather, "EPILOGUE": epilogue, **tiles})  # fmt: skip
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    grads = {"a_ptr": "*bf16", "b_ptr": "*bf16", "b_index_ptr": "*i64", "out_ptr": "*fp32", "offs_ptr": "*i32"}
+    ints = ("m_size", "n_size", "stride_a", "stride_b", "stride_oe", "stride_om")
+    signature = {**grads, **dict.fromkeys(ints, "i32"), **dict.fromkeys(("GATHER", *tiles), "constexpr")}
+    source = ASTSource(compiled["expert_weight_grads"], signature, constexprs={"GATHER": True, **tiles})
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+def test_what_the_backend_cannot_serve_is_refused_in_one_line():
+    """``experts_backend="triton"`` on float64, or bf16 under the CPU interpreter: one ``ValueError`` naming why; an
+    unknown backend name is refused at construction; ``"auto"`` keeps grouped_mm (no GPU measurement yet)."""
+    from mula_lightning.moe.experts import resolve_experts_backend
+
+    config = MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2)
+    block = FastSparseMoEBlock(config, experts_backend="triton").double()
+    with pytest.raises(ValueError, match=r"experts_backend='triton' cannot .*float32 and float16 only, not torch\.f"):
+        block(torch.randn(1, 3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bfloat16"):
+        resolve_experts_backend("triton", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"experts_backend \('cuda'\) must be one of"):
+        FastSparseMoEBlock(config, experts_backend="cuda")
+    with pytest.raises(ValueError, match=r"experts_backend \('fast'\) must be one of"):
+        MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2, experts_backend="fast")
+    assert resolve_experts_backend("auto", torch.device("cpu"), torch.float32) == "grouped_mm"
+
+
+def test_from_hf_and_patch_hf_moe_take_the_backend():
+    """A transformers OLMoE block wrapped by ``from_hf(..., experts_backend="triton")`` gives the block's output and
+    every gradient (float32, within the kernels' rounding); ``patch_hf_moe`` hands the backend to every block."""
+    from transformers import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+    from mula_lightning.moe import patch_hf_moe
+
+    hf_config = OlmoeConfig(hidden_size=24, intermediate_size=20, num_experts=6, num_experts_per_tok=2,
+                            experts_implementation="eager")  # fmt: skip
+    hf = OlmoeSparseMoeBlock(hf_config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    x = torch.randn(2, 9, 24, generator=torch.Generator().manual_seed(6))
+    results = []
+    for block in (hf, FastSparseMoEBlock.from_hf(hf, experts_backend="triton")):
+        hf.zero_grad()
+        xi = x.clone().requires_grad_()
+        block(xi).square().sum().backward()
+        results.append([block(x).detach(), xi.grad] + [p.grad.clone() for p in hf.parameters()])
+    for want, got in zip(*results):
+        _close(got, want.double(), torch.float32, "from_hf")
+    holder = torch.nn.ModuleDict({"mlp": OlmoeSparseMoeBlock(hf_config)})
+    patch_hf_moe(holder, experts_backend="triton")
+    assert holder["mlp"].experts_backend == "triton"
