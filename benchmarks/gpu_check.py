@@ -16,9 +16,12 @@ What it prints, one table:
    interleaved, the device synchronised around each), with the ratios, the TFLOP/s of the routed experts' GEMMs
    (18 H I per routed row, forward + backward) and the kernels one forward + backward launches (the profiler's
    count);
-3. host synchronisations: none in FastSparseMoE's forward + backward on one device, nor in a whole training step of
+3. the fused LM head + loss at a Mula-7B-A1B head (hidden 2048, vocabulary 50304, 4096 tokens, bf16; ``--quick``:
+   hidden 64, vocabulary 512, 256 tokens, float32): forward + backward with the torch loss and with the Triton loss
+   kernel (``backend="triton"``), their times and the largest difference of the loss and the two gradients;
+4. host synchronisations: none in FastSparseMoE's forward + backward on one device, nor in a whole training step of
    the tiny Mula MoE with AdamW (CUDA's sync debug mode);
-4. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
+5. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
    freshly prepared corpus: exit code, steps, first and last loss, wall time.
 
 Record the table in BENCHMARKS.md with the device named. Nothing here runs in ``make test``.
@@ -141,6 +144,44 @@ def kernels_launched(shape: Shape, dtype: torch.dtype, device: torch.device, con
         _forward_backward(blocks[contender], params, x, g)
         torch.cuda.synchronize(device)
     return str(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+
+
+def loss_speed(device: torch.device, quick: bool, reps: int) -> str:
+    """The fused head + loss with the torch loss and with the Triton kernel: median times and their differences."""
+    from mula_lightning.models.linear_cross_entropy import linear_cross_entropy
+
+    hidden_size, vocab, tokens, dtype = (64, 512, 256, torch.float32) if quick else (2048, 50304, 4096, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(1, tokens, hidden_size, generator=gen) * 0.5).to(device, dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(device, dtype)
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
+    results, times = {}, {}
+    for backend in ("torch", "triton"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        try:
+            for _ in range(2):  # warm-up, then the kept run
+                h.grad = w.grad = None
+                loss = linear_cross_entropy(h, w, labels, backend=backend)
+                loss.backward()
+        except (RuntimeError, ValueError) as err:
+            return f"{backend} does not run here: {str(err).splitlines()[0][:90]}"
+        results[backend] = (loss.detach().float(), h.grad.float(), w.grad.float())
+        runs = []
+        for _ in range(reps):
+            h.grad = w.grad = None
+            _sync(device)
+            start = time.perf_counter()
+            linear_cross_entropy(h, w, labels, backend=backend).backward()
+            _sync(device)
+            runs.append(time.perf_counter() - start)
+        times[backend] = statistics.median(runs)
+    diffs = ", ".join(
+        f"{name} {(a - b).abs().max().item() / b.abs().max().clamp_min(1e-30).item():.1e}"
+        for name, a, b in zip(("loss", "d hidden", "d weight"), results["triton"], results["torch"])
+    )
+    ratio = times["torch"] / times["triton"]
+    return (f"torch {times['torch'] * 1e3:.2f} ms, triton {times['triton'] * 1e3:.2f} ms ({ratio:.2f}x); "
+            f"largest difference / scale: {diffs}")  # fmt: skip
 
 
 def host_syncs(shape: Shape, dtype: torch.dtype, device: torch.device, contender: str = "fast") -> str:
@@ -277,6 +318,7 @@ def main() -> None:
     for contender in ("hf_grouped_mm", "fast", "fast_triton"):
         label = f"kernels per fwd+bwd, {contender}"
         print(f"{label:<44}{kernels_launched(shape, torch.bfloat16, device, contender)}")
+    print(f"{'LM head + loss fwd+bwd, torch vs triton':<44}{loss_speed(device, args.quick, args.reps)}")
     for contender in ("fast", "fast_triton"):
         label = f"host syncs in fwd+bwd, {contender}"
         print(f"{label:<44}{host_syncs(shape, torch.bfloat16, device, contender)}")

@@ -170,28 +170,35 @@ def test_the_checks_see_a_lost_row_block_and_misplaced_weight_rows(monkeypatch):
 
 def test_kernels_compile_for_an_h100_without_a_gpu():
     """Every kernel variant (plain, SwiGLU and dSwiGLU epilogues, gathered or not; the weight-gradient kernel) builds
-    for sm_90 in bf16 with GPU-sized tiles: Triton's front end, its MLIR passes and ptxas accept them."""
+    for sm_90 in bf16 with the largest autotuned tile and its warps and stages (the SwiGLU variant, two accumulators,
+    with every row tile): Triton's front end, its MLIR passes and ptxas accept them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mula_lightning.moe.triton_kernels import kernels
+    from mula_lightning.moe.triton_experts import GPU_BLOCK_M
+    from mula_lightning.moe.triton_kernels import ROW_TILES, WEIGHT_GRAD_TILES, kernels
 
-    compiled = kernels(False)
-    tiles = {"BM": 128, "BN": 128, "BK": 64}
+    compiled, target = kernels(False), GPUTarget("cuda", 90, 32)
     rows = {"a_ptr": "*bf16", "a_index_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "extra_ptr": "*bf16",
             "extra2_ptr": "*bf16", "offs_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32"}  # fmt: skip
     ints = ("n_out", "n_red", "stride_a", "stride_we", "stride_wn", "stride_wk", "stride_out", "stride_extra")
-    signature = {**rows, **dict.fromkeys(ints, "i32"), **dict.fromkeys(("GATHER", "EPILOGUE", *tiles), "constexpr")}
-    for gather, epilogue in ((True, 1), (False, 0), (False, 2)):
-        source = ASTSource(compiled["rows_times_weights"], signature,
-                           constexprs={"GATHER": gather, "EPILOGUE": epilogue, **tiles})  # fmt: skip
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    constexprs = ("GATHER", "EPILOGUE", "BM", "BN", "BK")
+    signature = {**rows, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constexprs, "constexpr")}
+    largest = ROW_TILES[-1]
+    variants = [(True, 1, tile) for tile in ROW_TILES] + [(False, 0, largest), (False, 2, largest)]
+    for gather, epilogue, (bn, bk, warps, stages) in variants:
+        values = {"GATHER": gather, "EPILOGUE": epilogue, "BM": GPU_BLOCK_M, "BN": bn, "BK": bk}
+        source = ASTSource(compiled["rows_times_weights"].fn, signature, constexprs=values)
+        options = {"num_warps": warps, "num_stages": stages}
+        assert triton.compile(source, target=target, options=options).asm["cubin"]
     grads = {"a_ptr": "*bf16", "b_ptr": "*bf16", "b_index_ptr": "*i64", "out_ptr": "*fp32", "offs_ptr": "*i32"}
     ints = ("m_size", "n_size", "stride_a", "stride_b", "stride_oe", "stride_om")
-    signature = {**grads, **dict.fromkeys(ints, "i32"), **dict.fromkeys(("GATHER", *tiles), "constexpr")}
-    source = ASTSource(compiled["expert_weight_grads"], signature, constexprs={"GATHER": True, **tiles})
-    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    signature = {**grads, **dict.fromkeys(ints, "i32"), **dict.fromkeys(("GATHER", "BM", "BN", "BK"), "constexpr")}
+    bm, bn, bk, warps, stages = WEIGHT_GRAD_TILES[2]
+    values = {"GATHER": True, "BM": bm, "BN": bn, "BK": bk}
+    source = ASTSource(compiled["expert_weight_grads"].fn, signature, constexprs=values)
+    assert triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages}).asm["cubin"]
 
 
 def test_what_the_backend_cannot_serve_is_refused_in_one_line():

@@ -18,7 +18,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mula_lightning.moe.config import MoEConfig, RouterKind
+from mula_lightning.moe.config import EXPERTS_BACKENDS, MoEConfig, RouterKind
+
+#: what computes the fused LM head's loss (:func:`~mula_lightning.models.linear_cross_entropy.resolve_loss_backend`)
+LOSS_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -76,6 +79,8 @@ class MulaConfig:
             :func:`mula_lightning.models.transformer.build_moe_block`. Both share one parameter layout.
         experts_backend: what computes FastSparseMoE's experts: ``"auto"`` (default), ``"grouped_mm"`` or
             ``"triton"`` (:class:`~mula_lightning.moe.config.MoEConfig`).
+        loss_backend: what computes the fused LM head's loss and its gradient: ``"auto"`` (default), ``"torch"`` or
+            ``"triton"`` (:func:`~mula_lightning.models.linear_cross_entropy.resolve_loss_backend`).
         extra: free-form metadata carried along (not used by the model).
     """
 
@@ -118,6 +123,7 @@ class MulaConfig:
     init_std: float = 0.02
     moe_impl: str = "fast"
     experts_backend: str = "auto"
+    loss_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -154,6 +160,10 @@ class MulaConfig:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.num_experts < 0:
             raise ValueError(f"num_experts ({self.num_experts}) must be >= 0 (0 = dense)")
+        if self.experts_backend not in EXPERTS_BACKENDS:
+            raise ValueError(f"experts_backend ({self.experts_backend!r}) must be one of {EXPERTS_BACKENDS}")
+        if self.loss_backend not in LOSS_BACKENDS:
+            raise ValueError(f"loss_backend ({self.loss_backend!r}) must be one of {LOSS_BACKENDS}")
         if self.moe_layers is not None:
             layers = list(self.moe_layers)
             if self.num_experts == 0:

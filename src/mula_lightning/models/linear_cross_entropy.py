@@ -25,15 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
+from mula_lightning.models.config import LOSS_BACKENDS
 from mula_lightning.utils.precision import at_least_float32
 
 __all__ = [
     "ACCELERATOR_CHUNK_ELEMENTS",
+    "LOSS_BACKENDS",
     "CHUNK_ELEMENTS",
     "IGNORE_INDEX",
     "default_chunk_tokens",
     "linear_cross_entropy",
     "next_token_targets",
+    "resolve_loss_backend",
 ]
 
 #: logits alive at once by default on CPU: 2**25 float32 = 128 MiB (667 rows of a 50k vocabulary, 8192 of a 4k one);
@@ -55,8 +58,32 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+def resolve_loss_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``"torch"`` or ``"triton"`` (:mod:`~mula_lightning.models.cross_entropy_kernel`: a chunk's loss and gradient
+    in one kernel, written over its logits in their dtype) for a head on ``device`` in ``dtype``.
+
+    ``"auto"`` is ``"torch"`` until a GPU has measured the kernel against it (BENCHMARKS.md); ``"triton"`` asks for
+    it, and is refused in one line where it cannot run (no Triton, float64, bf16 under the CPU interpreter, a device
+    without a Triton backend).
+    """
+    if backend not in LOSS_BACKENDS:
+        raise ValueError(f"loss backend ({backend!r}) must be one of {LOSS_BACKENDS}")
+    if backend != "triton":
+        return "torch"
+    from mula_lightning.moe.triton_experts import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device, dtype)
+    if reason is not None:
+        raise ValueError(f"the Triton cross-entropy cannot compute this head's loss: {reason}")
+    return "triton"
+
+
 def _chunk_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_scale: torch.Tensor | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-row losses of one chunk (0 where ignored) and, with ``grad_scale``, ``grad_scale`` times d(sum of
     losses)/d(logits) in float32 (``softmax - one_hot`` on the rows that count, 0 on ignored ones).
@@ -66,7 +93,16 @@ def _chunk_loss(
     factors (ignored or not, the mean's scale) are applied in one pass: four passes over the chunk where a
     ``logsumexp``, a subtraction, ``exp_`` and two multiplications took eight and a second chunk-sized buffer
     (hidden 128, vocabulary 4096, 2048 rows, fp32, 2 threads: 24 ms against 41 ms, 16 ms of it the GEMM).
+
+    With ``backend="triton"`` the logits stay in the head's dtype and one kernel gives the losses (float32) and writes
+    the gradient over them.
     """
+    if backend == "triton":
+        from mula_lightning.models.cross_entropy_kernel import cross_entropy_rows_
+
+        logits = hidden @ weight.t()
+        losses = cross_entropy_rows_(logits, targets, IGNORE_INDEX, grad_scale)
+        return losses, (logits if grad_scale is not None else None)
     logits = (hidden @ weight.t()).to(at_least_float32(hidden.dtype))
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0).unsqueeze(1)
@@ -83,7 +119,7 @@ def _chunk_loss(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, reduction, chunk_tokens):  # noqa: D102
+    def forward(ctx, hidden, weight, targets, reduction, chunk_tokens, backend):  # noqa: D102
         rows = hidden.shape[0]
         valid = (targets != IGNORE_INDEX).sum()
         # mean over the real tokens, folded into the gradients before they meet the head's GEMMs, as the plain path
@@ -101,7 +137,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, rows, chunk_tokens):
             h = hidden[start : start + chunk_tokens]
             wanted = scale if needs[0] or needs[1] else None
-            losses, grad = _chunk_loss(h, weight, targets[start : start + chunk_tokens], wanted)
+            losses, grad = _chunk_loss(h, weight, targets[start : start + chunk_tokens], wanted, backend)
             total += losses.sum()
             if grad is None:
                 continue
@@ -131,7 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss.to(grad_weight.dtype)).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def default_chunk_tokens(weight: torch.Tensor) -> int:
@@ -147,6 +183,7 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     reduction: str = "mean",
     chunk_tokens: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``causal_lm_loss(hidden @ weight.T, labels, reduction)`` without the whole logits tensor.
 
@@ -156,6 +193,7 @@ def linear_cross_entropy(
         labels: (..., T) token ids; position t predicts ``labels[t + 1]``; -100 is ignored.
         reduction: ``"mean"`` over the real tokens (0, with zero gradients, when every label is ignored) or ``"sum"``.
         chunk_tokens: rows of logits computed at once (default: :func:`default_chunk_tokens`).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:func:`resolve_loss_backend`).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -163,15 +201,16 @@ def linear_cross_entropy(
         chunk_tokens = default_chunk_tokens(weight)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
     with record_function(PROFILER_RANGE):  # a profile can tell the fused head + loss (and its GEMMs) apart
         targets = next_token_targets(labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
             with torch.no_grad():
                 total = sum(
-                    (_chunk_loss(flat[s : s + chunk_tokens], weight, targets[s : s + chunk_tokens], None)[0].sum()
-                     for s in range(0, flat.shape[0], chunk_tokens)),
+                    (_chunk_loss(flat[s : s + chunk_tokens], weight, targets[s : s + chunk_tokens], None, backend)[0]
+                     .sum() for s in range(0, flat.shape[0], chunk_tokens)),
                     torch.zeros((), dtype=at_least_float32(flat.dtype), device=flat.device),
                 )  # fmt: skip
             return total / (targets != IGNORE_INDEX).sum().clamp(min=1) if reduction == "mean" else total
-        return _LinearCrossEntropy.apply(flat, weight, targets, reduction, chunk_tokens)
+        return _LinearCrossEntropy.apply(flat, weight, targets, reduction, chunk_tokens, backend)

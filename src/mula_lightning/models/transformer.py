@@ -249,7 +249,8 @@ class MulaForCausalLM(nn.Module):
         hidden, moe_aux = self.model(input_ids)
         if labels is not None and not return_logits and self._fused_loss_applies():
             logits = None
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, labels, loss_reduction, self.loss_chunk_tokens)
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, labels, loss_reduction, self.loss_chunk_tokens,
+                                        self.config.loss_backend)  # fmt: skip
         else:
             logits = self.lm_head(hidden)
             loss = self.loss_function(logits, labels, loss_reduction) if labels is not None else None

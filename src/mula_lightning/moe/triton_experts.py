@@ -33,8 +33,11 @@ import torch
 
 from mula_lightning.moe.dispatch import DispatchPlan, reduce_rows_to_tokens
 
-#: tile sizes (rows, output columns, reduction); every ``tl.dot`` operand is at least 16 x 16
+#: tile sizes under the CPU interpreter (rows, output columns, reduction); every ``tl.dot`` operand is >= 16 x 16
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
+#: rows per program on a GPU (the schedule's row block; the other tile sizes are autotuned,
+#: :data:`~mula_lightning.moe.triton_kernels.ROW_TILES`)
+GPU_BLOCK_M = 64
 EPILOGUE_PLAIN, EPILOGUE_SWIGLU, EPILOGUE_DSWIGLU = 0, 1, 2
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
@@ -65,8 +68,19 @@ def _kernels(interpreted: bool) -> dict[str, Any]:
     return kernels(interpreted)
 
 
-def _launch(name: str, device: torch.device, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
-    _kernels(device.type == "cpu")[name][grid](*args, **constexprs)
+def row_block(device: torch.device) -> int:
+    """Rows per program of the row kernel (the schedule's block) on ``device``."""
+    return BLOCK_M if device.type == "cpu" else GPU_BLOCK_M
+
+
+def _launch(name: str, device: torch.device, grid: Any, tiles: dict[str, int], *args: Any, **constexprs: Any):
+    """Run kernel ``name``: under the interpreter with the CPU tiles (``grid(tiles)``), on a GPU autotuned (``grid``
+    of the chosen configuration; only the row block, if any, is fixed)."""
+    if device.type == "cpu":
+        _kernels(True)[name][grid(tiles)](*args, **constexprs, **tiles)
+    else:
+        fixed = {"BM": tiles["BM"]} if name == "rows_times_weights" else {}
+        _kernels(False)[name][grid](*args, **constexprs, **fixed)
 
 
 def row_block_schedule(offs: torch.Tensor, num_rows: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,14 +135,14 @@ def rows_times_weights(
     n_red = w.shape[1] if transpose_w else w.shape[2]
     expert, row = schedule
     if rows:
-        grid = (expert.numel(), -(-n_out // BLOCK_N))
+        tiles = {"BM": row_block(a.device), "BN": BLOCK_N, "BK": BLOCK_K}
         _launch(
-            "rows_times_weights", a.device, grid,
+            "rows_times_weights", a.device, lambda meta: (expert.numel(), -(-n_out // meta["BN"])), tiles,
             a, a_index if a_index is not None else expert, w, out, extra if extra is not None else out,
             extra if extra is not None else out, offs, expert, row,
             n_out, n_red, a.stride(0), w.stride(0), stride_wn, stride_wk, out.stride(0),
             extra.stride(0) if extra is not None else out.stride(0),
-            GATHER=a_index is not None, EPILOGUE=epilogue, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+            GATHER=a_index is not None, EPILOGUE=epilogue,
         )  # fmt: skip
     if epilogue == EPILOGUE_SWIGLU:
         return out, extra
@@ -146,11 +160,12 @@ def expert_weight_grads(
     expert without rows."""
     experts, m_size, n_size = offs.numel(), a.shape[1], b.shape[1]
     out = torch.empty(experts, m_size, n_size, dtype=out_dtype or a.dtype, device=a.device)
-    grid = (experts, -(-m_size // BLOCK_M) * -(-n_size // BLOCK_N))
+    tiles = {"BM": BLOCK_M, "BN": BLOCK_N, "BK": BLOCK_K}
     _launch(
-        "expert_weight_grads", a.device, grid,
+        "expert_weight_grads", a.device, lambda meta: (experts, -(-m_size // meta["BM"]) * -(-n_size // meta["BN"])),
+        tiles,
         a, b, b_index if b_index is not None else offs, out, offs, m_size, n_size, a.stride(0), b.stride(0),
-        out.stride(0), out.stride(1), GATHER=b_index is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        out.stride(0), out.stride(1), GATHER=b_index is not None,
     )  # fmt: skip
     return out
 
@@ -164,7 +179,7 @@ class TritonSwiGLU(torch.autograd.Function):
     def forward(ctx, x_SH: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, plan: DispatchPlan):
         intermediate, hidden = down_proj.shape[-1], down_proj.shape[1]
         offs = plan.offs
-        schedule = row_block_schedule(offs, plan.num_rows)
+        schedule = row_block_schedule(offs, plan.num_rows, row_block(x_SH.device))
         x_SH = x_SH.contiguous()
         gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
         h_RI, pre_RO = rows_times_weights(x_SH, gate_up_proj, offs, schedule, intermediate,

@@ -107,11 +107,31 @@ def expert_weight_grads(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+#: tile configurations autotuned on a GPU (per output width and reduction length): columns x reduction per program of
+#: the row kernel (its rows are fixed by the schedule: :data:`~mula_lightning.moe.triton_experts.GPU_BLOCK_M`), and of
+#: the weight-gradient kernel, with the warps and pipeline stages Hopper-class GPUs run such tiles with
+ROW_TILES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)]
+WEIGHT_GRAD_TILES = [(64, 64, 32, 4, 4), (128, 64, 32, 8, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 3)]
+
+
 @functools.cache
 def kernels(interpreted: bool) -> dict[str, Any]:
-    """``{"rows_times_weights", "expert_weight_grads"}``: compiled (``triton.jit``) or interpreted (CPU tensors)."""
+    """``{"rows_times_weights", "expert_weight_grads"}``: interpreted (CPU tensors: every tile size is the caller's),
+    or compiled with ``triton.jit`` and autotuned over the tiles above (GPU: the caller passes the row block only)."""
     if interpreted:
-        from triton.runtime.interpreter import InterpretedFunction as wrap
-    else:
-        wrap = triton.jit
-    return {"rows_times_weights": wrap(rows_times_weights), "expert_weight_grads": wrap(expert_weight_grads)}
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return {
+            "rows_times_weights": InterpretedFunction(rows_times_weights),
+            "expert_weight_grads": InterpretedFunction(expert_weight_grads),
+        }
+    row_configs = [triton.Config({"BN": n, "BK": k}, num_warps=w, num_stages=s) for n, k, w, s in ROW_TILES]
+    grad_configs = [
+        triton.Config({"BM": m, "BN": n, "BK": k}, num_warps=w, num_stages=s) for m, n, k, w, s in WEIGHT_GRAD_TILES
+    ]
+    return {
+        "rows_times_weights": triton.autotune(row_configs, key=["n_out", "n_red", "EPILOGUE"])(
+            triton.jit(rows_times_weights)
+        ),
+        "expert_weight_grads": triton.autotune(grad_configs, key=["m_size", "n_size"])(triton.jit(expert_weight_grads)),
+    }

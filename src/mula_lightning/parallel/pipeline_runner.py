@@ -108,7 +108,8 @@ class PipelineRunner:
         LM head's weight gradient is computed here, in chunks, and reaches the head in the backward), else logits."""
         if self.fused_loss:
             weight = self.model.lm_head.weight
-            loss = linear_cross_entropy(output, weight, labels, self._reduction, self.model.loss_chunk_tokens)
+            loss = linear_cross_entropy(output, weight, labels, self._reduction, self.model.loss_chunk_tokens,
+                                        self.model.config.loss_backend)  # fmt: skip
         else:
             loss = self.model.loss_function(output, labels, self._reduction)
         self._raw.append(loss.detach())
