@@ -23,7 +23,8 @@ Shapes:
 the LM head and the cross-entropy fused in chunks, :mod:`mula_lightning.models.linear_cross_entropy`), ``mula (fast),
 plain loss`` through the whole batch's logits, as transformers does; ``mula (fast), compiled`` with ``epso``'s
 ``compile=True`` (``torch.compile`` of every layer's attention and norms; the compilation happens in the warm-up steps,
-which are not timed).
+which are not timed); on a CUDA or XPU device also ``mula (fast), triton``: the experts and the loss in the Triton
+kernels (``experts_backend="triton"``, ``loss_backend="triton"``; their autotuning happens in the warm-up steps).
 
 A step is ``loss = lm_loss + aux_loss; loss.backward(); optimizer.step(); optimizer.zero_grad()`` with torch's AdamW
 as :class:`~mula_lightning.lightning_module.MulaLM` configures it for one device (the fused kernel where the device
@@ -58,6 +59,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "7b-a1b-like": dict(preset="mula-7b-a1b", batch=2, seq_len=256, overrides=dict(num_layers=2, num_experts=32)),
 }
 CONTENDERS = ("mula (fast)", "mula (fast), plain loss", "mula (fast), compiled", "HF grouped_mm", "HF eager")
+#: on CUDA / XPU also: the experts and the loss in the Triton kernels (on the CPU they would run interpreted)
+DEVICE_CONTENDERS = ("mula (fast), triton",)
 
 
 def _config(shape: str):
@@ -72,6 +75,10 @@ def _build(config, contender: str, device: torch.device, dtype: torch.dtype):
     from mula_lightning.lightning_module import single_device_adamw
     from mula_lightning.models import MulaForCausalLM, init_weights
 
+    if "triton" in contender:
+        import dataclasses
+
+        config = dataclasses.replace(config, experts_backend="triton", loss_backend="triton")
     model = init_weights(MulaForCausalLM(config), seed=0)
     if contender.startswith("HF"):
         from transformers import OlmoeForCausalLM
@@ -163,9 +170,10 @@ def main() -> None:
 
     from mula_lightning.testing import run_distributed_test
 
+    every = CONTENDERS + (DEVICE_CONTENDERS if args.device != "cpu" else ())
     contenders = [
         c
-        for c in CONTENDERS
+        for c in every
         if (not args.only or any(o in c for o in args.only)) and not any(o in c for o in args.skip or ())
     ]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")

@@ -1,8 +1,8 @@
 """Every public name of ``../shared/DESIGN.md`` ("Public surface") imports from the module DESIGN.md names.
 
-Users and tests rely on these paths; a refactor that moves a name must keep it importable here. Names DESIGN.md
-promises for features that have not landed yet are listed apart, as strict expected failures: when one lands, its
-test starts passing, fails as an unexpected pass, and must be moved into the list of landed names.
+Users and tests rely on these paths; a refactor that moves a name must keep it importable here. Every name and
+command DESIGN.md promises has landed (the last, ``mula plan``, with issue 61's first step); a promise added to
+DESIGN.md gets a strict expected failure here until it lands.
 """
 
 import importlib
@@ -29,7 +29,7 @@ METHODS = [
 ]
 PRESETS = ["mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"]
 PRESETS += ["mula-tiny-dense"]
-COMMANDS = ["fit", "validate", "test", "data", "upcycle", "export", "report", "models", "launch"]
+COMMANDS = ["fit", "validate", "test", "data", "upcycle", "export", "report", "models", "launch", "plan"]
 
 
 @pytest.mark.parametrize("module", sorted(LANDED))
@@ -69,23 +69,6 @@ def test_methods_presets_registrations_and_commands():
     from mula_lightning.moe import MoEConfig
 
     assert MoEConfig.__dataclass_fields__.keys() >= {"norm_topk_prob", "capacity_factor", "aux_loss_coef"}
-
-
-def _pending_commands():
-    from mula_lightning.cli import COMMANDS as CLI_COMMANDS
-
-    assert "plan" in CLI_COMMANDS
-
-
-@pytest.mark.xfail(strict=True, reason="promised by DESIGN.md, not landed yet (issue 15 and later)")
-@pytest.mark.parametrize(
-    "check",
-    [_pending_commands],
-    ids=["mula-plan"],
-)
-def test_pending_public_names(check):
-    """Not there yet; a strict xfail, so that the day it lands the name moves to the landed lists above."""
-    check()
 
 
 def test_router_families_are_on_the_moe_config():

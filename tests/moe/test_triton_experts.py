@@ -169,9 +169,10 @@ def test_the_checks_see_a_lost_row_block_and_misplaced_weight_rows(monkeypatch):
 
 
 def test_kernels_compile_for_an_h100_without_a_gpu():
-    """Every kernel variant (plain, SwiGLU and dSwiGLU epilogues, gathered or not; the weight-gradient kernel) builds
-    for sm_90 in bf16 with the largest autotuned tile and its warps and stages (the SwiGLU variant, two accumulators,
-    with every row tile): Triton's front end, its MLIR passes and ptxas accept them."""
+    """Every kernel variant (plain, SwiGLU and dSwiGLU epilogues, gathered or not; the weight-gradient kernel; the
+    combine's forward and backward) builds for sm_90 in bf16 with the largest autotuned tile and its warps and stages
+    (the SwiGLU variant, two accumulators, with every row tile): Triton's front end, its MLIR passes and ptxas accept
+    them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -199,6 +200,14 @@ def test_kernels_compile_for_an_h100_without_a_gpu():
     values = {"GATHER": True, "BM": bm, "BN": bn, "BK": bk}
     source = ASTSource(compiled["expert_weight_grads"].fn, signature, constexprs=values)
     assert triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages}).asm["cubin"]
+    combine = {"y_ptr": "*bf16", "w_ptr": "*bf16", "slot_row_ptr": "*i64", "out_ptr": "*bf16", "top_k": "i32",
+               "hidden": "i32", "stride_y": "i32", "stride_out": "i32", "BH": "constexpr"}  # fmt: skip
+    assert triton.compile(ASTSource(compiled["combine_rows"], combine, constexprs={"BH": 256}), target=target)
+    backward = {"y_ptr": "*bf16", "w_ptr": "*bf16", "row_slot_ptr": "*i64", "token_ptr": "*i64",
+                "grad_out_ptr": "*bf16", "grad_y_ptr": "*bf16", "grad_w_ptr": "*fp32", "hidden": "i32",
+                "stride_y": "i32", "stride_g": "i32", "stride_gy": "i32", "BH": "constexpr"}  # fmt: skip
+    source = ASTSource(compiled["combine_rows_backward"], backward, constexprs={"BH": 256})
+    assert triton.compile(source, target=target).asm["cubin"]
 
 
 def test_what_the_backend_cannot_serve_is_refused_in_one_line():
@@ -245,3 +254,32 @@ def test_from_hf_and_patch_hf_moe_take_the_backend():
     holder = torch.nn.ModuleDict({"mlp": OlmoeSparseMoeBlock(hf_config)})
     patch_hf_moe(holder, experts_backend="triton")
     assert holder["mlp"].experts_backend == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_combine_matches_the_weighted_sum(dtype, reuse):
+    """Stage 5 in the Triton kernels against ``CombineExpertOutputs`` in float64: the tokens' weighted sums and the
+    gradients of the rows and of the router weights, on a local expert range [1, 3] of 6 with dropped pairs (slots
+    routed elsewhere add nothing and get a zero weight gradient); with ``reuse_dead_activations`` the rows'
+    gradients land in the rows' own storage."""
+    from mula_lightning.moe.combine import CombineExpertOutputs
+    from mula_lightning.moe.triton_experts import TritonCombine
+
+    g = torch.Generator().manual_seed(7)
+    indices = _routing(23, 6, 3, seed=8)
+    indices[::5, 1] = -1
+    plan = build_dispatch_plan(indices, 6, 1, 3)
+    y = torch.randn(plan.num_rows, 300, generator=g).to(dtype).requires_grad_()  # 300: two column blocks
+    w = torch.rand(23, 3, generator=g).to(dtype).requires_grad_()
+    out = TritonCombine.apply(y * 1, w, plan, reuse)  # y * 1: a dead intermediate, as the experts' output is
+    grad = torch.randn(out.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(out, (y, w), grad)
+    y64, w64 = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want_out = CombineExpertOutputs.apply(y64, w64, plan, False)
+    want = torch.autograd.grad(want_out, (y64, w64), grad.double())
+    _close(out, want_out, dtype, "combined")
+    _close(got[0], want[0], dtype, "rows' gradient")
+    _close(got[1], want[1], dtype, "router weights' gradient")
+    local = (indices >= 1) & (indices <= 3)
+    assert not got[1][~local].any() and got[1][local].abs().min() > 0

@@ -274,6 +274,23 @@ class MulaConfig:
         return dataclasses.asdict(self)
 
     # ------------------------------------------------------------ accounting
+    def layer_params(self, layer: int, active: bool = False) -> tuple[int, int]:
+        """(non-expert, expert) parameter elements of decoder layer ``layer`` (its attention, norms, router, shared
+        experts and dense MLP are non-expert; ``active``: the ``top_k`` experts one token uses, not all of them)."""
+        h = self.hidden_size
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.qk_norm:
+            attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_dim + self.kv_dim
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        non_expert = attn + 2 * h
+        if not self.is_moe_layer(layer):
+            return non_expert + 3 * h * self.dense_width, 0
+        non_expert += self.num_experts * h  # the router
+        non_expert += 3 * h * self.moe.shared_width + (h if self.shared_expert_gate else 0)  # every token uses them
+        used = self.top_k if active else self.num_experts
+        return non_expert, used * 3 * h * self.intermediate_size
+
     def num_params(self, active: bool = False) -> int:
         """Parameter count computed from the shape alone.
 
@@ -282,20 +299,8 @@ class MulaConfig:
                 instead of all ``num_experts``.
         """
         h = self.hidden_size
-        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        if self.qk_norm:
-            attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_dim + self.kv_dim
-        if self.qkv_bias:
-            attn += self.q_dim + 2 * self.kv_dim
-        expert = 3 * h * self.intermediate_size
-        used = self.top_k if active else self.num_experts
-        moe_ffn = self.num_experts * h + used * expert
-        if self.is_moe:  # the shared experts (and their gate): every token uses them
-            moe_ffn += 3 * h * self.moe.shared_width + (h if self.shared_expert_gate else 0)
-        n_moe = self.num_moe_layers
-        ffn = n_moe * moe_ffn + (self.num_layers - n_moe) * 3 * h * self.dense_width
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * (attn + 2 * h) + ffn + h
+        return embeddings + h + sum(sum(self.layer_params(i, active)) for i in range(self.num_layers))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward): 6 * active non-embedding-input params + attention.

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from mula_lightning.moe.config import MoEConfig, as_moe_config
-from mula_lightning.moe.experts import GroupedExperts
+from mula_lightning.moe.experts import GroupedExperts, resolve_experts_backend
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.moe.router import Router, RouterOutput, count_per_expert, load_balancing_loss, router_z_loss
 from mula_lightning.moe.shared_experts import add_shared_experts, build_shared_experts
@@ -172,7 +172,10 @@ class FastSparseMoEBlock(nn.Module):
         routed = self.route(x_SH, shape[0] if len(shape) == 3 else 1)  # 1.
         tokens = self.dispatcher.dispatch(x_SH, routed, dropless=self._router_is_dropless())  # 2. + 3.
         y_RH = self.experts(tokens.x_SH, tokens.plan)  # 4.
-        out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations)  # 5.
+        if resolve_experts_backend(self.experts_backend, y_RH.device, y_RH.dtype) == "triton":  # its combine too
+            out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations, backend="triton")  # 5.
+        else:  # a dispatcher written before ``backend`` existed keeps working
+            out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations)  # 5.
         out_SH = add_shared_experts(self, x_SH, out_SH)  # every token's shared experts, on the token's rank
         c = self.config
         aux = MoEAux.from_router(routed, c.aux_loss_coef, c.z_loss_coef, c.seq_aux_loss_coef)

@@ -63,7 +63,11 @@ class CombineExpertOutputs(torch.autograd.Function):
 
 
 def combine_expert_outputs(
-    mlp_out_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan, reuse_dead_activations: bool = False
+    mlp_out_RH: torch.Tensor,
+    weights_SK: torch.Tensor,
+    plan: DispatchPlan,
+    reuse_dead_activations: bool = False,
+    backend: str = "grouped_mm",
 ) -> torch.Tensor:
     """(RT, H) expert outputs and (S, K) router weights -> (S, H) block output (in ``mlp_out_RH``'s dtype).
 
@@ -73,5 +77,11 @@ def combine_expert_outputs(
         plan: the dispatch plan.
         reuse_dead_activations: write ``mlp_out_grad`` into ``mlp_out_RH``'s storage in backward (only when nothing
             else reads ``mlp_out_RH``; the graph can then be backpropagated once).
+        backend: the experts' resolved backend: ``"triton"`` combines in the Triton kernels
+            (:class:`~mula_lightning.moe.triton_experts.TritonCombine`), anything else here.
     """
+    if backend == "triton":
+        from mula_lightning.moe.triton_experts import TritonCombine
+
+        return TritonCombine.apply(mlp_out_RH, weights_SK, plan, reuse_dead_activations)
     return CombineExpertOutputs.apply(mlp_out_RH, weights_SK, plan, reuse_dead_activations)

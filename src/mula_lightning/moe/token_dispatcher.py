@@ -93,9 +93,13 @@ class TokenDispatcher:
         raise NotImplementedError
 
     def combine(
-        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False
-    ) -> torch.Tensor:
-        """Weight and sum the local experts' outputs (RT, H) and bring them back: (S, H) for this rank's tokens."""
+        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False,
+        backend: str = "grouped_mm",
+    ) -> torch.Tensor:  # fmt: skip
+        """Weight and sum the local experts' outputs (RT, H) and bring them back: (S, H) for this rank's tokens.
+
+        ``backend`` (a keyword, passed only when the experts run in the Triton kernels: ``"triton"``) lets a dispatcher
+        combine with those kernels too; a dispatcher written without the argument keeps working with the others."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -124,6 +128,7 @@ class LocalDispatcher(TokenDispatcher):
         return DispatchedTokens(x_SH=x_SH, plan=plan, weights_SK=routed.weights_SK)
 
     def combine(
-        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False
-    ) -> torch.Tensor:
-        return combine_expert_outputs(y_RH, tokens.weights_SK, tokens.plan, reuse_dead_activations)
+        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False,
+        backend: str = "grouped_mm",
+    ) -> torch.Tensor:  # fmt: skip
+        return combine_expert_outputs(y_RH, tokens.weights_SK, tokens.plan, reuse_dead_activations, backend)

@@ -7,14 +7,17 @@ The same computation as :class:`~mula_lightning.moe.experts.GroupedSwiGLU`, ``y[
 up_e x[t])`` for every routed row r = (t, k) of local expert e, in three kernels instead of a gather, three grouped
 GEMMs and four element-wise passes:
 
-* :func:`_rows_times_weights` (forward, twice; backward, twice): a grouped GEMM over the row blocks of each expert,
+* :func:`rows_times_weights` (forward, twice; backward, twice): a grouped GEMM over the row blocks of each expert,
   ``out[r] = a[rows(r)] @ w[e]^T`` with the row gather (``x[input_indices]``) done inside its loads, never
   materialised. Its epilogue is chosen at compile time: plain; SwiGLU (forward of the gate / up projection: both
   halves are accumulated by one program and ``silu(gate) * up`` is written next to the pre-activations the backward
   needs); dSwiGLU (backward of the down projection: the input gradient ``dh`` never leaves the registers, the gate and
   up gradients are written instead).
-* :func:`_expert_weight_grads`: per expert, ``sum_r a[r]^T b[rows(r)]`` over its rows, gathered rows included; an
+* :func:`expert_weight_grads`: per expert, ``sum_r a[r]^T b[rows(r)]`` over its rows, gathered rows included; an
   expert without rows gets zeros.
+
+Stage 5 too (:class:`TritonCombine`, used by the block's combine when its experts run here): each token gathers and
+sums its K weighted rows in one program; backward, each routed row writes its gradient and its router weight's.
 
 Routing metadata stays on the device: the row blocks of every expert are laid out by :func:`row_block_schedule` with
 torch ops on the device (no count is read by the host), into a grid sized from the number of rows, which the host
@@ -210,3 +213,53 @@ class TritonSwiGLU(torch.autograd.Function):
             del grad_x_RH
         grad_gate_up = expert_weight_grads(grad_pre_RO, x_SH, offs, b_index=plan.input_indices)  # (NR, 2I, H)
         return grad_x_SH, grad_gate_up, grad_down, None
+
+
+#: hidden columns per program of the combine kernels
+COMBINE_BLOCK_H = 256
+
+
+class TritonCombine(torch.autograd.Function):
+    """Stage 5 in two Triton kernels, the same results as
+    :class:`~mula_lightning.moe.combine.CombineExpertOutputs`: forward, each token gathers its K rows and sums them
+    weighted, in float32 and k order, straight from the routed rows (no (S, K, H) buffer); backward, one program per
+    routed row writes its gradient (its router weight times the token's gradient) and its router weight's gradient
+    (the dot of the row and the token's gradient), each slot written once."""
+
+    @staticmethod
+    def forward(ctx, y_RH: torch.Tensor, weights_SK: torch.Tensor, plan: DispatchPlan, reuse_dead_activations: bool):
+        y_RH, weights_SK = y_RH.contiguous(), weights_SK.contiguous()
+        tokens, top_k = plan.slot_row_SK.shape
+        hidden = y_RH.shape[1]
+        out_SH = torch.empty(tokens, hidden, dtype=y_RH.dtype, device=y_RH.device)
+        if tokens:
+            block = min(COMBINE_BLOCK_H, _next_power_of_2(hidden))
+            _kernels(y_RH.device.type == "cpu")["combine_rows"][(tokens, -(-hidden // block))](
+                y_RH, weights_SK, plan.slot_row_SK, out_SH, top_k, hidden, y_RH.stride(0), out_SH.stride(0), BH=block
+            )
+        ctx.save_for_backward(y_RH, weights_SK)
+        ctx.plan, ctx.reuse = plan, reuse_dead_activations
+        return out_SH
+
+    @staticmethod
+    def backward(ctx, grad_out_SH: torch.Tensor):
+        y_RH, weights_SK = ctx.saved_tensors
+        plan = ctx.plan
+        grad_out_SH = grad_out_SH.contiguous()
+        rows, hidden = y_RH.shape
+        # y is dead once its rows gave their dots: with reuse its storage receives the rows' gradients
+        reuse = ctx.reuse and not torch.is_grad_enabled()
+        grad_y_RH = y_RH if reuse else torch.empty_like(y_RH)
+        grad_w = torch.zeros(weights_SK.numel(), dtype=torch.float32, device=y_RH.device)  # slots not routed: 0
+        if rows:
+            block = min(COMBINE_BLOCK_H, _next_power_of_2(hidden))
+            _kernels(y_RH.device.type == "cpu")["combine_rows_backward"][(rows,)](
+                y_RH, weights_SK, plan.row_slot, plan.input_indices, grad_out_SH, grad_y_RH, grad_w, hidden,
+                y_RH.stride(0), grad_out_SH.stride(0), grad_y_RH.stride(0), BH=block,
+            )  # fmt: skip
+        grad_weights = grad_w.view_as(weights_SK).to(weights_SK.dtype) if ctx.needs_input_grad[1] else None
+        return grad_y_RH, grad_weights, None, None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

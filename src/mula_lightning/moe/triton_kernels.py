@@ -107,6 +107,51 @@ def expert_weight_grads(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# the combine function ``tl.sum`` reduces with, named so that ``tl.reduce`` runs it under the interpreter too
+_SUM = tl.standard._sum_combine
+
+
+def combine_rows(
+    y_ptr, w_ptr, slot_row_ptr, out_ptr, top_k, hidden, stride_y, stride_out, BH: tl.constexpr,
+):  # fmt: skip
+    """out[t, h] = sum over k of w[t, k] * y[slot_row[t, k], h] (float32, in k order; a slot routed elsewhere, -1,
+    adds an exact 0)."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    col_ok = cols < hidden
+    acc = tl.full((BH,), 0.0, dtype=tl.float32)
+    for k in range(0, top_k):
+        slot = token.to(tl.int64) * top_k + k
+        row = tl.load(slot_row_ptr + slot)
+        routed = row >= 0
+        weight = tl.where(routed, tl.load(w_ptr + slot).to(tl.float32), 0.0)
+        y = tl.load(y_ptr + tl.where(routed, row, 0).to(tl.int64) * stride_y + cols, mask=col_ok & routed, other=0.0)
+        acc += weight * y.to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def combine_rows_backward(
+    y_ptr, w_ptr, row_slot_ptr, token_ptr, grad_out_ptr, grad_y_ptr, grad_w_ptr, hidden, stride_y, stride_g,
+    stride_gy, BH: tl.constexpr,
+):  # fmt: skip
+    """For routed row r of (t, k): grad_y[r] = w[t, k] * grad_out[t] and grad_w[t, k] = <y[r], grad_out[t]> (float32);
+    grad_y may be y itself (each block of the row is read before it is written)."""
+    row = tl.program_id(0)
+    slot = tl.load(row_slot_ptr + row)
+    token = tl.load(token_ptr + row)
+    weight = tl.load(w_ptr + slot).to(tl.float32)
+    dot = tl.full((), 0.0, dtype=tl.float32)
+    for h0 in range(0, hidden, BH):
+        cols = h0 + tl.arange(0, BH)
+        col_ok = cols < hidden
+        g = tl.load(grad_out_ptr + token.to(tl.int64) * stride_g + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dot += tl.reduce(y * g, 0, _SUM)
+        tl.store(grad_y_ptr + row.to(tl.int64) * stride_gy + cols, (weight * g).to(grad_y_ptr.dtype.element_ty),
+                 mask=col_ok)  # fmt: skip
+    tl.store(grad_w_ptr + slot, dot)
+
+
 #: tile configurations autotuned on a GPU (per output width and reduction length): columns x reduction per program of
 #: the row kernel (its rows are fixed by the schedule: :data:`~mula_lightning.moe.triton_experts.GPU_BLOCK_M`), and of
 #: the weight-gradient kernel, with the warps and pipeline stages Hopper-class GPUs run such tiles with
@@ -116,14 +161,16 @@ WEIGHT_GRAD_TILES = [(64, 64, 32, 4, 4), (128, 64, 32, 8, 3), (128, 128, 32, 8, 
 
 @functools.cache
 def kernels(interpreted: bool) -> dict[str, Any]:
-    """``{"rows_times_weights", "expert_weight_grads"}``: interpreted (CPU tensors: every tile size is the caller's),
-    or compiled with ``triton.jit`` and autotuned over the tiles above (GPU: the caller passes the row block only)."""
+    """The kernels by name: interpreted (CPU tensors: every tile size is the caller's), or compiled with
+    ``triton.jit``, the two GEMM kernels autotuned over the tiles above (GPU: the caller passes the row block only)."""
     if interpreted:
         from triton.runtime.interpreter import InterpretedFunction
 
         return {
             "rows_times_weights": InterpretedFunction(rows_times_weights),
             "expert_weight_grads": InterpretedFunction(expert_weight_grads),
+            "combine_rows": InterpretedFunction(combine_rows),
+            "combine_rows_backward": InterpretedFunction(combine_rows_backward),
         }
     row_configs = [triton.Config({"BN": n, "BK": k}, num_warps=w, num_stages=s) for n, k, w, s in ROW_TILES]
     grad_configs = [
@@ -134,4 +181,6 @@ def kernels(interpreted: bool) -> dict[str, Any]:
             triton.jit(rows_times_weights)
         ),
         "expert_weight_grads": triton.autotune(grad_configs, key=["m_size", "n_size"])(triton.jit(expert_weight_grads)),
+        "combine_rows": triton.jit(combine_rows),
+        "combine_rows_backward": triton.jit(combine_rows_backward),
     }

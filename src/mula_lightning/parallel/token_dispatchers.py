@@ -144,9 +144,10 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         return DispatchedTokens(x_SH=x_all, plan=self.local_plan(idx_all, num_rows=num_rows), weights_SK=w_all)
 
     def combine(
-        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False
-    ) -> torch.Tensor:
-        partial = combine_expert_outputs(y_RH, tokens.weights_SK, tokens.plan, reuse_dead_activations)  # (EP*S, H)
+        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False,
+        backend: str = "grouped_mm",
+    ) -> torch.Tensor:  # fmt: skip
+        partial = combine_expert_outputs(y_RH, tokens.weights_SK, tokens.plan, reuse_dead_activations, backend)
         return forward_reducescatter_backward_allgather(partial, self.ep_group, level="ep", tag="moe.combine")
 
 
@@ -189,8 +190,10 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         return DispatchedTokens(x_SH=x_recv, plan=plan, weights_SK=routed.weights_SK, state=state)
 
     def combine(
-        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False
-    ) -> torch.Tensor:
+        self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False,
+        backend: str = "grouped_mm",
+    ) -> torch.Tensor:  # fmt: skip
+        """The outputs travel back pair by pair and are summed on the token's rank (whatever ``backend``)."""
         pairs, input_splits, output_splits, num_tokens, top_k, x_dtype = tokens.state
         y_recv = y_RH.index_select(0, tokens.plan.slot_row_SK.reshape(-1))  # back to received order
         y_back = all_to_all_single(y_recv, input_splits, output_splits, self.ep_group, level="ep", tag="moe.a2a.y")

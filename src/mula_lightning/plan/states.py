@@ -1,0 +1,157 @@
+"""Model-state bytes per rank (weights, gradients, fp32 master, AdamW moments) of a Mula model at a layout.
+
+The closed forms are those the optimizers document and allocate (padding aside; a flat buffer pads each bucket or
+unit to a multiple of its shard group, at most a few blocks per unit):
+
+``epso`` (:mod:`~mula_lightning.parallel.sharded_optimizer`), per pipeline stage, ``P_ne`` / ``P_e`` = non-expert /
+expert elements of the stage's layers (the first stage adds the embedding, the last the final norm and the LM head),
+``W = DP x EP`` the stage's ranks:
+
+* weights: ``P_ne + P_e / EP`` elements in the parameters' dtype;
+* gradients: the same elements in float32 (4 bytes; also for bf16 parameters, Megatron's main gradients);
+* owned elements (what the moments, 8 bytes, and for non-fp32 parameters the master, 4 bytes, cover): ``none``
+  ``P_ne + P_e / EP``; ``dp`` (SO) ``P_ne / DP + P_e / W``; ``ep_aware`` (EPSO) ``P_ne / W + P_e / W``.
+
+``zero_topo`` (:mod:`~mula_lightning.parallel.zero.engine`), the dense family over every rank with the layout's
+``w, s, g, o``, each expert slice (``P_e / EP``) over its edp ranks with :func:`~mula_lightning.parallel.zero.layout.
+expert_layout`'s sizes: weights ``P / w`` (plus a secondary copy ``P / s`` where ``s != w``), gradients ``P / g`` in
+float32, moments (and master) over ``P / o``.
+
+Tensor and expert-tensor parallelism are not planned yet (refused by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.parallel.pipeline import stage_layer_ranges
+from mula_lightning.parallel.zero.layout import ZeroTopoLayout, expert_layout
+
+PRECISIONS = {"32-true": 4, "bf16-true": 2}
+EPSO_MODES = ("none", "dp", "ep_aware")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks are used.
+
+    Attributes:
+        world_size: ranks in the run.
+        strategy: ``"epso"`` or ``"zero_topo"``.
+        ep / pp: expert- and pipeline-parallel degrees (DP is what is left: ``world / (pp x ep)``).
+        mode: ``epso``'s ``sharded_optimizer``.
+        precision: ``"32-true"`` or ``"bf16-true"``.
+        zero_sizes: ``zero_topo``'s ``weight_size``, ``grad_size``, ``optimizer_size``, ``secondary_size`` (0: its
+            defaults from the node).
+        ranks_per_node / ranks_per_gpu: the node's shape (``zero_topo``'s defaults, the EP group's node).
+    """
+
+    world_size: int
+    strategy: str = "epso"
+    ep: int = 1
+    pp: int = 1
+    mode: str = "ep_aware"
+    precision: str = "bf16-true"
+    zero_sizes: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ranks_per_node: int = 1
+    ranks_per_gpu: int = 1
+    tp: int = 1
+    etp: int = 1
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.pp * self.ep * self.tp * self.etp)
+
+    def check(self, config: MulaConfig) -> None:
+        """Raise ``ValueError`` naming the values when this layout cannot run ``config``."""
+        if self.tp != 1 or self.etp != 1:
+            raise ValueError(
+                f"mula plan does not model tensor or expert-tensor parallelism yet (tp {self.tp}, etp {self.etp})"
+            )
+        if self.strategy not in ("epso", "zero_topo"):
+            raise ValueError(f"strategy ({self.strategy!r}) must be 'epso' or 'zero_topo'")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision ({self.precision!r}) must be one of {sorted(PRECISIONS)}")
+        for name, size in (("world size", self.world_size), ("ep", self.ep), ("pp", self.pp)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} ({size!r}) must be a positive integer")
+        if self.world_size % (self.pp * self.ep):
+            raise ValueError(f"pp ({self.pp}) x ep ({self.ep}) must divide the world size ({self.world_size})")
+        if self.ep > 1 and (not config.is_moe or config.num_experts % self.ep):
+            raise ValueError(f"ep ({self.ep}) must divide the experts of {config.name} ({config.num_experts})")
+        if self.pp > 1:
+            stage_layer_ranges(config.num_layers, self.pp)
+        if self.strategy == "epso" and self.mode not in EPSO_MODES:
+            raise ValueError(f"epso's sharded_optimizer ({self.mode!r}) must be one of {EPSO_MODES}")
+        if self.strategy == "zero_topo":
+            if self.pp > 1:
+                raise ValueError(f"zero_topo has no pipeline parallelism (pp {self.pp})")
+            expert_layout(self.zero_layout(), self.ep)
+
+    def zero_layout(self) -> ZeroTopoLayout:
+        w, g, o, s = self.zero_sizes
+        return ZeroTopoLayout(self.world_size, self.ranks_per_node, self.ranks_per_gpu, w, g, o, s)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter elements of one pipeline stage (the whole model without pipeline parallelism)."""
+
+    non_expert: int
+    expert: int  # all experts of the stage's MoE layers (the whole layer, before EP cuts it)
+
+
+def stage_params(config: MulaConfig, pp: int = 1) -> list[StageParams]:
+    """The elements of each pipeline stage: its layers, the embedding on the first, final norm and head on the last."""
+    h = config.hidden_size
+    out = []
+    for index, layers in enumerate(stage_layer_ranges(config.num_layers, pp)):
+        non_expert = expert = 0
+        for layer in layers:
+            ne, e = config.layer_params(layer)
+            non_expert, expert = non_expert + ne, expert + e
+        if index == 0:
+            non_expert += config.vocab_size * h
+        if index == pp - 1:
+            non_expert += h + (0 if config.tie_word_embeddings and pp == 1 else config.vocab_size * h)
+        out.append(StageParams(non_expert, expert))
+    return out
+
+
+def state_bytes(config: MulaConfig, layout: Layout) -> list[dict[str, int]]:
+    """Per pipeline stage, one rank's bytes of ``weights``, ``gradients``, ``master``, ``moments`` and their
+    ``total`` (model states only: no activations or buffers yet)."""
+    layout.check(config)
+    param_bytes = PRECISIONS[layout.precision]
+    master_bytes = 4 if param_bytes != 4 else 0
+    out = []
+    for stage in stage_params(config, layout.pp):
+        if layout.strategy == "epso":
+            local = stage.non_expert + stage.expert / layout.ep
+            ranks = layout.dp * layout.ep
+            owned = {
+                "none": local,
+                "dp": stage.non_expert / layout.dp + stage.expert / ranks,
+                "ep_aware": (stage.non_expert + stage.expert) / ranks,
+            }[layout.mode]
+            weights, gradients = local * param_bytes, local * 4
+        else:
+            dense, experts = layout.zero_layout(), expert_layout(layout.zero_layout(), layout.ep)
+            slices = ((stage.non_expert, dense), (stage.expert / layout.ep, experts))
+            weights = sum(n / lay.weight_size * param_bytes for n, lay in slices)
+            second = [(n, lay) for n, lay in slices if lay.secondary_size != lay.weight_size]  # a secondary copy
+            weights += sum(n / lay.secondary_size * param_bytes for n, lay in second)
+            gradients = sum(n / lay.grad_size * 4 for n, lay in slices)
+            owned = sum(n / lay.optimizer_size for n, lay in slices)
+        row = {
+            "weights": round(weights),
+            "gradients": round(gradients),
+            "master": round(owned * master_bytes),
+            "moments": round(owned * 8),
+        }
+        row["total"] = sum(row.values())
+        out.append(row)
+    return out

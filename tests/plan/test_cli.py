@@ -1,0 +1,56 @@
+"""``mula plan`` on the command line: the paper's layouts planned on Aurora (table and JSON keys), a mula fit YAML read
+for its layout, a machine from a YAML file, and bad input in one line."""
+
+import json
+
+from mula_lightning.cli import main as mula
+from mula_lightning.plan.clusters import GB
+
+
+def _json(capsys, *args):
+    assert mula(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_220b_recipe_on_1024_aurora_nodes(capsys):
+    """PP 8 x EP 12 x DP 128 (12,288 tiles, the paper's largest run): the JSON has the stable keys, the model's
+    220 B / 10 B parameters, one row per stage, the last (head and final norm) the worst, the first (embedding) next,
+    and the states fit 64 GB."""
+    result = _json(capsys, "mula-220b-a10b", "--cluster", "aurora", "--nodes", "1024", "--ep", "12", "--pp", "8")
+    assert round(result["model"]["total_params"] / 1e9) == 220 and round(result["model"]["active_params"] / 1e9) == 10
+    (layout,) = result["layouts"]
+    assert (layout["dp"], layout["ep"], layout["pp"], layout["strategy"], layout["fits"]) == (128, 12, 8, "epso", True)
+    assert set(layout["memory_bytes"]) == {"weights", "gradients", "master", "moments", "total"}
+    assert len(layout["stages"]) == 8 and layout["memory_bytes"] == layout["stages"][-1]  # the head and final norm
+    assert layout["stages"][-1]["total"] > layout["stages"][0]["total"] > layout["stages"][1]["total"]
+    assert mula(["plan", "mula-220b-a10b", "--nodes", "1024", "--ep", "12", "--pp", "8"]) == 0
+    assert "DP 128 x EP 12 x PP 8" in capsys.readouterr().out
+
+
+def test_a_fit_config_is_read_and_what_does_not_fit_is_said(capsys):
+    """``--config`` takes the 100B recipe's PP 4 x EP 12 on its 256 nodes; replicated 220B states on one 8 x H100
+    node do not fit, and the reason names both sizes."""
+    (layout,) = _json(capsys, "--config", "examples/configs/mula-100b-a7b.yaml")["layouts"]
+    assert (layout["dp"], layout["ep"], layout["pp"], layout["precision"]) == (64, 12, 4, "bf16-true")
+    result = _json(capsys, "mula-220b-a10b", "--cluster", "dgx-h100", "--ep", "8", "--mode", "none")
+    (layout,) = result["layouts"]
+    assert not layout["fits"] and "exceed the device's 80 GB" in layout["reason"]
+    assert layout["memory_bytes"]["total"] > 80 * GB
+
+
+def test_a_cluster_file_and_bad_input(tmp_path, capsys):
+    """A cluster from YAML (4 devices of 24 GB); an unknown preset, a file with a misspelt field, a layout that does
+    not divide: exit code 1 and one line naming the values."""
+    (tmp_path / "lab.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\n")
+    result = _json(capsys, "mula-1b", "--cluster", str(tmp_path / "lab.yaml"), "--nodes", "2")
+    assert result["cluster"] == {"name": "lab", "nodes": 2, "devices_per_node": 4, "memory_bytes": 24 * GB}
+    (tmp_path / "bad.yaml").write_text("devices_per_node: 4\nmemory: 24\n")
+    for args, message in [
+        (["mula-1b", "--cluster", "summit"], "unknown cluster 'summit'"),
+        (["mula-1b", "--cluster", str(tmp_path / "bad.yaml")], "unknown fields ['memory'] / missing fields"),
+        (["mula-7b-a1b", "--ep", "5"], "pp (1) x ep (5) must divide the world size (12)"),
+        ([], "needs a preset"),
+    ]:
+        assert mula(["plan", *args]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
