@@ -40,7 +40,7 @@ def test_a_fit_config_is_read_and_what_does_not_fit_is_said(capsys):
 
 def test_a_cluster_file_and_bad_input(tmp_path, capsys):
     """A cluster from YAML (4 devices of 24 GB); an unknown preset, a file with a misspelt field, a layout that does
-    not divide: exit code 1 and one line naming the values."""
+    not divide, zero nodes, EP on a dense model: exit code 1 and one line naming the values."""
     (tmp_path / "lab.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\n")
     result = _json(capsys, "mula-1b", "--cluster", str(tmp_path / "lab.yaml"), "--nodes", "2")
     assert result["cluster"] == {"name": "lab", "nodes": 2, "devices_per_node": 4, "memory_bytes": 24 * GB}
@@ -50,6 +50,8 @@ def test_a_cluster_file_and_bad_input(tmp_path, capsys):
         (["mula-1b", "--cluster", str(tmp_path / "bad.yaml")], "unknown fields ['memory'] / missing fields"),
         (["mula-7b-a1b", "--ep", "5"], "pp (1) x ep (5) must divide the world size (12)"),
         ([], "needs a preset"),
+        (["mula-1b", "--nodes", "0"], "--nodes (0) must be at least 1"),
+        (["mula-1b", "--ep", "2"], "ep (2) > 1 needs an MoE model; mula-1b is dense"),
     ]:
         assert mula(["plan", *args]) == 1
         err = capsys.readouterr().err.strip()

@@ -79,16 +79,21 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         raise ValueError("mula plan needs a preset (mula plan mula-7b-a1b ...) or --config FIT.yaml")
     config = MulaConfig.from_name(name, **fit.get("overrides", {})) if isinstance(name, str) else MulaConfig(**name)
     cluster = load_cluster(args.cluster)
-    nodes = args.nodes or fit.get("nodes", 1)
-    if nodes < 1:
-        raise ValueError(f"--nodes ({nodes}) must be at least 1")
+
+    def given(value: Any, key: str, default: Any) -> Any:  # the flag, else the config's, else the default
+        return value if value is not None else fit.get(key, default)
+
+    nodes = given(args.nodes, "nodes", 1)
+    for flag, value in (("--nodes", nodes), ("--ep", args.ep), ("--pp", args.pp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be at least 1")
     layout = Layout(
         world_size=nodes * cluster.devices_per_node,
-        strategy=args.strategy or fit.get("strategy", "epso"),
-        ep=args.ep or fit.get("ep", 1),
-        pp=args.pp or fit.get("pp", 1),
-        mode=args.mode or fit.get("mode", "ep_aware"),
-        precision=args.precision or fit.get("precision", "bf16-true"),
+        strategy=given(args.strategy, "strategy", "epso"),
+        ep=given(args.ep, "ep", 1),
+        pp=given(args.pp, "pp", 1),
+        mode=given(args.mode, "mode", "ep_aware"),
+        precision=given(args.precision, "precision", "bf16-true"),
         zero_sizes=fit.get("zero_sizes", (0, 0, 0, 0)),
         ranks_per_node=cluster.devices_per_node,
         ranks_per_gpu=cluster.devices_per_gpu,

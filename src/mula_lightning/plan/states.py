@@ -80,7 +80,9 @@ class Layout:
                 raise ValueError(f"{name} ({size!r}) must be a positive integer")
         if self.world_size % (self.pp * self.ep):
             raise ValueError(f"pp ({self.pp}) x ep ({self.ep}) must divide the world size ({self.world_size})")
-        if self.ep > 1 and (not config.is_moe or config.num_experts % self.ep):
+        if self.ep > 1 and not config.is_moe:
+            raise ValueError(f"ep ({self.ep}) > 1 needs an MoE model; {config.name} is dense")
+        if self.ep > 1 and config.num_experts % self.ep:
             raise ValueError(f"ep ({self.ep}) must divide the experts of {config.name} ({config.num_experts})")
         if self.pp > 1:
             stage_layer_ranges(config.num_layers, self.pp)

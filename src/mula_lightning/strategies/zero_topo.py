@@ -145,27 +145,19 @@ def build_engine(
     optimizer = unwrap_optimizer(optimizer)
     if isinstance(optimizer, HierarchicalZeroAdamW):
         return optimizer
-    if optimizer is None:  # set up before its optimizer: one group of every trainable parameter, until adopted
-        return HierarchicalZeroAdamW(
-            module,
-            settings.layout(world_size),
-            None,
-            **settings.engine_kwargs(),
-            initializer=initializer,
-            device=device,
-            ep_size=settings.ep_size,
-        )
-    check_adamw(optimizer)
-    current = {logical_name(n): p for n, p in module.named_parameters()}
-    live = {id(p) for p in current.values()}
-    keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
-    groups = [
-        {
-            "params": [p if id(p) in live else current[logical_name(names[id(p)])] for p in g["params"]],
-            **{k: v for k, v in g.items() if k in keep},
-        }
-        for g in optimizer.param_groups
-    ]
+    groups = None  # set up before its optimizer: one group of every trainable parameter, until adopted
+    if optimizer is not None:
+        check_adamw(optimizer)
+        current = {logical_name(n): p for n, p in module.named_parameters()}
+        live = {id(p) for p in current.values()}
+        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+        groups = [
+            {
+                "params": [p if id(p) in live else current[logical_name(names[id(p)])] for p in g["params"]],
+                **{k: v for k, v in g.items() if k in keep},
+            }
+            for g in optimizer.param_groups
+        ]
     return HierarchicalZeroAdamW(
         module,
         settings.layout(world_size),

@@ -252,7 +252,6 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         distributed = is_distributed()
         self.rank = dist.get_rank() if distributed else 0
         self.layout = layout or ZeroTopoLayout.from_env()
-        self.positions = self.layout.positions(self.rank)
         self.ep_size = ep_size
         self.ep_rank = self.rank % ep_size
         if ep_size > 1:
