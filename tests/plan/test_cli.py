@@ -20,11 +20,17 @@ def test_the_220b_recipe_on_1024_aurora_nodes(capsys):
     assert round(result["model"]["total_params"] / 1e9) == 220 and round(result["model"]["active_params"] / 1e9) == 10
     (layout,) = result["layouts"]
     assert (layout["dp"], layout["ep"], layout["pp"], layout["strategy"], layout["fits"]) == (128, 12, 8, "epso", True)
-    assert set(layout["memory_bytes"]) == {"weights", "gradients", "master", "moments", "total"}
-    assert len(layout["stages"]) == 8 and layout["memory_bytes"] == layout["stages"][-1]  # the head and final norm
-    assert layout["stages"][-1]["total"] > layout["stages"][0]["total"] > layout["stages"][1]["total"]
+    assert set(layout["memory_bytes"]) == {"weights", "gradients", "master", "moments", "activations", "buffers",
+                                           "total"}  # fmt: skip
+    assert len(layout["stages"]) == 8 and layout["memory_bytes"] == layout["stages"][layout["worst_stage"]]
+    first, second, last = layout["stages"][0], layout["stages"][1], layout["stages"][-1]
+    assert last["weights"] > first["weights"] > second["weights"]  # the head and final norm / the embedding
+    assert [a["in_flight"] for a in layout["activations"]] == [8, 7, 6, 5, 4, 3, 2, 1]  # 1F1B, 8 micro-batches
+    assert first["activations"] > second["activations"] and layout["worst_stage"] == 0
+    assert set(layout["comm_bytes"]) == {"intra_node", "inter_node"}  # EP in the node, DP and PP across nodes
     assert mula(["plan", "mula-220b-a10b", "--nodes", "1024", "--ep", "12", "--pp", "8"]) == 0
-    assert "DP 128 x EP 12 x PP 8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DP 128 x EP 12 x PP 8" in out and "moe.dispatch.x" in out and "(point-to-point: not in the ledger)" in out
 
 
 def test_a_fit_config_is_read_and_what_does_not_fit_is_said(capsys):
@@ -32,18 +38,27 @@ def test_a_fit_config_is_read_and_what_does_not_fit_is_said(capsys):
     node do not fit, and the reason names both sizes."""
     (layout,) = _json(capsys, "--config", "examples/configs/mula-100b-a7b.yaml")["layouts"]
     assert (layout["dp"], layout["ep"], layout["pp"], layout["precision"]) == (64, 12, 4, "bf16-true")
+    assert (layout["micro_batches"], layout["sequences_per_micro_batch"], layout["seq_len"]) == (4, 1, 2048)
+    assert layout["activation_checkpointing"] == ["moe"] and layout["fits"]
+    reduce = [c for c in layout["collectives"] if c["tag"] == "optimizer.expert" and c["op"] == "reduce_scatter"]
+    (plain,) = [c for c in _json(capsys, "--config", "examples/configs/mula-100b-a7b.yaml", "--reduce-dtype",
+                                 "float32")["layouts"][0]["collectives"] if c["tag"] == reduce[0]["tag"]
+                and c["op"] == "reduce_scatter"]  # fmt: skip
+    assert plain["bytes_sent"] == 2 * reduce[0]["bytes_sent"]  # the recipe reduces in bf16; the flag overrides
     result = _json(capsys, "mula-220b-a10b", "--cluster", "dgx-h100", "--ep", "8", "--mode", "none")
     (layout,) = result["layouts"]
-    assert not layout["fits"] and "exceed the device's 80 GB" in layout["reason"]
-    assert layout["memory_bytes"]["total"] > 80 * GB
+    assert not layout["fits"] and "the device has 76.0 GB (80 GB less 4 GB reserved)" in layout["reason"]
+    assert layout["memory_bytes"]["total"] > 76 * GB
 
 
 def test_a_cluster_file_and_bad_input(tmp_path, capsys):
-    """A cluster from YAML (4 devices of 24 GB); an unknown preset, a file with a misspelt field, a layout that does
-    not divide, zero nodes, EP on a dense model: exit code 1 and one line naming the values."""
-    (tmp_path / "lab.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\n")
+    """A cluster from YAML (4 devices of 24 GB, 2.5 reserved); an unknown preset, a file with a misspelt field, a
+    layout that does not divide, zero nodes, EP on a dense model, a DP that is not what is left, an unknown recomputed
+    part, sequence parallelism, a missing config: exit code 1 and one line naming the values."""
+    (tmp_path / "lab.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\nreserved_gb: 2.5\n")
     result = _json(capsys, "mula-1b", "--cluster", str(tmp_path / "lab.yaml"), "--nodes", "2")
-    assert result["cluster"] == {"name": "lab", "nodes": 2, "devices_per_node": 4, "memory_bytes": 24 * GB}
+    assert result["cluster"] == {"name": "lab", "nodes": 2, "devices_per_node": 4, "memory_bytes": 24 * GB,
+                                 "reserved_bytes": 2.5 * GB}  # fmt: skip
     (tmp_path / "bad.yaml").write_text("devices_per_node: 4\nmemory: 24\n")
     for args, message in [
         (["mula-1b", "--cluster", "summit"], "unknown cluster 'summit'"),
@@ -52,7 +67,21 @@ def test_a_cluster_file_and_bad_input(tmp_path, capsys):
         ([], "needs a preset"),
         (["mula-1b", "--nodes", "0"], "--nodes (0) must be at least 1"),
         (["mula-1b", "--ep", "2"], "ep (2) > 1 needs an MoE model; mula-1b is dense"),
+        (["mula-7b-a1b", "--ep", "4", "--dp", "4"], "--dp (4) must be the world size / (pp x ep) = 12 / (1 x 4) = 3"),
+        (["mula-7b-a1b", "--activation-checkpointing", "moe,ffn"], "'ffn'"),
+        (["mula-1b", "--sp", "2"], "does not model sequence parallelism yet (sp 2)"),
+        (["--config", "missing.yaml"], "--config missing.yaml: no such file"),
     ]:
         assert mula(["plan", *args]) == 1
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_the_shipped_recipes_fit_aurora_at_their_node_counts(capsys):
+    """The 20B, 100B and 220B recipes planned from their YAMLs on Aurora (256 nodes each, the papers' layouts):
+    every stage fits 64 GB less the reserve, and the expert dispatch stays inside a node."""
+    for name in ("mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"):
+        result = _json(capsys, "--config", f"examples/configs/{name}.yaml")
+        (layout,) = result["layouts"]
+        assert result["cluster"]["nodes"] == 256 and layout["ep"] == 12 and layout["fits"], (name, layout["reason"])
+        assert {c["link"] for c in layout["collectives"] if c["tag"].startswith("moe.")} == {"intra_node"}

@@ -5,9 +5,11 @@
     mula plan --config examples/configs/mula-100b-a7b.yaml --cluster aurora
 
 Prints the model's total and active parameters, then per pipeline stage one rank's bytes of weights, gradients, fp32
-master and AdamW moments (:mod:`~mula_lightning.plan.states`), their total and whether they fit the device. This is the
-first part of the planner: activations, communication volumes, step times and the layout search are not modelled yet,
-so "fits" means the model states fit (what remains of the device is for activations and buffers).
+master, AdamW moments (:mod:`~mula_lightning.plan.states`), activations (:mod:`~mula_lightning.plan.activations`) and
+communication buffers, whether the worst stage fits the device (less its reserved memory), and the bytes each
+collective of one optimizer step sends, per link level (:mod:`~mula_lightning.plan.comm`). Layout options, batch and
+recomputation come from the flags or from a ``mula fit`` YAML (``--config``); a flag overrides the file. Step times and
+the layout search are not modelled yet.
 """
 
 from __future__ import annotations
@@ -18,54 +20,98 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
+from mula_lightning.parallel.pipeline import SCHEDULES
 from mula_lightning.plan.clusters import CLUSTERS, GB, load_cluster
-from mula_lightning.plan.states import EPSO_MODES, PRECISIONS, Layout, state_bytes
+from mula_lightning.plan.comm import REDUCE_BYTES
+from mula_lightning.plan.planner import MEMORY_KINDS, Training, plan_layout
+from mula_lightning.plan.states import EPSO_MODES, PRECISIONS, Layout
 
-KINDS = ("weights", "gradients", "master", "moments", "total")
 ZERO_SIZES = ("weight_size", "grad_size", "optimizer_size", "secondary_size")
+ZERO_QUANTIZATION = ("quantize_weights", "quantize_grads", "weight_bits", "grad_bits", "block_size")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mula plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", help="a preset (mula models lists them)")
-    parser.add_argument("--config", help="a mula fit YAML: its model, strategy, precision, devices x nodes")
+    parser.add_argument("--config", help="a mula fit YAML: its model, strategy, precision, batch, devices x nodes")
     parser.add_argument("--cluster", default="aurora", help=f"{', '.join(sorted(CLUSTERS))} or a YAML file")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's, else 1)")
     parser.add_argument("--strategy", choices=("epso", "zero_topo"), default=None)
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (checked: world / (pp x ep))")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel degree (not modelled yet)")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (not modelled yet)")
+    parser.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (not modelled yet)")
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages")
+    parser.add_argument("--pp-schedule", choices=tuple(SCHEDULES), default=None)
+    parser.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches the schedule cuts")
+    parser.add_argument("--pp-virtual-stages", type=int, default=None, help="stages per rank (interleaved_1f1b)")
     parser.add_argument("--mode", choices=EPSO_MODES, default=None, help="epso's sharded_optimizer")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank per step or forward")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
+    parser.add_argument("--accumulate", type=int, default=None, help="accumulate_grad_batches (without PP)")
+    parser.add_argument("--activation-checkpointing", default=None,
+                        help="none, full, or parts: norm,attention,moe,mlp")  # fmt: skip
+    parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default=None)
+    parser.add_argument("--reduce-dtype", choices=sorted(REDUCE_BYTES), default=None)
+    parser.add_argument("--imbalance", type=float, default=None, help="routing headroom of the busiest rank (1.25)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
 
+def _checkpointing(value: Any) -> Any:
+    if value in (None, False, "none", "None", "false", "False", [], ""):
+        return None
+    if value in (True, "full", "true", "True"):
+        return "full"
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    parse_activation_checkpointing(parts)  # names a part that does not exist
+    return parts
+
+
 def _from_fit_config(path: str) -> dict[str, Any]:
-    """What a mula fit YAML says: preset and overrides, strategy and its sizes, precision, devices x nodes."""
+    """What a mula fit YAML says: preset and overrides, strategy and its settings, precision, batch, devices x
+    nodes (keys absent from the file are absent here, so that the command line's defaults apply)."""
     import yaml
 
-    values = yaml.safe_load(Path(path).read_text())
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    values = yaml.safe_load(file.read_text()) or {}
     model = values.get("model", {}) or {}
     trainer = values.get("trainer", {}) or {}
+    data = values.get("data", {}) or {}
     strategy = trainer.get("strategy", {}) or {}
     args = (strategy.get("init_args", {}) if isinstance(strategy, dict) else {}) or {}
     class_path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy)
-    return {
+    out: dict[str, Any] = {
         "model": model.get("model"),
-        "overrides": model.get("model_overrides") or {},
+        "overrides": {k: v for k, v in model.items() if k == "vocab_size" and v is not None}
+        | (model.get("model_overrides") or {}),
         "strategy": "zero_topo" if "ZeroTopo" in class_path or class_path == "zero_topo" else "epso",
-        "ep": int(args.get("ep_size", 1)),
-        "pp": int(args.get("pp_size", 1)),
-        "tp": int(args.get("tp_size", 1)),
-        "etp": int(args.get("etp_size", 1)),
-        "mode": args.get("sharded_optimizer", "ep_aware"),
-        "zero_sizes": tuple(
-            int(args.get(k, 0)) for k in ("weight_size", "grad_size", "optimizer_size", "secondary_size")
-        ),
-        "precision": trainer.get("precision", "bf16-true"),
-        "devices": int(trainer.get("devices", 1)),
-        "nodes": int(trainer.get("num_nodes", 1)),
     }
+    renames = {"ep_size": "ep", "pp_size": "pp", "tp_size": "tp", "etp_size": "etp", "sharded_optimizer": "mode",
+               "pp_schedule": "pp_schedule", "pp_microbatches": "pp_microbatches",
+               "pp_virtual_stages": "pp_virtual_stages", "dispatcher": "dispatcher",
+               "activation_checkpointing": "activation_checkpointing"}  # fmt: skip
+    out.update({new: args[old] for old, new in renames.items() if args.get(old) is not None})
+    if "reduce_dtype" in args:
+        out["reduce_dtype"] = str(args["reduce_dtype"]).replace("torch.", "")
+    out["zero_sizes"] = tuple(int(args.get(k, 0) or 0) for k in ZERO_SIZES)
+    out["extra"] = {k: args[k] for k in ZERO_QUANTIZATION if k in args}
+    for key, source, name in (
+        ("precision", trainer, "precision"),
+        ("nodes", trainer, "num_nodes"),
+        ("devices", trainer, "devices"),
+        ("accumulate", trainer, "accumulate_grad_batches"),
+        ("micro_batch_size", data, "micro_batch_size"),
+        ("seq_len", data, "seq_len"),
+    ):
+        if source.get(name) is not None:
+            out[key] = source[name]
+    return out
 
 
 def plan(argv: Sequence[str]) -> dict[str, Any]:
@@ -80,47 +126,70 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     config = MulaConfig.from_name(name, **fit.get("overrides", {})) if isinstance(name, str) else MulaConfig(**name)
     cluster = load_cluster(args.cluster)
 
-    def given(value: Any, key: str, default: Any) -> Any:  # the flag, else the config's, else the default
+    def given(key: str, default: Any) -> Any:  # the flag, else the config's, else the default
+        value = getattr(args, key, None)
         return value if value is not None else fit.get(key, default)
 
-    nodes = given(args.nodes, "nodes", 1)
-    for flag, value in (("--nodes", nodes), ("--ep", args.ep), ("--pp", args.pp)):
+    nodes = int(given("nodes", 1))
+    sizes = {"--nodes": nodes, "--ep": args.ep, "--pp": args.pp, "--dp": args.dp, "--tp": args.tp, "--etp": args.etp,
+             "--sp": args.sp, "--micro-batch-size": args.micro_batch_size, "--seq-len": args.seq_len,
+             "--pp-microbatches": args.pp_microbatches, "--pp-virtual-stages": args.pp_virtual_stages,
+             "--accumulate": args.accumulate}  # fmt: skip
+    for flag, value in sizes.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be at least 1")
+    if (args.sp or 1) > 1:
+        raise ValueError(f"mula plan does not model sequence parallelism yet (sp {args.sp})")
+    pp = int(given("pp", 1))
     layout = Layout(
         world_size=nodes * cluster.devices_per_node,
-        strategy=given(args.strategy, "strategy", "epso"),
-        ep=given(args.ep, "ep", 1),
-        pp=given(args.pp, "pp", 1),
-        mode=given(args.mode, "mode", "ep_aware"),
-        precision=given(args.precision, "precision", "bf16-true"),
+        strategy=given("strategy", "epso"),
+        ep=int(given("ep", 1)),
+        pp=pp,
+        mode=given("mode", "ep_aware"),
+        precision=given("precision", "bf16-true"),
         zero_sizes=fit.get("zero_sizes", (0, 0, 0, 0)),
         ranks_per_node=cluster.devices_per_node,
         ranks_per_gpu=cluster.devices_per_gpu,
-        tp=fit.get("tp", 1),
-        etp=fit.get("etp", 1),
+        tp=int(given("tp", 1)),
+        etp=int(given("etp", 1)),
+        extra=fit.get("extra", {}),
     )
-    stages = state_bytes(config, layout)
-    worst = max(stages, key=lambda row: row["total"])
-    fits = worst["total"] <= cluster.memory_bytes
-    reason = None
-    if not fits:
-        need, have = worst["total"] / GB, cluster.memory_bytes / GB
-        reason = f"model states {need:.1f} GB per rank exceed the device's {have:.0f} GB"
+    layout.check(config)
+    if args.dp is not None and args.dp != layout.dp:
+        raise ValueError(
+            f"--dp ({args.dp}) must be the world size / (pp x ep) = {layout.world_size} / ({layout.pp} x {layout.ep}) "
+            f"= {layout.dp} at {nodes} nodes of {cluster.devices_per_node}"
+        )
+    micro = int(given("micro_batch_size", pp))  # with pipelining: one sequence per micro-batch, pp of them
+    chunks = int(given("pp_microbatches", micro)) if pp > 1 else int(given("accumulate", 1))
+    training = Training(
+        micro_batch_size=micro,
+        seq_len=int(given("seq_len", 2048)),
+        micro_batches=chunks,
+        checkpointing=_checkpointing(given("activation_checkpointing", None)),
+        dispatcher=given("dispatcher", "allgather"),
+        reduce_dtype=given("reduce_dtype", "float32"),
+        schedule=given("pp_schedule", "1f1b"),
+        virtual=int(given("pp_virtual_stages", 1)),
+        imbalance=float(given("imbalance", 1.25)),
+    )
+    notes = []
+    if fit.get("devices") not in (None, cluster.devices_per_node):
+        notes.append(f"the config's trainer.devices ({fit['devices']}) is not {cluster.name}'s "
+                     f"{cluster.devices_per_node} devices per node: planned with {cluster.name}'s")  # fmt: skip
     return {
+        "notes": notes,
         "model": {"name": config.name, "total_params": config.num_params(), "active_params": config.num_params(True)},
-        "cluster": {"name": cluster.name, "nodes": nodes, "devices_per_node": cluster.devices_per_node,
-                    "memory_bytes": cluster.memory_bytes},  # fmt: skip
-        "layouts": [
-            {
-                "dp": layout.dp, "ep": layout.ep, "etp": layout.etp, "tp": layout.tp, "pp": layout.pp,
-                "strategy": layout.strategy, "mode": layout.mode if layout.strategy == "epso" else None,
-                "precision": layout.precision, "fits": fits,
-                "reason": reason,
-                "memory_bytes": worst, "stages": stages,
-            }
-        ],
-    }  # fmt: skip
+        "cluster": {
+            "name": cluster.name,
+            "nodes": nodes,
+            "devices_per_node": cluster.devices_per_node,
+            "memory_bytes": cluster.memory_bytes,
+            "reserved_bytes": cluster.reserved_bytes,
+        },  # fmt: skip
+        "layouts": [plan_layout(config, layout, cluster, training)],
+    }
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -128,18 +197,32 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"{model['name']}: {model['total_params'] / 1e9:.2f} B parameters, {model['active_params'] / 1e9:.2f} B active",
         f"{cluster['name']}: {cluster['nodes']} nodes x {cluster['devices_per_node']} devices of "
-        f"{cluster['memory_bytes'] / GB:.0f} GB",
+        f"{cluster['memory_bytes'] / GB:.0f} GB ({cluster['reserved_bytes'] / GB:.0f} GB reserved)",
+        *(f"note: {note}" for note in result.get("notes", [])),
     ]
     for layout in result["layouts"]:
         mode = f" {layout['mode']}" if layout["mode"] else ""
+        ckpt = layout["activation_checkpointing"] or "no"
+        ckpt = "+".join(ckpt) if isinstance(ckpt, list) else ckpt
         lines.append(
             f"\n{layout['strategy']}{mode}, {layout['precision']}: DP {layout['dp']} x EP {layout['ep']} x PP "
-            f"{layout['pp']}; model states per rank (GB; activations not modelled yet):"
+            f"{layout['pp']}; {layout['micro_batches']} micro-batches of {layout['sequences_per_micro_batch']} x "
+            f"{layout['seq_len']} tokens, {ckpt} recomputation, {layout['dispatcher']} dispatch at "
+            f"{layout['imbalance']:g}x routing headroom"
         )
-        lines.append(f"{'stage':>5} " + " ".join(f"{k:>10}" for k in KINDS))
-        for index, row in enumerate(layout["stages"]):
-            lines.append(f"{index:>5} " + " ".join(f"{row[k] / GB:>10.2f}" for k in KINDS))
+        lines.append(f"memory per rank (GB){'':3}" + " ".join(f"{k:>11}" for k in MEMORY_KINDS) + "  in flight")
+        for index, (row, act) in enumerate(zip(layout["stages"], layout["activations"])):
+            cells = " ".join(f"{row[k] / GB:>11.2f}" for k in MEMORY_KINDS)
+            lines.append(f"{'stage ' + str(index):<23}{cells}  {act['in_flight']:>9}")
         lines.append("fits" if layout["fits"] else f"does not fit: {layout['reason']}")
+        lines.append(f"\none step, stage {layout['worst_stage']}'s first rank: bytes sent per collective (GB)")
+        lines.append(f"{'tag':<24}{'op':<16}{'level':<12}{'link':<12}{'ranks':>6}{'calls':>7}{'GB':>10}")
+        for c in layout["collectives"]:
+            mark = "" if c["ledger"] else "  (point-to-point: not in the ledger)"
+            lines.append(f"{c['tag']:<24}{c['op']:<16}{c['level']:<12}{c['link']:<12}{c['group_size']:>6}"
+                         f"{c['calls']:>7}{c['bytes_sent'] / GB:>10.3f}{mark}")  # fmt: skip
+        per_link = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in layout["comm_bytes"].items())
+        lines.append(f"per link: {per_link or 'nothing sent'}")
     return "\n".join(lines)
 
 

@@ -7,8 +7,8 @@ Presets (the papers' machines and a common cloud node):
 * ``dgx-h100``: 8 NVIDIA H100 SXM of 80 GB, one device per GPU.
 
 A YAML file gives the same fields: ``devices_per_node``, ``memory_gb`` (per device, 10^9 bytes), ``devices_per_gpu``
-(optional, default 1) and ``name`` (optional). Compute rates and link bandwidths (for step times) are not part of a
-cluster yet: this module plans memory.
+(optional, default 1), ``reserved_gb`` (optional, default 4: see :class:`Cluster`) and ``name`` (optional). Compute
+rates and link bandwidths (for step times) are not part of a cluster yet.
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ class Cluster:
         devices_per_node: ranks per node (a rank per GPU tile / GCD / GPU).
         memory_bytes: memory of one device.
         devices_per_gpu: devices sharing one physical GPU (tiles, GCDs): the ZeRO-topo paper's weight group.
+        reserved_bytes: memory of a device no training state can use: the runtime's context, the collective
+            library's own buffers (NCCL / oneCCL / RCCL channels) and the caching allocator's fragmentation; a stated
+            allowance (4 GB), not a measurement.
     """
 
     name: str
     devices_per_node: int
     memory_bytes: int
     devices_per_gpu: int = 1
+    reserved_bytes: int = 4 * GB
 
     def __post_init__(self) -> None:
         sizes = {"devices_per_node": self.devices_per_node, "devices_per_gpu": self.devices_per_gpu}
@@ -44,8 +48,11 @@ class Cluster:
                 f"cluster {self.name!r}: devices_per_node ({self.devices_per_node}) and devices_per_gpu "
                 f"({self.devices_per_gpu}) must be positive integers, the second dividing the first"
             )
-        if not self.memory_bytes > 0:
-            raise ValueError(f"cluster {self.name!r}: memory per device ({self.memory_bytes}) must be positive")
+        if not self.memory_bytes > self.reserved_bytes >= 0:
+            raise ValueError(
+                f"cluster {self.name!r}: memory per device ({self.memory_bytes}) must exceed the reserved memory "
+                f"({self.reserved_bytes}), which must not be negative"
+            )
 
 
 CLUSTERS = {
@@ -71,7 +78,7 @@ def load_cluster(spec: str) -> Cluster:
     values: Any = yaml.safe_load(path.read_text())
     if not isinstance(values, dict):
         raise ValueError(f"{path}: a cluster file holds a mapping of fields, got {type(values).__name__}")
-    known = {"name", "devices_per_node", "memory_gb", "devices_per_gpu"}
+    known = {"name", "devices_per_node", "memory_gb", "devices_per_gpu", "reserved_gb"}
     unknown, missing = sorted(set(values) - known), sorted({"devices_per_node", "memory_gb"} - set(values))
     if unknown or missing:
         raise ValueError(f"{path}: unknown fields {unknown} / missing fields {missing}; a cluster has {sorted(known)}")
@@ -80,4 +87,5 @@ def load_cluster(spec: str) -> Cluster:
         values["devices_per_node"],
         int(float(values["memory_gb"]) * GB),
         values.get("devices_per_gpu", 1),
+        int(float(values.get("reserved_gb", 4)) * GB),
     )

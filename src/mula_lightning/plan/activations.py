@@ -1,0 +1,211 @@
+"""Activation bytes of a Mula model: what autograd keeps per micro-batch, and how many micro-batches a schedule keeps.
+
+The closed forms count the tensors the model's own kernels save for backward (``S`` tokens of a micro-batch on this
+rank, ``b`` bytes per element of the model's dtype, statistics in float32), measured against
+:func:`saved_tensor_bytes` on fresh shapes in the tests:
+
+* each RMSNorm: its input (``S H b``) and the inverse RMS (``4 S``);
+* attention: its input, q and k after RoPE, v, the output and the log-sum-exp (``4 S n_heads``) of a flash kernel
+  (torch's SDPA on CUDA, XPU and CPU saves no ``T x T`` matrix); with q/k norms, q and k before them and their
+  statistics;
+* a dense SwiGLU MLP: its input and four ``S F`` tensors (gate, silu(gate), up, their product);
+* an MoE block (FastSparseMoE with the default ``grouped_mm`` experts): its input, the router's float32 logits and
+  probabilities (``S E`` each), chosen experts (int64) and weights (float32), and per expert row (``R = S K`` rows at
+  balanced routing, times the ``imbalance`` headroom on the busiest rank) the gate/up pre-activations (``2 F``) and the
+  expert output (``H``); with expert parallelism the tokens the experts read: every EP rank's ``S`` tokens for the
+  all-gather dispatcher, the ``R`` received rows for the all-to-all one; shared experts as a dense MLP;
+* the embedding keeps the token ids; the final norm as above; the fused head and loss keep the input's gradient
+  (``S H b``) and the head weight's (``V H``, float32 when the loss needs several chunks).
+
+Recomputation (``activation_checkpointing``): a recomputed region keeps its input only (``S H b``; ``"full"``: the
+layer's input), and its backward holds the region's whole set again for a moment (the ``transient``).
+
+Schedules (:func:`micro_batches_in_flight`): without pipelining one micro-batch's activations are alive at a time
+(gradient accumulation frees each in its backward); ``gpipe`` keeps all ``m``; ``1f1b`` keeps ``min(m, pp - s)`` on
+stage ``s``; ``interleaved_1f1b`` keeps Megatron's warm-up count of model chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
+from mula_lightning.parallel.pipeline import SCHEDULES, stage_layer_ranges
+
+#: elements of logits the fused loss computes at once on an accelerator (its ``ACCELERATOR_CHUNK_ELEMENTS``)
+LOSS_CHUNK_ELEMENTS = 2**28
+
+
+def _norm(s: int, width: int, b: int) -> int:
+    """An RMSNorm over ``width``: its input in float32 (at least) and the inverse RMS; below float32 (the unfused
+    path) also the normalised input in the model's dtype, which the weight's product keeps."""
+    acc = max(b, 4)
+    return s * width * acc + s * acc + (s * width * b if b < 4 else 0)
+
+
+def _attention(config: MulaConfig, s: int, b: int, norms_recomputed: bool = False) -> int:
+    q, kv = config.q_dim, config.kv_dim
+    out = s * config.hidden_size * b + s * (2 * q + 2 * kv) * b + 4 * s * config.num_heads  # in, q k v out, lse
+    if config.qk_norm and norms_recomputed:  # each keeps its input only
+        out += s * (q + kv) * b
+    elif config.qk_norm and config.qk_norm_per_head:  # a norm per head: one statistic per head and token
+        out += _norm(s * config.num_heads, config.head_dim, b) + _norm(s * config.num_kv_heads, config.head_dim, b)
+    elif config.qk_norm:
+        out += _norm(s, q, b) + _norm(s, kv, b)
+    return out
+
+
+def _mlp(s: int, h: int, width: int, b: int) -> int:
+    return s * h * b + 4 * s * width * b
+
+
+def _moe(config: MulaConfig, s: int, b: int, ep: int, dispatcher: str, imbalance: float) -> int:
+    h, e, k, f = config.hidden_size, config.num_experts, config.top_k, config.intermediate_size
+    rows, pairs = round(s * k * imbalance), s * k  # rows this rank's experts compute; pairs its tokens send
+    acc = max(b, 4)  # the router computes in float32 at least: its input (and below float32 its weight) copied
+    out = s * h * acc + (e * h * acc if b < 4 else 0) + 2 * s * e * acc + pairs * 8 + acc * (s + e)
+    out += rows * 2 * f * b + 4 * (e // ep)  # the experts' gate / up pre-activations, their row offsets
+    if ep == 1 or dispatcher == "allgather":  # the experts read every EP rank's tokens (the router's own in float32)
+        out += ep * s * h * b if ep > 1 or b < 4 else 0
+        out += ep * pairs * acc + rows * h * b  # the (gathered) routing weights, the expert outputs the combine reads
+    else:  # all-to-all: the rows received, the indices that route pairs and rows, the outputs back in float32
+        out += rows * h * b + rows * 8 + 2 * pairs * 8 + pairs * acc + 2 * pairs * h * acc
+    if config.moe.shared_width:
+        out += 4 * s * config.moe.shared_width * b
+    return out
+
+
+def layer_activation_bytes(
+    config: MulaConfig,
+    layer: int,
+    tokens: int,
+    param_bytes: int,
+    ep: int = 1,
+    dispatcher: str = "allgather",
+    checkpointing: Any = None,
+    imbalance: float = 1.0,
+) -> tuple[int, int]:
+    """``(stored, transient)``: bytes one decoder layer keeps for backward per micro-batch of ``tokens`` tokens,
+    and the most its backward holds again at once (a recomputed region's whole set; 0 without recomputation)."""
+    parts = parse_activation_checkpointing(checkpointing)
+    s, h, b = tokens, config.hidden_size, param_bytes
+    norm = _norm(s, h, b)
+    ffn = (_moe(config, s, b, ep, dispatcher, imbalance) if config.is_moe_layer(layer)
+           else _mlp(s, h, config.dense_width, b))  # fmt: skip
+    parts = parts or ()
+    regions = {"norm": 2 * norm, "attention": _attention(config, s, b, "norm" in parts), "ffn": ffn}
+    if parts == "full":
+        return s * h * b, sum(regions.values())
+    recomputed = {"norm": "norm" in parts, "attention": "attention" in parts,
+                  "ffn": ("moe" if config.is_moe_layer(layer) else "mlp") in parts}  # fmt: skip
+    kept = {name: (2 * s * h * b if name == "norm" else s * h * b) if recomputed[name] else size
+            for name, size in regions.items()}  # fmt: skip
+    transient = max((regions[name] for name in regions if recomputed[name]), default=0)
+    return sum(kept.values()), transient
+
+
+def head_activation_bytes(
+    config: MulaConfig, tokens: int, param_bytes: int, checkpointing: Any = None
+) -> tuple[int, int]:
+    """``(stored, transient)`` of the final norm, LM head and loss per micro-batch: the norm's as any, the gradients
+    of the head's input and weight (the fused loss computes them in forward; the weight's in float32 when the
+    micro-batch needs several chunks of logits); one chunk of float32 logits in flight."""
+    h, v = config.hidden_size, config.vocab_size
+    chunk = max(1, LOSS_CHUNK_ELEMENTS // v)
+    weight_grad = v * h * (param_bytes if tokens <= chunk else max(param_bytes, 4))
+    parts = parse_activation_checkpointing(checkpointing) or ()
+    norm = tokens * h * param_bytes if parts != "full" and "norm" in parts else _norm(tokens, h, param_bytes)
+    stored = norm + tokens * h * param_bytes + weight_grad
+    return stored, min(tokens, chunk) * v * 4
+
+
+def micro_batches_in_flight(schedule: str, pp: int, stage: int, micro_batches: int, virtual: int = 1) -> int:
+    """Micro-batches whose activations (of one model chunk) a rank holds at its peak.
+
+    ``interleaved_1f1b``: Megatron's warm-up ``(pp - stage - 1) x 2 + (virtual - 1) x pp + 1`` chunk micro-batches
+    (at most all ``micro_batches x virtual``), each of ``1 / virtual`` of the rank's layers.
+    """
+    if pp == 1:
+        return 1
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule ({schedule!r}) must be one of {tuple(SCHEDULES)}")
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(micro_batches, pp - stage)
+    return min(micro_batches * virtual, (pp - stage - 1) * 2 + (virtual - 1) * pp + 1)
+
+
+def stage_activation_bytes(
+    config: MulaConfig,
+    pp: int,
+    micro_batch_size: int,
+    seq_len: int,
+    micro_batches: int,
+    param_bytes: int,
+    ep: int = 1,
+    dispatcher: str = "allgather",
+    checkpointing: Any = None,
+    imbalance: float = 1.0,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+) -> list[dict[str, int]]:
+    """Per pipeline stage: ``per_micro_batch`` (stored bytes of its layers, RoPE tables, embedding ids and head
+    included), ``in_flight`` (micro-batches held, :func:`micro_batches_in_flight`), ``transient`` and their
+    ``activations`` total (``per_micro_batch x in_flight + transient``)."""
+    out = []
+    tokens = micro_batch_size * seq_len
+    for index in range(pp):
+        stored = transient = 0
+        for layer in _rank_layers(config, pp, virtual, index):
+            kept, again = layer_activation_bytes(config, layer, tokens, param_bytes, ep, dispatcher, checkpointing,
+                                                 imbalance)  # fmt: skip
+            stored, transient = stored + kept, max(transient, again)
+        stored += 2 * seq_len * config.head_dim * param_bytes  # RoPE's cos and sin, once for all layers
+        if index == 0:
+            stored += tokens * 8  # the token ids the embedding's backward reads
+        if index == pp - 1:
+            kept, again = head_activation_bytes(config, tokens, param_bytes, checkpointing)
+            stored, transient = stored + kept, max(transient, again)
+        per_chunk = stored // virtual
+        held = micro_batches_in_flight(schedule, pp, index, micro_batches, virtual)
+        out.append({"per_micro_batch": stored, "in_flight": held, "transient": transient,
+                    "activations": per_chunk * held + transient})  # fmt: skip
+    return out
+
+
+def _rank_layers(config: MulaConfig, pp: int, virtual: int, rank: int) -> list[int]:
+    """The decoder layers pipeline rank ``rank`` holds: stage ``rank + v x pp`` for each of its ``virtual`` stages
+    (the interleaved schedules' loop order)."""
+    ranges = stage_layer_ranges(config.num_layers, pp * virtual)
+    return [layer for v in range(virtual) for layer in ranges[rank + v * pp]]
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(params: Any = ()) -> Iterator[dict[str, int]]:
+    """Count the bytes of the distinct storages autograd saves for backward while active: the measured side of this
+    module's closed forms. A storage of one of ``params`` (an iterable, or a callable returning one, read at each
+    save so that parameters gathered just before use are recognised) is not an activation and is not counted.
+
+    Yields a dict whose ``"bytes"`` grows as tensors are saved (read it after the forward).
+    """
+    seen: set[int] = set()
+    result = {"bytes": 0}
+    fixed = None if callable(params) else {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        excluded = fixed if fixed is not None else {p.untyped_storage().data_ptr() for p in params()}
+        if key not in excluded and key not in seen and storage.nbytes():
+            seen.add(key)
+            result["bytes"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result

@@ -1,0 +1,132 @@
+"""One layout planned: memory by kind per pipeline stage (worst rank), whether it fits, bytes per collective per link.
+
+Puts :mod:`~mula_lightning.plan.states` (model states), :mod:`~mula_lightning.plan.activations` (what a micro-batch
+keeps, times what the schedule holds) and :mod:`~mula_lightning.plan.comm` (the ledger's bytes) together with the
+communication buffers of the strategy and the cluster's reserved memory. ``mula plan`` prints what this returns.
+
+Communication buffers (stated, not measured: they live between a bucket's launch and the step):
+
+* ``epso``: the gradient reduction's output shards (``owned x reduce bytes``) and, when gradients travel in another
+  dtype than their float32 buffers (``reduce_dtype=bfloat16``), the cast copy of every bucket, all launched before
+  the step waits for them (``local elements x 2``);
+* ``zero_topo``: the gathered weights and float32 gradients of the root unit (embedding and head) and of two layers
+  (the one computing and the one prefetched).
+
+The reserved memory (:attr:`~mula_lightning.plan.clusters.Cluster.reserved_bytes`: the runtime's context, the
+collective library's own buffers, the allocator's fragmentation) is subtracted from the device before "fits".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mula_lightning.models.config import MulaConfig
+from mula_lightning.parallel.hardware import HardwareTopology
+from mula_lightning.plan.activations import stage_activation_bytes
+from mula_lightning.plan.clusters import GB, Cluster
+from mula_lightning.plan.comm import REDUCE_BYTES, Batch, bytes_per_link, comm_bytes
+from mula_lightning.plan.states import PRECISIONS, Layout, stage_params, state_bytes
+
+MEMORY_KINDS = ("weights", "gradients", "master", "moments", "activations", "buffers", "total")
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a step computes and how (the ``mula fit`` YAML's data, trainer and strategy settings).
+
+    Attributes:
+        micro_batch_size: sequences per rank per forward (with pipelining: per rank per step, cut into
+            ``micro_batches`` by the schedule).
+        seq_len: tokens per sequence.
+        micro_batches: ``accumulate_grad_batches``, or the pipeline's ``pp_microbatches``.
+        checkpointing: ``activation_checkpointing`` (None, ``"full"`` or a list of parts).
+        dispatcher: ``"allgather"`` or ``"alltoall"``.
+        reduce_dtype: ``epso``'s gradient reduction dtype.
+        schedule / virtual: the pipeline schedule and virtual stages per rank.
+        imbalance: routing headroom: rows the busiest rank's experts compute, over the balanced ``S x K``.
+    """
+
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    micro_batches: int = 1
+    checkpointing: Any = None
+    dispatcher: str = "allgather"
+    reduce_dtype: str = "float32"
+    schedule: str = "1f1b"
+    virtual: int = 1
+    imbalance: float = 1.25
+
+    def batch(self, pp: int) -> Batch:
+        """The micro-batches one rank computes per step."""
+        if pp > 1:
+            if self.schedule != "gpipe" and self.micro_batches < pp:
+                raise ValueError(
+                    f"pp_microbatches ({self.micro_batches}) must be at least pp_size ({pp}) for {self.schedule}"
+                )
+            if self.micro_batch_size % self.micro_batches:
+                raise ValueError(
+                    f"pp_microbatches ({self.micro_batches}) must divide the micro_batch_size "
+                    f"({self.micro_batch_size}) the schedule cuts"
+                )
+            return Batch(self.micro_batch_size // self.micro_batches, self.seq_len, self.micro_batches)
+        return Batch(self.micro_batch_size, self.seq_len, self.micro_batches)
+
+
+def _buffers(config: MulaConfig, layout: Layout, states: dict[str, int], stage: Any, training: Training) -> int:
+    param_bytes = PRECISIONS[layout.precision]
+    if layout.strategy == "epso":
+        reduce = REDUCE_BYTES[training.reduce_dtype]
+        owned = states["moments"] // 8
+        local = stage.non_expert + stage.expert // layout.ep
+        return owned * reduce + (local * reduce if reduce != 4 else 0)
+    layers = [config.layer_params(i) for i in range(config.num_layers)]
+    layer = max(ne + e // layout.ep for ne, e in layers)
+    root = stage.non_expert - sum(ne for ne, _ in layers)
+    return (root + 2 * layer) * (param_bytes + 4)
+
+
+def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: Training) -> dict[str, Any]:
+    """The plan of one layout: per pipeline stage memory by kind, the worst stage, fits (and why not), the bytes
+    per collective and per link of the worst stage's first rank (JSON-ready)."""
+    layout.check(config)
+    if training.dispatcher not in ("allgather", "alltoall"):
+        raise ValueError(f"dispatcher ({training.dispatcher!r}) must be 'allgather' or 'alltoall'")
+    batch = training.batch(layout.pp)
+    param_bytes = PRECISIONS[layout.precision]
+    hw = HardwareTopology.uniform(layout.world_size, cluster.devices_per_node, cluster.devices_per_gpu)
+    states = state_bytes(config, layout)
+    activations = stage_activation_bytes(
+        config, layout.pp, batch.micro_batch_size, batch.seq_len, batch.micro_batches, param_bytes, layout.ep,
+        training.dispatcher, training.checkpointing, training.imbalance, training.schedule, training.virtual,
+    )  # fmt: skip
+    comms = comm_bytes(config, layout, batch, hw, training.dispatcher, training.reduce_dtype, training.checkpointing)
+    stages = []
+    for state, act, stage in zip(states, activations, stage_params(config, layout.pp)):
+        row = {k: state[k] for k in ("weights", "gradients", "master", "moments")}
+        row["activations"] = act["activations"]
+        row["buffers"] = _buffers(config, layout, state, stage, training)
+        row["total"] = sum(row.values())
+        stages.append(row)
+    worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
+    usable = cluster.memory_bytes - cluster.reserved_bytes
+    fits = stages[worst]["total"] <= usable
+    reason = None
+    if not fits:
+        reason = (
+            f"stage {worst} needs {stages[worst]['total'] / GB:.1f} GB per rank; the device has {usable / GB:.1f} GB "
+            f"({cluster.memory_bytes / GB:.0f} GB less {cluster.reserved_bytes / GB:.0f} GB reserved)"
+        )
+    return {
+        "dp": layout.dp, "ep": layout.ep, "etp": layout.etp, "tp": layout.tp, "pp": layout.pp,
+        "strategy": layout.strategy, "mode": layout.mode if layout.strategy == "epso" else None,
+        "precision": layout.precision, "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,
+        "sequences_per_micro_batch": batch.micro_batch_size,
+        "micro_batches": training.micro_batches, "activation_checkpointing": training.checkpointing,
+        "dispatcher": training.dispatcher, "imbalance": training.imbalance,
+        "fits": fits, "reason": reason, "worst_stage": worst,
+        "memory_bytes": stages[worst], "stages": stages,
+        "activations": activations,
+        "comm_bytes": bytes_per_link(comms[worst]),
+        "collectives": [c.as_dict() for c in comms[worst]],
+    }  # fmt: skip
