@@ -55,14 +55,20 @@ def test_a_cluster_file_and_bad_input(tmp_path, capsys):
     """A cluster from YAML (4 devices of 24 GB, 2.5 reserved); an unknown preset, a file with a misspelt field, a
     layout that does not divide, zero nodes, EP on a dense model, a DP that is not what is left, an unknown recomputed
     part, sequence parallelism, a missing config: exit code 1 and one line naming the values."""
-    (tmp_path / "lab.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\nreserved_gb: 2.5\n")
+    (tmp_path / "lab.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\nreserved_gb: 2.5\npeak_tflops: 300\n"
+                                       "bandwidth_gbps: {intra_node: 100, inter_node: 25}\n")  # fmt: skip
     result = _json(capsys, "mula-1b", "--cluster", str(tmp_path / "lab.yaml"), "--nodes", "2")
     assert result["cluster"] == {"name": "lab", "nodes": 2, "devices_per_node": 4, "memory_bytes": 24 * GB,
                                  "reserved_bytes": 2.5 * GB}  # fmt: skip
     (tmp_path / "bad.yaml").write_text("devices_per_node: 4\nmemory: 24\n")
+    (tmp_path / "links.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\nbandwidth_gbps: {nvlink: 400}\n")
+    (tmp_path / "gcds.yaml").write_text("devices_per_node: 4\nmemory_gb: 24\ndevices_per_gpu: 2\n"
+                                        "bandwidth_gbps: {intra_node: 50, inter_node: 10}\n")  # fmt: skip
     for args, message in [
         (["mula-1b", "--cluster", "summit"], "unknown cluster 'summit'"),
         (["mula-1b", "--cluster", str(tmp_path / "bad.yaml")], "unknown fields ['memory'] / missing fields"),
+        (["mula-1b", "--cluster", str(tmp_path / "links.yaml")], "bandwidth_gbps must map gcd / intra_node"),
+        (["mula-1b", "--cluster", str(tmp_path / "gcds.yaml")], "no bandwidth for the link levels ['gcd']"),
         (["mula-7b-a1b", "--ep", "5"], "pp (1) x ep (5) must divide the world size (12)"),
         ([], "needs a preset"),
         (["mula-1b", "--nodes", "0"], "--nodes (0) must be at least 1"),

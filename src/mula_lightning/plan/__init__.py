@@ -4,8 +4,8 @@
 model-state bytes (weights, gradients, fp32 master, AdamW moments) of a Mula model at an ``epso`` or ``zero_topo``
 layout, from the closed forms the optimizers document; ``activations`` what a micro-batch keeps for backward and how
 many micro-batches a schedule holds; ``comm`` the bytes of every collective of a step in the ledger's conventions;
-``planner`` puts them together for one layout; ``cli`` is ``mula plan``. Step times, the layout search and the traced
-dry run come next (issue 61).
+``step_time`` predicts a step's time, tokens/s and MFU; ``planner`` puts them together for one layout; ``search``
+plans every layout of a model on a cluster; ``cli`` is ``mula plan``. The traced dry run comes next (issue 61).
 """
 
 from mula_lightning.plan.clusters import CLUSTERS, Cluster, load_cluster

@@ -36,6 +36,7 @@ import torch
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
 from mula_lightning.parallel.pipeline import SCHEDULES, stage_layer_ranges
+from mula_lightning.plan.states import layer_counts
 
 #: elements of logits the fused loss computes at once on an accelerator (its ``ACCELERATOR_CHUNK_ELEMENTS``)
 LOSS_CHUNK_ELEMENTS = 2**28
@@ -75,8 +76,9 @@ def _moe(config: MulaConfig, s: int, b: int, ep: int, dispatcher: str, imbalance
         out += ep * pairs * acc + rows * h * b  # the (gathered) routing weights, the expert outputs the combine reads
     else:  # all-to-all: the rows received, the indices that route pairs and rows, the outputs back in float32
         out += rows * h * b + rows * 8 + 2 * pairs * 8 + pairs * acc + 2 * pairs * h * acc
-    if config.moe.shared_width:
-        out += 4 * s * config.moe.shared_width * b
+    shared = layer_counts(config)[0].shared_width
+    if shared:
+        out += 4 * s * shared * b
     return out
 
 
@@ -95,14 +97,15 @@ def layer_activation_bytes(
     parts = parse_activation_checkpointing(checkpointing)
     s, h, b = tokens, config.hidden_size, param_bytes
     norm = _norm(s, h, b)
-    ffn = (_moe(config, s, b, ep, dispatcher, imbalance) if config.is_moe_layer(layer)
+    moe = layer_counts(config)[layer].moe
+    ffn = (_moe(config, s, b, ep, dispatcher, imbalance) if moe
            else _mlp(s, h, config.dense_width, b))  # fmt: skip
     parts = parts or ()
     regions = {"norm": 2 * norm, "attention": _attention(config, s, b, "norm" in parts), "ffn": ffn}
     if parts == "full":
         return s * h * b, sum(regions.values())
     recomputed = {"norm": "norm" in parts, "attention": "attention" in parts,
-                  "ffn": ("moe" if config.is_moe_layer(layer) else "mlp") in parts}  # fmt: skip
+                  "ffn": ("moe" if moe else "mlp") in parts}  # fmt: skip
     kept = {name: (2 * s * h * b if name == "norm" else s * h * b) if recomputed[name] else size
             for name, size in regions.items()}  # fmt: skip
     transient = max((regions[name] for name in regions if recomputed[name]), default=0)
@@ -162,7 +165,7 @@ def stage_activation_bytes(
     tokens = micro_batch_size * seq_len
     for index in range(pp):
         stored = transient = 0
-        for layer in _rank_layers(config, pp, virtual, index):
+        for layer in rank_layers(config, pp, virtual, index):
             kept, again = layer_activation_bytes(config, layer, tokens, param_bytes, ep, dispatcher, checkpointing,
                                                  imbalance)  # fmt: skip
             stored, transient = stored + kept, max(transient, again)
@@ -179,7 +182,7 @@ def stage_activation_bytes(
     return out
 
 
-def _rank_layers(config: MulaConfig, pp: int, virtual: int, rank: int) -> list[int]:
+def rank_layers(config: MulaConfig, pp: int, virtual: int, rank: int) -> list[int]:
     """The decoder layers pipeline rank ``rank`` holds: stage ``rank + v x pp`` for each of its ``virtual`` stages
     (the interleaved schedules' loop order)."""
     ranges = stage_layer_ranges(config.num_layers, pp * virtual)

@@ -8,8 +8,9 @@ Prints the model's total and active parameters, then per pipeline stage one rank
 master, AdamW moments (:mod:`~mula_lightning.plan.states`), activations (:mod:`~mula_lightning.plan.activations`) and
 communication buffers, whether the worst stage fits the device (less its reserved memory), and the bytes each
 collective of one optimizer step sends, per link level (:mod:`~mula_lightning.plan.comm`). Layout options, batch and
-recomputation come from the flags or from a ``mula fit`` YAML (``--config``); a flag overrides the file. Step times and
-the layout search are not modelled yet.
+recomputation come from the flags or from a ``mula fit`` YAML (``--config``); a flag overrides the file. Then the
+predicted step time, tokens/s and MFU (:mod:`~mula_lightning.plan.step_time`). ``--search`` plans every layout at the
+same global batch instead (:mod:`~mula_lightning.plan.search`) and prints the ten fastest that fit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mula_lightning.parallel.pipeline import SCHEDULES
 from mula_lightning.plan.clusters import CLUSTERS, GB, load_cluster
 from mula_lightning.plan.comm import REDUCE_BYTES
 from mula_lightning.plan.planner import MEMORY_KINDS, Training, plan_layout
+from mula_lightning.plan.search import search
 from mula_lightning.plan.states import EPSO_MODES, PRECISIONS, Layout
 
 ZERO_SIZES = ("weight_size", "grad_size", "optimizer_size", "secondary_size")
@@ -57,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default=None)
     parser.add_argument("--reduce-dtype", choices=sorted(REDUCE_BYTES), default=None)
     parser.add_argument("--imbalance", type=float, default=None, help="routing headroom of the busiest rank (1.25)")
+    parser.add_argument("--global-batch", type=int, default=None, help="--search: sequences per step (one per rank)")
+    parser.add_argument("--search", action="store_true", help="plan every layout, rank those that fit by step time")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -134,13 +138,40 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     sizes = {"--nodes": nodes, "--ep": args.ep, "--pp": args.pp, "--dp": args.dp, "--tp": args.tp, "--etp": args.etp,
              "--sp": args.sp, "--micro-batch-size": args.micro_batch_size, "--seq-len": args.seq_len,
              "--pp-microbatches": args.pp_microbatches, "--pp-virtual-stages": args.pp_virtual_stages,
-             "--accumulate": args.accumulate}  # fmt: skip
+             "--accumulate": args.accumulate, "--global-batch": args.global_batch}  # fmt: skip
     for flag, value in sizes.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be at least 1")
     if (args.sp or 1) > 1:
         raise ValueError(f"mula plan does not model sequence parallelism yet (sp {args.sp})")
     pp = int(given("pp", 1))
+    micro = int(given("micro_batch_size", pp))  # with pipelining: one sequence per micro-batch, pp of them
+    chunks = int(given("pp_microbatches", micro)) if pp > 1 else int(given("accumulate", 1))
+    training = Training(
+        micro_batch_size=micro,
+        seq_len=int(given("seq_len", 2048)),
+        micro_batches=chunks,
+        checkpointing=_checkpointing(given("activation_checkpointing", None)),
+        dispatcher=given("dispatcher", "allgather"),
+        reduce_dtype=given("reduce_dtype", "float32"),
+        schedule=given("pp_schedule", "1f1b"),
+        virtual=int(given("pp_virtual_stages", 1)),
+        imbalance=float(given("imbalance", 1.25)),
+    )
+    head = {
+        "model": {"name": config.name, "total_params": config.num_params(), "active_params": config.num_params(True)},
+        "cluster": {
+            "name": cluster.name,
+            "nodes": nodes,
+            "devices_per_node": cluster.devices_per_node,
+            "memory_bytes": cluster.memory_bytes,
+            "reserved_bytes": cluster.reserved_bytes,
+        },  # fmt: skip
+    }
+    if args.search:
+        found = search(config, cluster, nodes, given("global_batch", None), training.seq_len,
+                       given("precision", "bf16-true"), training)  # fmt: skip
+        return {"notes": [], **head, "search": True, **found}
     layout = Layout(
         world_size=nodes * cluster.devices_per_node,
         strategy=given("strategy", "epso"),
@@ -161,35 +192,38 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
             f"--dp ({args.dp}) must be the world size / (pp x ep) = {layout.world_size} / ({layout.pp} x {layout.ep}) "
             f"= {layout.dp} at {nodes} nodes of {cluster.devices_per_node}"
         )
-    micro = int(given("micro_batch_size", pp))  # with pipelining: one sequence per micro-batch, pp of them
-    chunks = int(given("pp_microbatches", micro)) if pp > 1 else int(given("accumulate", 1))
-    training = Training(
-        micro_batch_size=micro,
-        seq_len=int(given("seq_len", 2048)),
-        micro_batches=chunks,
-        checkpointing=_checkpointing(given("activation_checkpointing", None)),
-        dispatcher=given("dispatcher", "allgather"),
-        reduce_dtype=given("reduce_dtype", "float32"),
-        schedule=given("pp_schedule", "1f1b"),
-        virtual=int(given("pp_virtual_stages", 1)),
-        imbalance=float(given("imbalance", 1.25)),
-    )
     notes = []
     if fit.get("devices") not in (None, cluster.devices_per_node):
         notes.append(f"the config's trainer.devices ({fit['devices']}) is not {cluster.name}'s "
                      f"{cluster.devices_per_node} devices per node: planned with {cluster.name}'s")  # fmt: skip
-    return {
-        "notes": notes,
-        "model": {"name": config.name, "total_params": config.num_params(), "active_params": config.num_params(True)},
-        "cluster": {
-            "name": cluster.name,
-            "nodes": nodes,
-            "devices_per_node": cluster.devices_per_node,
-            "memory_bytes": cluster.memory_bytes,
-            "reserved_bytes": cluster.reserved_bytes,
-        },  # fmt: skip
-        "layouts": [plan_layout(config, layout, cluster, training)],
-    }
+    return {"notes": notes, **head, "layouts": [plan_layout(config, layout, cluster, training)]}
+
+
+def _recompute(value: Any) -> str:
+    return "+".join(value) if isinstance(value, list) else (value or "none")
+
+
+def _search_table(result: dict[str, Any], top: int = 10) -> list[str]:
+    layouts, rejected = result["layouts"], result["rejected"]
+    lines = [
+        f"\n--search: {len(layouts)} layouts fit, {len(rejected)} do not or cannot run; the global batch "
+        f"{result['global_batch']} sequences of {result['seq_len']} tokens; the {min(top, len(layouts))} fastest:",
+        f"{'#':>3} {'strategy':<18}{'DP x EP x PP':<16}{'recompute':<24}{'GB/rank':>8}{'step s':>8}{'M tok/s':>9}"
+        f"{'MFU %':>7}",
+    ]
+    for index, p in enumerate(layouts[:top]):
+        name = p["strategy"] + (f" {p['mode']}" if p["mode"] else "")
+        sizes = f"{p['dp']} x {p['ep']} x {p['pp']}"
+        lines.append(
+            f"{index + 1:>3} {name:<18}{sizes:<16}"
+            f"{_recompute(p['activation_checkpointing']):<24}{p['memory_bytes']['total'] / GB:>8.1f}"
+            f"{p['step_time_s']:>8.2f}{p['tokens_per_s'] / 1e6:>9.2f}{100 * p['mfu']:>7.1f}"
+        )
+    too_big = sum(r["reason"].startswith("stage ") for r in rejected)
+    other = [r["reason"] for r in rejected if not r["reason"].startswith("stage ")]
+    lines.append(f"rejected: {too_big} do not fit the device, {len(other)} cannot run"
+                 + (f" (e.g. {other[0]})" if other else ""))  # fmt: skip
+    return lines
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -200,6 +234,8 @@ def _table(result: dict[str, Any]) -> str:
         f"{cluster['memory_bytes'] / GB:.0f} GB ({cluster['reserved_bytes'] / GB:.0f} GB reserved)",
         *(f"note: {note}" for note in result.get("notes", [])),
     ]
+    if result.get("search"):
+        return "\n".join(lines + _search_table(result))
     for layout in result["layouts"]:
         mode = f" {layout['mode']}" if layout["mode"] else ""
         ckpt = layout["activation_checkpointing"] or "no"
@@ -223,6 +259,13 @@ def _table(result: dict[str, Any]) -> str:
                          f"{c['calls']:>7}{c['bytes_sent'] / GB:>10.3f}{mark}")  # fmt: skip
         per_link = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in layout["comm_bytes"].items())
         lines.append(f"per link: {per_link or 'nothing sent'}")
+        t = layout["time"]
+        lines.append(
+            f"\npredicted step: {t['step_time_s']:.2f} s = compute {t['compute_s']:.2f} + bubble {t['bubble_s']:.2f} + "
+            f"exposed communication {t['exposed_comm_s']:.2f}; {t['tokens_per_step'] / 1e6:.2f} M tokens per step, "
+            f"{t['tokens_per_s'] / 1e6:.2f} M tokens/s, MFU {100 * t['mfu']:.1f}% (assumptions: mula_lightning.plan."
+            "step_time)"
+        )
     return "\n".join(lines)
 
 

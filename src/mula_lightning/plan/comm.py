@@ -43,7 +43,7 @@ from mula_lightning.parallel.mesh import ParallelDims
 from mula_lightning.parallel.pipeline import stage_layer_ranges
 from mula_lightning.parallel.zero.layout import ZeroTopoLayout, expert_layout
 from mula_lightning.parallel.zero.quantization import packed_bytes
-from mula_lightning.plan.states import PRECISIONS, Layout, stage_params
+from mula_lightning.plan.states import PRECISIONS, Layout, layer_counts, stage_params
 
 #: bytes of the gradient reduction's dtype
 REDUCE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -88,8 +88,9 @@ def _pad(numel: int, multiple: int) -> int:
 class _Rows:
     """Collectives accumulated by (tag, op, level); a collective over one rank sends nothing and is skipped."""
 
-    def __init__(self) -> None:
+    def __init__(self, levels: dict[tuple[int, ...], str] | None = None) -> None:
         self.rows: dict[tuple[str, str, str], Collective] = {}
+        self.levels = {} if levels is None else levels  # a group's hardware level, shared by a plan's stages
 
     def add(
         self,
@@ -105,7 +106,8 @@ class _Rows:
     ) -> None:
         if len(ranks) < 2 or calls == 0:
             return
-        link = hw.level_of(ranks)
+        key = tuple(ranks)
+        link = self.levels.get(key) or self.levels.setdefault(key, hw.level_of(ranks))
         label = level or link
         sent = calls * ring_bytes_sent(op, len(ranks), bytes_in, self_bytes)
         key = (tag, op, label)
@@ -132,7 +134,7 @@ def _dispatch(
     hw: HardwareTopology,
 ) -> None:
     """The token dispatch of the MoE layers in ``layers`` over one step (see the module docstring)."""
-    moe_layers = sum(config.is_moe_layer(i) for i in layers)
+    moe_layers = sum(layer_counts(config)[i].moe for i in layers)
     ep = len(ep_ranks)
     if ep < 2 or not moe_layers:
         return
@@ -192,15 +194,16 @@ def _zero_units(config: MulaConfig, layout: Layout) -> list[tuple[int, ZeroTopoL
     """``(elements, family layout, global ranks of the family's index space)`` of every unit of the engine."""
     dense, experts = layout.zero_layout(), expert_layout(layout.zero_layout(), layout.ep)
     (stage,) = stage_params(config, 1)
-    layer_dense = [config.layer_params(i)[0] for i in range(config.num_layers)]
+    counts = layer_counts(config)
+    layer_dense = [c.non_expert for c in counts]
     root = stage.non_expert - sum(layer_dense)
     dense_ranks = list(range(layout.world_size))
     expert_ranks = [layout.ep * k for k in range(experts.world_size)]  # rank 0's edp ranks
     units = [(root, dense, dense_ranks)]
     for i in range(config.num_layers):
         units.append((layer_dense[i], dense, dense_ranks))
-        if config.is_moe_layer(i):
-            units.append((config.layer_params(i)[1] // layout.ep, experts, expert_ranks))
+        if counts[i].moe:
+            units.append((counts[i].expert // layout.ep, experts, expert_ranks))
     return units
 
 
@@ -265,8 +268,9 @@ def comm_bytes(
     stage_size = dims.stage_size
     out = []
     layer_ranges = stage_layer_ranges(config.num_layers, layout.pp)
+    levels: dict[tuple[int, ...], str] = {}
     for index, stage in enumerate(stage_params(config, layout.pp)):
-        rows, first = _Rows(), index * stage_size
+        rows, first = _Rows(levels), index * stage_size
         ep_ranks = dims.ranks("ep", first)
         if layout.strategy == "zero_topo":
             _zero_topo(rows, config, layout, batch, param_bytes, hw)

@@ -1,4 +1,5 @@
-"""One layout planned: memory by kind per pipeline stage (worst rank), whether it fits, bytes per collective per link.
+"""One layout planned: memory by kind per pipeline stage (worst rank), whether it fits, bytes per collective per link,
+predicted step time (:mod:`~mula_lightning.plan.step_time`).
 
 Puts :mod:`~mula_lightning.plan.states` (model states), :mod:`~mula_lightning.plan.activations` (what a micro-batch
 keeps, times what the schedule holds) and :mod:`~mula_lightning.plan.comm` (the ledger's bytes) together with the
@@ -23,10 +24,11 @@ from typing import Any
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.parallel.hardware import HardwareTopology
-from mula_lightning.plan.activations import stage_activation_bytes
+from mula_lightning.plan.activations import rank_layers, stage_activation_bytes
 from mula_lightning.plan.clusters import GB, Cluster
 from mula_lightning.plan.comm import REDUCE_BYTES, Batch, bytes_per_link, comm_bytes
-from mula_lightning.plan.states import PRECISIONS, Layout, stage_params, state_bytes
+from mula_lightning.plan.states import PRECISIONS, Layout, layer_counts, stage_params, state_bytes
+from mula_lightning.plan.step_time import predict_step
 
 MEMORY_KINDS = ("weights", "gradients", "master", "moments", "activations", "buffers", "total")
 
@@ -80,21 +82,23 @@ def _buffers(config: MulaConfig, layout: Layout, states: dict[str, int], stage: 
         owned = states["moments"] // 8
         local = stage.non_expert + stage.expert // layout.ep
         return owned * reduce + (local * reduce if reduce != 4 else 0)
-    layers = [config.layer_params(i) for i in range(config.num_layers)]
-    layer = max(ne + e // layout.ep for ne, e in layers)
-    root = stage.non_expert - sum(ne for ne, _ in layers)
+    layers = layer_counts(config)
+    layer = max(c.non_expert + c.expert // layout.ep for c in layers)
+    root = stage.non_expert - sum(c.non_expert for c in layers)
     return (root + 2 * layer) * (param_bytes + 4)
 
 
-def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: Training) -> dict[str, Any]:
+def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: Training,
+                hw: HardwareTopology | None = None) -> dict[str, Any]:  # fmt: skip
     """The plan of one layout: per pipeline stage memory by kind, the worst stage, fits (and why not), the bytes
-    per collective and per link of the worst stage's first rank (JSON-ready)."""
+    per collective and per link of the worst stage's first rank, the predicted step (JSON-ready). ``hw``: the
+    cluster's ranks at the layout's world size, when the caller has it already."""
     layout.check(config)
     if training.dispatcher not in ("allgather", "alltoall"):
         raise ValueError(f"dispatcher ({training.dispatcher!r}) must be 'allgather' or 'alltoall'")
     batch = training.batch(layout.pp)
     param_bytes = PRECISIONS[layout.precision]
-    hw = HardwareTopology.uniform(layout.world_size, cluster.devices_per_node, cluster.devices_per_gpu)
+    hw = hw or HardwareTopology.uniform(layout.world_size, cluster.devices_per_node, cluster.devices_per_gpu)
     states = state_bytes(config, layout)
     activations = stage_activation_bytes(
         config, layout.pp, batch.micro_batch_size, batch.seq_len, batch.micro_batches, param_bytes, layout.ep,
@@ -108,6 +112,10 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         row["buffers"] = _buffers(config, layout, state, stage, training)
         row["total"] = sum(row.values())
         stages.append(row)
+    layers = [rank_layers(config, layout.pp, training.virtual, rank) for rank in range(layout.pp)]
+    batches = layout.world_size // layout.pp  # every rank of a stage reads its own batch (EP ranks too)
+    time = predict_step(config, cluster, layout.world_size, layout.pp, batches, batch, layers, comms,
+                        training.checkpointing, training.imbalance, training.virtual)  # fmt: skip
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
     usable = cluster.memory_bytes - cluster.reserved_bytes
     fits = stages[worst]["total"] <= usable
@@ -129,4 +137,6 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         "activations": activations,
         "comm_bytes": bytes_per_link(comms[worst]),
         "collectives": [c.as_dict() for c in comms[worst]],
+        "step_time_s": time["step_time_s"], "tokens_per_s": time["tokens_per_s"], "mfu": time["mfu"],
+        "time": time,
     }  # fmt: skip

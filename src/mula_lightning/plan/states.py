@@ -99,6 +99,53 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class LayerCounts:
+    """One decoder layer's parameter elements (:meth:`MulaConfig.layer_params`), read once per config."""
+
+    non_expert: int
+    expert: int  # all its experts
+    expert_active: int  # the top_k experts one token uses
+    moe: bool
+    shared_width: int  # the shared experts' intermediate width (0: none)
+
+
+def layer_counts(config: MulaConfig) -> tuple[LayerCounts, ...]:
+    """Every layer's counts; cached on the config values they depend on (a search plans one config hundreds of
+    times, and each :meth:`MulaConfig.layer_params` builds its MoE config anew)."""
+    c = config
+    key = (
+        c.num_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.dense_intermediate_size,
+        c.num_experts,
+        c.top_k,
+        None if c.moe_layers is None else tuple(c.moe_layers),
+        c.shared_experts,
+        c.shared_expert_intermediate_size,
+        c.shared_expert_gate,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.qk_norm,
+        c.qk_norm_per_head,
+        c.qkv_bias,
+    )
+    if key not in _LAYER_COUNTS:
+        if len(_LAYER_COUNTS) >= 32:
+            _LAYER_COUNTS.pop(next(iter(_LAYER_COUNTS)))
+        shared = config.moe.shared_width if config.is_moe else 0
+        _LAYER_COUNTS[key] = tuple(
+            LayerCounts(*config.layer_params(i), config.layer_params(i, active=True)[1], config.is_moe_layer(i), shared)
+            for i in range(config.num_layers)
+        )
+    return _LAYER_COUNTS[key]
+
+
+_LAYER_COUNTS: dict[tuple[Any, ...], tuple[LayerCounts, ...]] = {}
+
+
+@dataclass(frozen=True)
 class StageParams:
     """Parameter elements of one pipeline stage (the whole model without pipeline parallelism)."""
 
@@ -113,8 +160,8 @@ def stage_params(config: MulaConfig, pp: int = 1) -> list[StageParams]:
     for index, layers in enumerate(stage_layer_ranges(config.num_layers, pp)):
         non_expert = expert = 0
         for layer in layers:
-            ne, e = config.layer_params(layer)
-            non_expert, expert = non_expert + ne, expert + e
+            counts = layer_counts(config)[layer]
+            non_expert, expert = non_expert + counts.non_expert, expert + counts.expert
         if index == 0:
             non_expert += config.vocab_size * h
         if index == pp - 1:

@@ -1,0 +1,68 @@
+"""``mula plan --search``: every layout of a preset on a cluster planned, those that fit ranked by predicted step
+time, the others kept with their reason; the Aurora paper's own layouts are among those that fit."""
+
+import json
+
+import pytest
+
+from mula_lightning.cli import main as mula
+from mula_lightning.models import MulaConfig
+from mula_lightning.plan.clusters import CLUSTERS
+from mula_lightning.plan.search import candidates, search
+
+PAPER = {  # preset: the paper's (ep, pp) on 256 Aurora nodes (Section 2.2); the 1B and 7B ran DP=3072
+    "mula-1b": (1, 1),
+    "mula-7b-a1b": (1, 1),
+    "mula-20b-a2b": (12, 1),
+    "mula-100b-a7b": (12, 4),
+    "mula-220b-a10b": (12, 8),
+}
+
+
+@pytest.mark.parametrize("preset", list(PAPER))
+def test_every_table_1_preset_has_layouts_that_fit_aurora_and_the_papers_is_one(preset):
+    """256 nodes, the recipes' global batch (3072 sequences of 2048): layouts fit; the paper's EP x PP with EPSO is
+    among them; the list is sorted by step time; every rejected layout says why; nothing that fits exceeds the
+    device less its reserve; the 220B fits without pipelining only with EP spread over 4 nodes."""
+    cluster = CLUSTERS["aurora"]
+    result = search(MulaConfig.from_name(preset), cluster, 256)
+    fitting = result["layouts"]
+    assert fitting and result["global_batch"] == 3072
+    ep, pp = PAPER[preset]
+    assert any((p["ep"], p["pp"], p["strategy"], p["mode"]) == (ep, pp, "epso", "ep_aware") for p in fitting)
+    times = [p["step_time_s"] for p in fitting]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert all(p["memory_bytes"]["total"] <= cluster.memory_bytes - cluster.reserved_bytes for p in fitting)
+    assert all(r["reason"] for r in result["rejected"])
+    if preset == "mula-220b-a10b":  # without pipelining it fits only with EP across nodes (48: 4 nodes)
+        assert {p["ep"] for p in fitting if p["pp"] == 1} == {48}
+        assert any(
+            r["pp"] == 1 and r["ep"] == 12 and r["reason"].startswith("stage 0 needs") for r in result["rejected"]
+        )
+
+
+def test_candidates_divide_and_the_command_line(capsys):
+    """Every candidate's sizes divide (pp the layers and the world, ep the experts and a stage; zero_topo without
+    pipelining and with EP inside a node); --search prints the 10 fastest and JSON lists all, each with the stable
+    keys."""
+    config = MulaConfig.from_name("mula-7b-a1b")
+    cluster = CLUSTERS["frontier"]
+    layouts = list(candidates(config, cluster, 4))
+    assert {lay.strategy for lay in layouts} == {"epso", "zero_topo"}
+    for lay in layouts:
+        assert config.num_layers % lay.pp == 0 and 32 % (lay.pp * lay.ep) == 0 and config.num_experts % lay.ep == 0
+        assert lay.strategy == "epso" or (lay.pp == 1 and 8 % lay.ep == 0)
+    assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "--search:" in out and out.count("\n  1 ") == 1 and "\n 10 " in out
+    assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search", "--json",
+                 "--global-batch", "64"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["global_batch"] == 64 and result["layouts"]
+    for key in ("dp", "ep", "etp", "tp", "pp", "strategy", "fits", "reason", "memory_bytes", "comm_bytes",
+                "step_time_s", "tokens_per_s", "mfu"):  # fmt: skip
+        assert key in result["layouts"][0]
+    assert (
+        mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search", "--global-batch", "33"]) == 0
+    )
+    assert "0 layouts fit" in capsys.readouterr().out  # 33 sequences divide into no layout's batches
