@@ -108,3 +108,19 @@ def test_options_parse(value, expected):
 def test_unknown_parts_are_named():
     with pytest.raises(ValueError, match=r"parts \['experts', 'ffn'\] are unknown"):
         parse_activation_checkpointing(["moe", "experts", "ffn"])
+
+
+def test_norms_of_pipeline_stages_without_the_final_norm():
+    """Every stage of a model cut into pipeline stages (the stages before the last hold no final norm) takes the
+    220B recipe's norm + attention + moe recomputation; only the last stage's final norm is checkpointed with them
+    (this crashed on the first stage: found by mula plan's dry run of the recipe)."""
+    from mula_lightning.parallel.pipeline import prune_to_stages
+
+    counts = []
+    for stage in range(3):
+        model = _model()
+        prune_to_stages(model, stage, 3)
+        apply_activation_checkpointing(model, ["norm", "attention", "moe"])
+        counts.append(checkpointed_parts(model))
+    assert [c["norm"] for c in counts] == [2, 2, 3]  # each stage's layer's two, and the last stage's final norm
+    assert [c["attention"] for c in counts] == [1, 1, 1] and [c["moe"] for c in counts] == [1, 0, 1]

@@ -5,7 +5,8 @@ model-state bytes (weights, gradients, fp32 master, AdamW moments) of a Mula mod
 layout, from the closed forms the optimizers document; ``activations`` what a micro-batch keeps for backward and how
 many micro-batches a schedule holds; ``comm`` the bytes of every collective of a step in the ledger's conventions;
 ``step_time`` predicts a step's time, tokens/s and MFU; ``planner`` puts them together for one layout; ``search``
-plans every layout of a model on a cluster; ``cli`` is ``mula plan``. The traced dry run comes next (issue 61).
+plans every layout of a model on a cluster; ``trace`` runs the real set-up code of chosen ranks at the full world
+size under torch's fake process group and checks it against the plan; ``cli`` is ``mula plan``.
 """
 
 from mula_lightning.plan.clusters import CLUSTERS, Cluster, load_cluster

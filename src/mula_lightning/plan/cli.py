@@ -3,6 +3,8 @@
     mula plan mula-220b-a10b --cluster aurora --nodes 1024 --ep 12 --pp 8
     mula plan mula-20b-a2b --cluster aurora --nodes 256 --ep 12 --json
     mula plan --config examples/configs/mula-100b-a7b.yaml --cluster aurora
+    mula plan --config examples/configs/mula-100b-a7b.yaml --search
+    mula plan mula-220b-a10b --nodes 1024 --ep 12 --pp 8 --trace --ranks 0,6143,-1
 
 Prints the model's total and active parameters, then per pipeline stage one rank's bytes of weights, gradients, fp32
 master, AdamW moments (:mod:`~mula_lightning.plan.states`), activations (:mod:`~mula_lightning.plan.activations`) and
@@ -10,7 +12,9 @@ communication buffers, whether the worst stage fits the device (less its reserve
 collective of one optimizer step sends, per link level (:mod:`~mula_lightning.plan.comm`). Layout options, batch and
 recomputation come from the flags or from a ``mula fit`` YAML (``--config``); a flag overrides the file. Then the
 predicted step time, tokens/s and MFU (:mod:`~mula_lightning.plan.step_time`). ``--search`` plans every layout at the
-same global batch instead (:mod:`~mula_lightning.plan.search`) and prints the ten fastest that fit.
+same global batch instead (:mod:`~mula_lightning.plan.search`) and prints the ten fastest that fit. ``--trace --ranks
+0,-1`` runs the real set-up of those ranks at the full world size under torch's fake process group
+(:mod:`~mula_lightning.plan.trace`) and exits 1 where it disagrees with the plan.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--imbalance", type=float, default=None, help="routing headroom of the busiest rank (1.25)")
     parser.add_argument("--global-batch", type=int, default=None, help="--search: sequences per step (one per rank)")
     parser.add_argument("--search", action="store_true", help="plan every layout, rank those that fit by step time")
+    parser.add_argument("--trace", action="store_true", help="run the real set-up for --ranks under a fake group")
+    parser.add_argument("--ranks", default="0,-1", help="--trace: ranks to trace, negative from the end (0,-1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -105,6 +111,8 @@ def _from_fit_config(path: str) -> dict[str, Any]:
         out["reduce_dtype"] = str(args["reduce_dtype"]).replace("torch.", "")
     out["zero_sizes"] = tuple(int(args.get(k, 0) or 0) for k in ZERO_SIZES)
     out["extra"] = {k: args[k] for k in ZERO_QUANTIZATION if k in args}
+    if "bucket_numel" in args:
+        out["bucket_numel"] = args["bucket_numel"]
     for key, source, name in (
         ("precision", trainer, "precision"),
         ("nodes", trainer, "num_nodes"),
@@ -196,7 +204,46 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     if fit.get("devices") not in (None, cluster.devices_per_node):
         notes.append(f"the config's trainer.devices ({fit['devices']}) is not {cluster.name}'s "
                      f"{cluster.devices_per_node} devices per node: planned with {cluster.name}'s")  # fmt: skip
-    return {"notes": notes, **head, "layouts": [plan_layout(config, layout, cluster, training)]}
+    planned = plan_layout(config, layout, cluster, training)
+    if args.trace:
+        planned["traced"] = _traced(config, layout, training, planned, _parse_ranks(args.ranks), fit)
+    return {"notes": notes, **head, "layouts": [planned]}
+
+
+def _parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--ranks ({text!r}) must be comma-separated integers, e.g. 0,6143,-1") from None
+    if not ranks:
+        raise ValueError(f"--ranks ({text!r}) names no rank")
+    return ranks
+
+
+def _traced(config: Any, layout: Layout, training: Training, planned: dict[str, Any], ranks: list[int],
+            fit: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """Trace ``ranks`` (:mod:`~mula_lightning.plan.trace`) and check what their objects hold against the plan.
+
+    Raises:
+        ValueError: naming the rank, the state kind or group and both values where they disagree.
+    """
+    import dataclasses
+
+    from mula_lightning.plan.trace import check_trace, trace
+
+    spec = {
+        "config": dataclasses.asdict(config), "world_size": layout.world_size, "strategy": layout.strategy,
+        "ep": layout.ep, "pp": layout.pp, "mode": layout.mode, "precision": layout.precision,
+        "zero_sizes": layout.zero_sizes, "ranks_per_node": layout.ranks_per_node, "ranks_per_gpu": layout.ranks_per_gpu,
+        "dispatcher": training.dispatcher, "checkpointing": training.checkpointing, "schedule": training.schedule,
+        "micro_batches": training.micro_batches, "virtual": training.virtual, "reduce_dtype": training.reduce_dtype,
+        "bucket_numel": fit.get("bucket_numel", 40_000_000),
+    }  # fmt: skip
+    out = []
+    for traced in trace(spec, ranks):
+        check_trace(traced, planned, layout)
+        out.append(traced)
+    return out
 
 
 def _recompute(value: Any) -> str:
@@ -259,6 +306,8 @@ def _table(result: dict[str, Any]) -> str:
                          f"{c['calls']:>7}{c['bytes_sent'] / GB:>10.3f}{mark}")  # fmt: skip
         per_link = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in layout["comm_bytes"].items())
         lines.append(f"per link: {per_link or 'nothing sent'}")
+        for traced in layout.get("traced", []):
+            lines.append(_traced_lines(traced, layout))
         t = layout["time"]
         lines.append(
             f"\npredicted step: {t['step_time_s']:.2f} s = compute {t['compute_s']:.2f} + bubble {t['bubble_s']:.2f} + "
@@ -267,6 +316,23 @@ def _table(result: dict[str, Any]) -> str:
             "step_time)"
         )
     return "\n".join(lines)
+
+
+def _traced_lines(traced: dict[str, Any], layout: dict[str, Any]) -> str:
+    stage = layout["stages"][traced["stage"]]
+    held = traced["memory_bytes"]
+    kinds = " ".join(f"{k} {held[k] / GB:.3f}/{stage[k] / GB:.3f}" for k in held if held[k] is not None)
+    groups = ", ".join(f"{k} {len(v)}" for k, v in traced["groups"].items())
+    if traced["checkpoint_files"] is None:
+        checkpoint = "not traced for this strategy"
+    else:
+        checkpoint = (f"{', '.join(traced['checkpoint_files']) or 'no file'}, {traced['checkpoint_items']} items, "
+                      f"{traced['checkpoint_bytes'] / GB:.3f} GB")  # fmt: skip
+    return (
+        f"\ntraced rank {traced['rank']} (stage {traced['stage']}, {traced['seconds']:.1f} s, peak resident "
+        f"{traced['peak_resident_bytes'] / GB:.2f} GB): GB held / planned: {kinds} (padding "
+        f"{traced['padding_elements']} elements); groups: {groups}; checkpoint: {checkpoint}; agrees with the plan"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,76 @@
+"""``mula plan --trace``: the real set-up code of chosen ranks at the full world size under torch's fake process
+group, compared with the plan.
+
+In ``make test`` the worlds are smaller than the papers' (192 and 32 ranks; the 12,288-rank 220B recipe and the
+384-rank ZeRO-topo layout are in BENCHMARKS.md): the traced bytes of every state kind equal the plan's up to the
+flat buffers' padding, every group has the layout's size and contains the rank, the checkpoint's DCP plan names the
+rank's file, and each traced process stays below 4 GB resident. A disagreement and a rank outside the world are
+named in one line.
+"""
+
+import json
+
+import pytest
+
+from mula_lightning.cli import main as mula
+from mula_lightning.plan import Layout
+from mula_lightning.plan.trace import TRACED_KINDS, check_trace
+
+GB = 10**9
+
+
+def _traced(capsys, *args):
+    assert mula(["plan", *args, "--trace", "--json"]) == 0
+    (layout,) = json.loads(capsys.readouterr().out)["layouts"]
+    return layout, layout["traced"]
+
+
+def test_epso_pipeline_and_experts_at_192_ranks(capsys):
+    """mula-7b-a1b on 16 Aurora nodes, PP 4 x EP 4 x DP 12: ranks 0 (first stage) and -1 (last) hold the planned
+    bytes, their groups have the layout's sizes (EP 4 in a node, the 12 replicas of their expert slice, their 48-rank
+    stage, the 4-rank pipeline), each writes its own DCP file, and the process stays below 4 GB."""
+    layout, traced = _traced(capsys, "mula-7b-a1b", "--nodes", "16", "--ep", "4", "--pp", "4", "--ranks", "0,-1")
+    assert [t["rank"] for t in traced] == [0, 191] and [t["stage"] for t in traced] == [0, 3]
+    for t in traced:
+        planned = layout["stages"][t["stage"]]
+        for kind in TRACED_KINDS:
+            held = t["memory_bytes"][kind]
+            assert abs(held - planned[kind]) <= t["padding_elements"] * 8, (kind, held, planned[kind])
+        assert {k: len(v) for k, v in t["groups"].items()} == {"ep": 4, "edp": 12, "stage": 48, "pp": 4}
+        assert t["groups"]["ep"] == list(range(t["rank"] // 4 * 4, t["rank"] // 4 * 4 + 4))
+        assert t["checkpoint_files"] == [f"__{t['rank']}_0.distcp"] and t["checkpoint_bytes"] > 0
+        assert t["peak_resident_bytes"] < 4 * GB
+
+
+def test_zero_topo_three_levels_with_experts(capsys):
+    """mula-7b-a1b with zero_topo and EP 8 on 4 Frontier nodes (32 GCDs): the traced engine holds the planned
+    weights, gradients and optimizer states of its three levels (up to the units' padding), and its weight group is
+    its GPU's 2 GCDs, its gradient group its node."""
+    layout, (t,) = _traced(capsys, "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--strategy", "zero_topo",
+                           "--ep", "8", "--ranks", "-3")  # fmt: skip
+    assert t["rank"] == 29 and t["groups"]["weight"] == [28, 29] and t["groups"]["grad"] == list(range(24, 32))
+    assert t["memory_bytes"]["weights"] == pytest.approx(layout["stages"][0]["weights"], abs=t["padding_elements"] * 2)
+    assert t["peak_resident_bytes"] < 4 * GB
+
+
+def test_disagreements_and_bad_ranks_are_named(capsys):
+    """A traced rank holding other bytes than the plan, or a group without the rank, raises naming both values;
+    --ranks outside the world or not integers: exit code 1 and one line."""
+    layout = Layout(8, ep=2, ranks_per_node=4)
+    planned = {"stages": [{"weights": 100, "gradients": 200, "master": 50, "moments": 100}]}
+    good = {"weights": 100, "gradients": 200, "master": 50, "moments": 100}
+    groups = {"ep": [2, 3], "edp": [1, 3, 5, 7], "stage": list(range(8)), "pp": [3]}
+    check_trace({"rank": 3, "measured": dict(good), "padding_elements": 0, "groups": groups}, planned, layout)
+    with pytest.raises(
+        ValueError, match=r"traced rank 3: gradients 260 bytes, the plan says 200 \(padding allows 40\)"
+    ):
+        check_trace({"rank": 3, "measured": {**good, "gradients": 260}, "padding_elements": 10, "groups": groups},
+                    planned, layout)  # fmt: skip
+    with pytest.raises(ValueError, match=r"traced rank 3: its edp group \[0, 2, 4, 6\] \(4 ranks\) should hold 4"):
+        check_trace({"rank": 3, "measured": dict(good), "padding_elements": 0,
+                     "groups": {**groups, "edp": [0, 2, 4, 6]}}, planned, layout)  # fmt: skip
+    for ranks, message in [("0,99999", "rank 99999 is outside the world of 12 ranks (0 to 11, or -1 to -12)"),
+                           ("first", "--ranks ('first') must be comma-separated integers")]:  # fmt: skip
+        assert mula(["plan", "mula-1b", "--trace", "--ranks", ranks]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
