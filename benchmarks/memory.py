@@ -32,7 +32,10 @@ rank; ``zero_topo`` = its 3-level layout with 2 ranks per GPU and per node (weig
 optimizer over all); ``zero3_ep`` / ``zero_topo_ep`` = the same with expert parallelism inside (EP = 2: each rank keeps
 half the experts, sharded over their 2 replicas by the same levels; MoE only); ``epso`` = ``FabricEPSOStrategy``
 (EP = 2 for the MoE, 1 for the dense model). ``to-step`` is the rise from before the model is built to the end of the
-first optimizer step (its moments allocated): the most a rank needs to start training.
+first optimizer step (its moments allocated): the most a rank needs to start training. ``step 2 MB`` is the rise from
+the same point to the end of a second step (the moments exist during its forward and backward: a step's steady-state
+peak), beside ``mula plan``'s memory for the rank (``plan MB``: weights, gradients, master, moments, the activations
+of the 64-token sequence, communication buffers; :func:`planned_bytes`) and their ratio.
 """
 
 from __future__ import annotations
@@ -123,6 +126,8 @@ def _phases(fabric, config, path: str, two_call: bool = False) -> dict:
     from mula_lightning.models import MulaForCausalLM
 
     out: dict[str, int] = {}
+    steady = PhaseSampler()  # from before the model exists to the end of a second step (the moments exist then)
+    steady.__enter__()
     with PhaseSampler() as to_step:  # from before the model exists to after the first step's allocations
         with fabric.init_module(empty_init=True):
             net = MulaForCausalLM(config)
@@ -142,6 +147,11 @@ def _phases(fabric, config, path: str, two_call: bool = False) -> dict:
             optimizer.zero_grad()
         out["step"] = phase.rise
     out["to-step"] = to_step.rise
+    fabric.backward(net(tokens, labels=tokens).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    steady.__exit__(None, None, None)
+    out["steady"] = steady.rise
     fabric.barrier()
     state = {"model": net, "optimizer": optimizer}
     with PhaseSampler() as phase:
@@ -308,6 +318,25 @@ def export_table(models: list[str], world: int) -> None:
         )
 
 
+def planned_bytes(layout: str, model: str, world: int, precision: str) -> int:
+    """``mula plan``'s memory for the worst rank of this run (weights, gradients, master, moments, the activations of
+    its one 64-token sequence, communication buffers; no reserve): what a step's peak should come to."""
+    from mula_lightning.plan import Cluster, Layout, Training, plan_layout
+    from mula_lightning.plan.clusters import GB
+
+    ep = 2 if (layout.endswith("_ep") or (layout == "epso" and model == "moe" and world > 1)) else 1
+    if layout.startswith("zero3"):
+        plan = Layout(world, "zero_topo", ep, zero_sizes=(world, world, world, 0), ranks_per_node=world,
+                      precision=precision)  # fmt: skip
+    elif layout.startswith("zero_topo"):
+        plan = Layout(world, "zero_topo", ep, ranks_per_node=2, ranks_per_gpu=2, precision=precision)
+    else:
+        plan = Layout(world, "epso", ep, precision=precision, ranks_per_node=world)
+    cluster = Cluster("cpu", plan.ranks_per_node, 10**6 * GB, plan.ranks_per_gpu, reserved_bytes=0)
+    result = plan_layout(_config(model), plan, cluster, Training(micro_batch_size=1, seq_len=64, micro_batches=1))
+    return result["memory_bytes"]["total"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[4])
@@ -335,7 +364,8 @@ def main() -> None:
         "CPU threads 1 per rank; ratios = largest rise over the ranks / full fp32 bytes"
     )
     columns = ("setup", "kept", "step", "to-step", "save", "load", "model-only")
-    print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>10}" for c in columns))
+    print(f"{'world':>5} {'model':>6} {'MB':>6} {'layout':>10} " + " ".join(f"{c:>10}" for c in columns)
+          + f" {'plan MB':>8} {'step 2 MB':>10} {'/ plan':>7}")  # fmt: skip
     for world in args.world:
         for model in args.models:
             for layout in args.layouts:
@@ -349,7 +379,10 @@ def main() -> None:
                     )  # fmt: skip
                 full = results[0]["full_bytes"]
                 ratios = " ".join(f"{max(r[c] for r in results) / full:>9.2f}x" for c in columns)
-                print(f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {ratios}", flush=True)
+                planned = planned_bytes(layout, model, world, args.precision)
+                steady = max(r["steady"] for r in results)
+                print(f"{world:>5} {model:>6} {full / 2**20:>6.0f} {layout:>10} {ratios} {planned / 2**20:>8.0f} "
+                      f"{steady / 2**20:>10.0f} {steady / planned:>6.2f}x", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

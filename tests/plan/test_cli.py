@@ -91,3 +91,13 @@ def test_the_shipped_recipes_fit_aurora_at_their_node_counts(capsys):
         (layout,) = result["layouts"]
         assert result["cluster"]["nodes"] == 256 and layout["ep"] == 12 and layout["fits"], (name, layout["reason"])
         assert {c["link"] for c in layout["collectives"] if c["tag"].startswith("moe.")} == {"intra_node"}
+
+
+def test_plot_draws_the_stages_and_names_a_bad_file(tmp_path, capsys):
+    """--plot FILE.png writes a PNG of the stages' stacked memory (its path in the JSON); a file that is no image
+    format is refused in one line."""
+    figure = tmp_path / "plots" / "220b.png"
+    result = _json(capsys, "mula-220b-a10b", "--nodes", "256", "--ep", "12", "--pp", "8", "--plot", str(figure))
+    assert result["plot"] == str(figure) and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mula(["plan", "mula-1b", "--plot", str(tmp_path / "memory.txt")]) == 1
+    assert "the figure is written as .png, .pdf or .svg" in capsys.readouterr().err

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp-virtual-stages", type=int, default=None, help="stages per rank (interleaved_1f1b)")
     parser.add_argument("--mode", choices=EPSO_MODES, default=None, help="epso's sharded_optimizer")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None)
+    for size in ZERO_SIZES:
+        parser.add_argument(
+            f"--{size.replace('_', '-')}", type=int, default=None, help=f"zero_topo's {size} (0: default)"
+        )
+    parser.add_argument("--quantize-weights", action="store_true", default=None, help="zero_topo: INT8 weight gathers")
+    parser.add_argument("--quantize-grads", action="store_true", default=None, help="zero_topo: INT4 gradients")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank per step or forward")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
     parser.add_argument("--accumulate", type=int, default=None, help="accumulate_grad_batches (without PP)")
@@ -67,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--search", action="store_true", help="plan every layout, rank those that fit by step time")
     parser.add_argument("--trace", action="store_true", help="run the real set-up for --ranks under a fake group")
     parser.add_argument("--ranks", default="0,-1", help="--trace: ranks to trace, negative from the end (0,-1)")
+    parser.add_argument("--plot", default=None, help="write stacked memory bars per stage (or layout) to FILE.png")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -187,12 +194,15 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         pp=pp,
         mode=given("mode", "ep_aware"),
         precision=given("precision", "bf16-true"),
-        zero_sizes=fit.get("zero_sizes", (0, 0, 0, 0)),
+        zero_sizes=tuple(
+            value if (value := getattr(args, size)) is not None else default
+            for size, default in zip(ZERO_SIZES, fit.get("zero_sizes", (0, 0, 0, 0)))
+        ),
         ranks_per_node=cluster.devices_per_node,
         ranks_per_gpu=cluster.devices_per_gpu,
         tp=int(given("tp", 1)),
         etp=int(given("etp", 1)),
-        extra=fit.get("extra", {}),
+        extra={**fit.get("extra", {}), **{k: True for k in ("quantize_weights", "quantize_grads") if getattr(args, k)}},
     )
     layout.check(config)
     if args.dp is not None and args.dp != layout.dp:
@@ -336,6 +346,14 @@ def _traced_lines(traced: dict[str, Any], layout: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    result = plan(list(argv or []))
-    print(json.dumps(result, indent=1) if "--json" in (argv or []) else _table(result))
+    argv = list(argv or [])
+    result = plan(argv)
+    figure = build_parser().parse_args(argv).plot
+    if figure:
+        from mula_lightning.plan.plot import plot_memory
+
+        result["plot"] = str(plot_memory(result, figure))
+    print(json.dumps(result, indent=1) if "--json" in argv else _table(result))
+    if figure and "--json" not in argv:
+        print(f"\nmemory per rank drawn in {result['plot']}")
     return 0

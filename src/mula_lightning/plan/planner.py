@@ -10,8 +10,10 @@ Communication buffers (stated, not measured: they live between a bucket's launch
 * ``epso``: the gradient reduction's output shards (``owned x reduce bytes``) and, when gradients travel in another
   dtype than their float32 buffers (``reduce_dtype=bfloat16``), the cast copy of every bucket, all launched before
   the step waits for them (``local elements x 2``);
-* ``zero_topo``: the gathered weights and float32 gradients of the root unit (embedding and head) and of two layers
-  (the one computing and the one prefetched).
+* ``zero_topo``: the gathered units at the larger of two moments of backward: the head's (the root unit, embedding
+  and head, gathered with its float32 gradient, the last layer prefetched) and a layer's (the root's float32 gradient,
+  which accumulates until the embedding's arrives, the layer and the previous one gathered, the layer's float32
+  gradient).
 
 The reserved memory (:attr:`~mula_lightning.plan.clusters.Cluster.reserved_bytes`: the runtime's context, the
 collective library's own buffers, the allocator's fragmentation) is subtracted from the device before "fits".
@@ -85,7 +87,10 @@ def _buffers(config: MulaConfig, layout: Layout, states: dict[str, int], stage: 
     layers = layer_counts(config)
     layer = max(c.non_expert + c.expert // layout.ep for c in layers)
     root = stage.non_expert - sum(c.non_expert for c in layers)
-    return (root + 2 * layer) * (param_bytes + 4)
+    # the head's backward: the root unit gathered with its float32 gradient, the last layer prefetched; a layer's
+    # backward: the root's gradient (accumulating until the embedding's arrives), that layer and the previous
+    # (prefetched) gathered, that layer's float32 gradient
+    return max(root * (param_bytes + 4) + layer * param_bytes, root * 4 + layer * (2 * param_bytes + 4))
 
 
 def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: Training,

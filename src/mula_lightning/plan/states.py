@@ -14,8 +14,9 @@ expert elements of the stage's layers (the first stage adds the embedding, the l
 
 ``zero_topo`` (:mod:`~mula_lightning.parallel.zero.engine`), the dense family over every rank with the layout's
 ``w, s, g, o``, each expert slice (``P_e / EP``) over its edp ranks with :func:`~mula_lightning.parallel.zero.layout.
-expert_layout`'s sizes: weights ``P / w`` (plus a secondary copy ``P / s`` where ``s != w``), gradients ``P / g`` in
-float32, moments (and master) over ``P / o``.
+expert_layout`'s sizes: weights ``P / w`` (plus a secondary copy ``P / s``: INT8 with a float32 scale per block when
+weights travel quantized, else in the weights' dtype where ``s != w``), gradients ``P / g`` in float32, moments (and
+master) over ``P / o``.
 
 Tensor and expert-tensor parallelism are not planned yet (refused by name).
 """
@@ -96,6 +97,17 @@ class Layout:
     def zero_layout(self) -> ZeroTopoLayout:
         w, g, o, s = self.zero_sizes
         return ZeroTopoLayout(self.world_size, self.ranks_per_node, self.ranks_per_gpu, w, g, o, s)
+
+
+def _secondary_bytes(numel: float, lay: ZeroTopoLayout, layout: Layout, param_bytes: int) -> float:
+    """The secondary weight copy of ``numel`` elements (kept from forward for backward): quantized (``bits`` per
+    element and a float32 scale per block) when weights travel quantized over a group of several ranks, else a plain
+    copy where the secondary group differs from the weight group, else none (the primary is gathered again)."""
+    w, s = lay.weight_size, lay.secondary_size
+    if layout.extra.get("quantize_weights") and s > 1 and w > 1:
+        chunk = numel / s
+        return chunk * layout.extra.get("weight_bits", 8) / 8 + 4 * chunk / layout.extra.get("block_size", 256)
+    return numel / s * param_bytes if s != w else 0.0
 
 
 @dataclass(frozen=True)
@@ -191,8 +203,7 @@ def state_bytes(config: MulaConfig, layout: Layout) -> list[dict[str, int]]:
             dense, experts = layout.zero_layout(), expert_layout(layout.zero_layout(), layout.ep)
             slices = ((stage.non_expert, dense), (stage.expert / layout.ep, experts))
             weights = sum(n / lay.weight_size * param_bytes for n, lay in slices)
-            second = [(n, lay) for n, lay in slices if lay.secondary_size != lay.weight_size]  # a secondary copy
-            weights += sum(n / lay.secondary_size * param_bytes for n, lay in second)
+            weights += sum(_secondary_bytes(n, lay, layout, param_bytes) for n, lay in slices)
             gradients = sum(n / lay.grad_size * 4 for n, lay in slices)
             owned = sum(n / lay.optimizer_size for n, lay in slices)
         row = {
