@@ -9,8 +9,10 @@ Run: ``.venv/bin/python benchmarks/plan_trace.py`` (about a minute). Layouts:
   paper's largest run), ranks 0, 200 and 383.
 
 Each row: the rank's stage, bytes held by the real objects against the plan per state kind (GB), the flat buffers'
-padding, group sizes, the checkpoint file and bytes it writes (``epso``), seconds and the process's peak resident
-memory. ``mula plan`` exits 1 where the objects and the plan disagree, so a printed table is an agreement.
+padding, group sizes (``zero_topo``: the engine's weight / secondary / gradient / cross-node / post-step groups of
+the dense family and of the expert slices), the checkpoint file and bytes it writes (``epso``), seconds and the
+process's peak resident memory. ``mula plan`` exits 1 where the objects and the plan disagree, so a printed table is
+an agreement.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def main() -> int:
             planned = layout["stages"][t["stage"]]
             kinds = " ".join(f"{t['memory_bytes'][k] / 1e9:>6.3f}/{planned[k] / 1e9:<6.3f}" for k in
                              ("weights", "gradients", "master", "moments"))  # fmt: skip
-            groups = ", ".join(f"{k} {len(v)}" for k, v in t["groups"].items())
+            families: dict[str, list[str]] = {}
+            for key, members in t["groups"].items():  # zero_topo's "family.kind": sizes per family, in kind order
+                family, _, kind = key.rpartition(".")
+                families.setdefault(family, []).append(str(len(members)) if family else f"{kind} {len(members)}")
+            groups = ", ".join(f"{f} {'/'.join(v)}" if f else ", ".join(v) for f, v in families.items())
             files = "not traced" if t["checkpoint_files"] is None else (
                 f"{','.join(t['checkpoint_files'])} {t['checkpoint_bytes'] / 1e9:.2f} GB")  # fmt: skip
             print(f"{t['rank']:>6} {t['stage']:>5}  {kinds}  {t['padding_elements']:>8}  {groups:<40} {files:<28} "

@@ -44,11 +44,15 @@ def test_epso_pipeline_and_experts_at_192_ranks(capsys):
 
 def test_zero_topo_three_levels_with_experts(capsys):
     """mula-7b-a1b with zero_topo and EP 8 on 4 Frontier nodes (32 GCDs): the traced engine holds the planned
-    weights, gradients and optimizer states of its three levels (up to the units' padding), and its weight group is
-    its GPU's 2 GCDs, its gradient group its node."""
+    weights, gradients and optimizer states of its three levels (up to the units' padding); the engine's own groups:
+    its dense weight group is its GPU's 2 GCDs, its gradient group its node, and its expert slice (EP 8 = a node) is
+    not sharded inside the node, its gradient shard all-reduced over the slice's replica on each of the 4 nodes."""
     layout, (t,) = _traced(capsys, "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--strategy", "zero_topo",
                            "--ep", "8", "--ranks", "-3")  # fmt: skip
-    assert t["rank"] == 29 and t["groups"]["weight"] == [28, 29] and t["groups"]["grad"] == list(range(24, 32))
+    assert (
+        t["rank"] == 29 and t["groups"]["dense.weight"] == [28, 29] and t["groups"]["dense.grad"] == list(range(24, 32))
+    )
+    assert t["groups"]["expert.grad_cross"] == [5, 13, 21, 29] and t["groups"]["expert.weight"] == [29]  # one per GPU
     assert t["memory_bytes"]["weights"] == pytest.approx(layout["stages"][0]["weights"], abs=t["padding_elements"] * 2)
     assert t["peak_resident_bytes"] < 4 * GB
 

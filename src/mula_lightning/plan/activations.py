@@ -199,12 +199,16 @@ def saved_tensor_bytes(params: Any = ()) -> Iterator[dict[str, int]]:
     """
     seen: set[int] = set()
     result = {"bytes": 0}
-    fixed = None if callable(params) else {p.untyped_storage().data_ptr() for p in params}
+
+    def storage_of(t: torch.Tensor) -> Any:  # a DTensor's bytes are its local shard's
+        return getattr(t, "_local_tensor", t).untyped_storage()
+
+    fixed = None if callable(params) else {storage_of(p).data_ptr() for p in params}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         key = storage.data_ptr()
-        excluded = fixed if fixed is not None else {p.untyped_storage().data_ptr() for p in params()}
+        excluded = fixed if fixed is not None else {storage_of(p).data_ptr() for p in params()}
         if key not in excluded and key not in seen and storage.nbytes():
             seen.add(key)
             result["bytes"] += storage.nbytes()

@@ -175,9 +175,8 @@ def _trace_zero_topo(model: Any, spec: dict[str, Any], rank: int) -> dict[str, A
     master = sum(u.master.numel() * u.master.element_size() for u in engine.units if not u.master_is_primary)
     measured = {"weights": held["weights"] + held["secondary"], "gradients": held["grads"], "master": master,
                 "moments": held["optimizer"] - master}  # fmt: skip
-    layout = settings.layout(world)
-    groups = {kind: fn(rank) for kind, fn in (("weight", layout.weight_ranks), ("grad", layout.grad_ranks),
-              ("grad_cross", layout.grad_cross_ranks), ("post_step", layout.post_step_ranks))}  # fmt: skip
+    families = [engine.dense] + ([engine.experts] if engine.experts is not engine.dense else [])
+    groups = {f"{fam.name}.{kind}": _ranks(group, rank) for fam in families for kind, (group, *_) in fam.groups.items()}
     padding = sum(u.buf.numel - sum(slot.numel for slot in u.buf.slots) for u in engine.units)
     return {"measured": measured, "padding_elements": padding, "groups": groups, "checkpoint_files": None,
             "checkpoint_items": None, "checkpoint_bytes": None}  # fmt: skip
@@ -293,10 +292,14 @@ def check_trace(traced: dict[str, Any], planned: dict[str, Any], layout: Any) ->
             )
     if layout.strategy == "epso":
         sizes = {"ep": layout.ep, "edp": layout.dp, "stage": world // layout.pp, "pp": layout.pp}
-    else:
-        zero = layout.zero_layout()
-        sizes = {"weight": zero.weight_size, "grad": zero.grad_size, "grad_cross": world // zero.grad_size,
-                 "post_step": zero.optimizer_size // zero.weight_size}  # fmt: skip
+    else:  # the engine's own groups (one rank: no group, the rank alone), dense family and expert slices
+        from mula_lightning.parallel.zero.layout import expert_layout
+
+        sizes = {}
+        for name, lay in (("dense", layout.zero_layout()), ("expert", expert_layout(layout.zero_layout(), layout.ep))):
+            sizes.update({f"{name}.weight": lay.weight_size, f"{name}.secondary": lay.secondary_size,
+                          f"{name}.grad": lay.grad_size, f"{name}.grad_cross": lay.world_size // lay.grad_size,
+                          f"{name}.post_step": lay.optimizer_size // lay.weight_size})  # fmt: skip
     for name, members in traced["groups"].items():
         if rank not in members or len(members) != sizes[name] or not all(0 <= m < world for m in members):
             raise ValueError(
