@@ -332,7 +332,8 @@ def planned_bytes(layout: str, model: str, world: int, precision: str) -> int:
         plan = Layout(world, "zero_topo", ep, ranks_per_node=2, ranks_per_gpu=2, precision=precision)
     else:
         plan = Layout(world, "epso", ep, precision=precision, ranks_per_node=world)
-    cluster = Cluster("cpu", plan.ranks_per_node, 10**6 * GB, plan.ranks_per_gpu, reserved_bytes=0)
+    cluster = Cluster("cpu", plan.ranks_per_node, 10**6 * GB, plan.ranks_per_gpu, reserved_bytes=0,
+                      inplace_all_gather=False)  # gloo  # fmt: skip
     result = plan_layout(_config(model), plan, cluster, Training(micro_batch_size=1, seq_len=64, micro_batches=1))
     return result["memory_bytes"]["total"]
 

@@ -17,7 +17,8 @@ and one direction, to be replaced by a cluster file with measured ones):
 A YAML file gives the same fields: ``devices_per_node``, ``memory_gb`` (per device, 10^9 bytes), ``devices_per_gpu``
 (optional, default 1), ``reserved_gb`` (optional, default 4: see :class:`Cluster`), ``peak_tflops`` (bf16, per
 device), ``matmul_efficiency`` (default 0.5), ``bandwidth_gbps`` (a mapping ``gcd`` / ``intra_node`` /
-``inter_node`` -> GB/s per device; ``gcd`` only where ``devices_per_gpu > 1``) and ``name`` (optional).
+``inter_node`` -> GB/s per device; ``gcd`` only where ``devices_per_gpu > 1``), ``inplace_all_gather`` (default true;
+false for gloo) and ``name`` (optional).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Cluster:
         peak_flops: dense bf16 FLOP/s of one device.
         matmul_efficiency: the fraction of the peak that training's GEMMs are assumed to reach (stated: 0.5).
         bandwidths: bytes/s one device sends over each link level (``gcd``, ``intra_node``, ``inter_node``).
+        inplace_all_gather: the collective library gathers into the output from the rank's own chunk of it (NCCL,
+            oneCCL / XCCL); False for gloo, whose all-gathers hold a temporary of the whole output while in flight.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Cluster:
     peak_flops: float = 100e12
     matmul_efficiency: float = 0.5
     bandwidths: tuple[tuple[str, float], ...] = (("gcd", 100 * GB), ("intra_node", 50 * GB), ("inter_node", 10 * GB))
+    inplace_all_gather: bool = True
 
     def __post_init__(self) -> None:
         sizes = {"devices_per_node": self.devices_per_node, "devices_per_gpu": self.devices_per_gpu}
@@ -113,7 +117,7 @@ def load_cluster(spec: str) -> Cluster:
     if not isinstance(values, dict):
         raise ValueError(f"{path}: a cluster file holds a mapping of fields, got {type(values).__name__}")
     known = {"name", "devices_per_node", "memory_gb", "devices_per_gpu", "reserved_gb", "peak_tflops",
-             "matmul_efficiency", "bandwidth_gbps"}  # fmt: skip
+             "matmul_efficiency", "bandwidth_gbps", "inplace_all_gather"}  # fmt: skip
     unknown, missing = sorted(set(values) - known), sorted({"devices_per_node", "memory_gb"} - set(values))
     if unknown or missing:
         raise ValueError(f"{path}: unknown fields {unknown} / missing fields {missing}; a cluster has {sorted(known)}")
@@ -129,4 +133,5 @@ def load_cluster(spec: str) -> Cluster:
         peak_flops=float(values.get("peak_tflops", 100)) * 1e12,
         matmul_efficiency=float(values.get("matmul_efficiency", 0.5)),
         bandwidths=tuple((k, float(v) * GB) for k, v in links.items()),
+        inplace_all_gather=bool(values.get("inplace_all_gather", True)),
     )

@@ -5,15 +5,16 @@ Puts :mod:`~mula_lightning.plan.states` (model states), :mod:`~mula_lightning.pl
 keeps, times what the schedule holds) and :mod:`~mula_lightning.plan.comm` (the ledger's bytes) together with the
 communication buffers of the strategy and the cluster's reserved memory. ``mula plan`` prints what this returns.
 
-Communication buffers (stated, not measured: they live between a bucket's launch and the step):
+Communication buffers and the step's other transients (compared with a measured step in ``benchmarks/memory.py``):
 
-* ``epso``: the gradient reduction's output shards (``owned x reduce bytes``) and, when gradients travel in another
-  dtype than their float32 buffers (``reduce_dtype=bfloat16``), the cast copy of every bucket, all launched before
-  the step waits for them (``local elements x 2``);
-* ``zero_topo``: the gathered units at the larger of two moments of backward: the head's (the root unit, embedding
-  and head, gathered with its float32 gradient, the last layer prefetched) and a layer's (the root's float32 gradient,
-  which accumulates until the embedding's arrives, the layer and the previous one gathered, the layer's float32
-  gradient).
+* ``epso``: the larger of backward's (the gradient reduction's output shards, ``owned x reduce bytes``; when
+  gradients travel in another dtype than their float32 buffers, ``reduce_dtype=bfloat16``, the cast copy of every
+  bucket, all launched before the step waits for them; the largest parameter's whole gradient before its hook adds
+  it to the buffer) and the optimizer step's (nothing where the library gathers in place, else a temporary of every
+  bucket's gathered weights, all in flight together: gloo);
+* ``zero_topo``: the root unit (embedding, final norm, head) gathered from the model's forward to the end of its
+  backward with its float32 gradient, a layer and the previous one (prefetched) gathered with that layer's float32
+  gradient, and the largest parameter's whole gradient.
 
 The reserved memory (:attr:`~mula_lightning.plan.clusters.Cluster.reserved_bytes`: the runtime's context, the
 collective library's own buffers, the allocator's fragmentation) is subtracted from the device before "fits".
@@ -26,6 +27,7 @@ from typing import Any
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.parallel.hardware import HardwareTopology
+from mula_lightning.parallel.pipeline import stage_layer_ranges
 from mula_lightning.plan.activations import rank_layers, stage_activation_bytes
 from mula_lightning.plan.clusters import GB, Cluster
 from mula_lightning.plan.comm import REDUCE_BYTES, Batch, bytes_per_link, comm_bytes
@@ -77,20 +79,38 @@ class Training:
         return Batch(self.micro_batch_size, self.seq_len, self.micro_batches)
 
 
-def _buffers(config: MulaConfig, layout: Layout, states: dict[str, int], stage: Any, training: Training) -> int:
+def _largest_parameter(config: MulaConfig, layout: Layout, stage: int) -> int:
+    """Elements of the largest gradient a pipeline stage's backward holds whole for a moment before the hooks take it
+    into the flat buffers: the embedding's, the head's, or a layer's experts' (the grouped backward produces the
+    gate / up and down projections' gradients together)."""
+    h, counts = config.hidden_size, layer_counts(config)
+    layers = stage_layer_ranges(config.num_layers, layout.pp)[stage]
+    largest = config.vocab_size * h if stage in (0, layout.pp - 1) else 0
+    if any(counts[i].moe for i in layers):
+        largest = max(largest, config.num_experts // layout.ep * 3 * config.intermediate_size * h)
+    if any(not counts[i].moe for i in layers):
+        largest = max(largest, config.dense_width * h)
+    return largest
+
+
+def _buffers(config: MulaConfig, layout: Layout, cluster: Cluster, states: dict[str, int], stage: Any, index: int,
+             training: Training) -> int:  # fmt: skip
     param_bytes = PRECISIONS[layout.precision]
+    largest = _largest_parameter(config, layout, index) * param_bytes
     if layout.strategy == "epso":
         reduce = REDUCE_BYTES[training.reduce_dtype]
         owned = states["moments"] // 8
         local = stage.non_expert + stage.expert // layout.ep
-        return owned * reduce + (local * reduce if reduce != 4 else 0)
+        backward = owned * reduce + (local * reduce if reduce != 4 else 0) + largest
+        step = 0 if cluster.inplace_all_gather else local * param_bytes  # every bucket's gather in flight at once
+        return max(backward, step)
     layers = layer_counts(config)
     layer = max(c.non_expert + c.expert // layout.ep for c in layers)
     root = stage.non_expert - sum(c.non_expert for c in layers)
-    # the head's backward: the root unit gathered with its float32 gradient, the last layer prefetched; a layer's
-    # backward: the root's gradient (accumulating until the embedding's arrives), that layer and the previous
-    # (prefetched) gathered, that layer's float32 gradient
-    return max(root * (param_bytes + 4) + layer * param_bytes, root * 4 + layer * (2 * param_bytes + 4))
+    # in backward: the root unit (embedding, final norm, head) stays gathered from the model's forward to the end of
+    # its backward, its float32 gradient accumulating until the embedding's arrives; a layer and the previous one
+    # (prefetched) gathered, that layer's float32 gradient, and one parameter's whole gradient before its hook
+    return root * (param_bytes + 4) + layer * (2 * param_bytes + 4) + largest
 
 
 def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: Training,
@@ -114,7 +134,7 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
     for state, act, stage in zip(states, activations, stage_params(config, layout.pp)):
         row = {k: state[k] for k in ("weights", "gradients", "master", "moments")}
         row["activations"] = act["activations"]
-        row["buffers"] = _buffers(config, layout, state, stage, training)
+        row["buffers"] = _buffers(config, layout, cluster, state, stage, len(stages), training)
         row["total"] = sum(row.values())
         stages.append(row)
     layers = [rank_layers(config, layout.pp, training.virtual, rank) for rank in range(layout.pp)]
