@@ -45,7 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("mula_lightning.checkpoint.export:main", "any checkpoint (full or model-only) to a HF directory"),
     "launch": ("mula_lightning.launch.cli:main", "run a command on N nodes; relaunch it around failed nodes"),
     "checkpoint": ("mula_lightning.checkpoint.cli:main", "convert a checkpoint of the earlier pickled format: --trust"),
-    "plan": ("mula_lightning.plan.cli:main", "per-rank memory of a preset at a layout on a cluster, before launching"),
+    "plan": ("mula_lightning.plan.cli:main", "memory, bytes per link, step time of a layout; --search, --trace"),
 }
 
 

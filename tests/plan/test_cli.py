@@ -101,3 +101,30 @@ def test_plot_draws_the_stages_and_names_a_bad_file(tmp_path, capsys):
     assert result["plot"] == str(figure) and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert mula(["plan", "mula-1b", "--plot", str(tmp_path / "memory.txt")]) == 1
     assert "the figure is written as .png, .pdf or .svg" in capsys.readouterr().err
+
+
+def test_a_fit_config_starting_from_existing_weights(tmp_path, capsys):
+    """A mula fit YAML whose model comes from ``model.init_from`` (here a transformers OLMoE directory, config only:
+    no tensor is read) plans that model; a missing directory is named in one line."""
+    import transformers
+
+    hf = transformers.OlmoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    hf.save_pretrained(tmp_path / "olmoe")
+    fit = tmp_path / "fit.yaml"
+    fit.write_text(f"model:\n  init_from: {tmp_path / 'olmoe'}\ntrainer:\n  devices: 12\n  precision: 32-true\n")
+    result = _json(capsys, "--config", str(fit))
+    (layout,) = result["layouts"]
+    assert result["model"]["total_params"] > 0 and layout["precision"] == "32-true" and layout["fits"]
+    fit.write_text(f"model:\n  init_from: {tmp_path / 'missing'}\n")
+    assert mula(["plan", "--config", str(fit)]) == 1
+    err = capsys.readouterr().err
+    assert "model.init_from" in err and "gives no model config" in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,5 @@
-"""``mula plan``: what one rank holds of a model's training state at a layout, before anything is launched.
+"""``mula plan``: before a launch, what each rank of a layout holds and sends, how long a step takes, which layout is
+fastest, and a dry run of the real set-up at the full world size.
 
     mula plan mula-220b-a10b --cluster aurora --nodes 1024 --ep 12 --pp 8
     mula plan mula-20b-a2b --cluster aurora --nodes 256 --ep 12 --json
@@ -105,6 +106,7 @@ def _from_fit_config(path: str) -> dict[str, Any]:
     class_path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy)
     out: dict[str, Any] = {
         "model": model.get("model"),
+        "init_from": model.get("init_from"),
         "overrides": {k: v for k, v in model.items() if k == "vocab_size" and v is not None}
         | (model.get("model_overrides") or {}),
         "strategy": "zero_topo" if "ZeroTopo" in class_path or class_path == "zero_topo" else "epso",
@@ -133,6 +135,16 @@ def _from_fit_config(path: str) -> dict[str, Any]:
     return out
 
 
+def _init_from_config(path: str, config_file: str) -> Any:
+    """The MulaConfig of a fit config's ``model.init_from`` (read, not a tensor loaded), or one line naming it."""
+    from mula_lightning.checkpoint.init_source import init_source_config
+
+    try:
+        return init_source_config(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"--config {config_file}: model.init_from {path} gives no model config ({error})") from None
+
+
 def plan(argv: Sequence[str]) -> dict[str, Any]:
     """The plan as a dictionary (the JSON ``mula plan --json`` prints)."""
     from mula_lightning.models import MulaConfig
@@ -140,9 +152,12 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     args = build_parser().parse_args(list(argv))
     fit = _from_fit_config(args.config) if args.config else {}
     name = args.model or fit.get("model")
-    if not name:
+    if not name and fit.get("init_from"):  # the model of the weights the run starts from (mula upcycle, HF, DCP)
+        config = _init_from_config(fit["init_from"], args.config)
+    elif not name:
         raise ValueError("mula plan needs a preset (mula plan mula-7b-a1b ...) or --config FIT.yaml")
-    config = MulaConfig.from_name(name, **fit.get("overrides", {})) if isinstance(name, str) else MulaConfig(**name)
+    else:
+        config = MulaConfig.from_name(name, **fit.get("overrides", {})) if isinstance(name, str) else MulaConfig(**name)
     cluster = load_cluster(args.cluster)
 
     def given(key: str, default: Any) -> Any:  # the flag, else the config's, else the default
