@@ -28,6 +28,12 @@ def _recompute(value) -> str:
     return "+".join(value) if isinstance(value, list) else (value or "none")
 
 
+def _sizes(p: dict) -> str:
+    """``DP x EP (x ETP) x PP``, and the dense layers' ``TP`` (with sequence parallelism) where there is one."""
+    out = f"DP {p['dp']} x EP {p['ep']}" + (f" x ETP {p['etp']}" if p["etp"] > 1 else "") + f" x PP {p['pp']}"
+    return out + (f" x TP {p['tp']}" + (" SP" if p["sp"] else "") if p["tp"] > 1 else "")
+
+
 def tables() -> str:
     """The markdown block (without the markers)."""
     sys.path.insert(0, str(ROOT / "src"))
@@ -47,7 +53,7 @@ def tables() -> str:
         config = str(ROOT / "examples" / "configs" / f"{recipe}.yaml")
         (p,) = plan(["--config", config])["layouts"]
         m = p["memory_bytes"]
-        layout = f"{p['strategy']} {p['mode'] or ''} DP {p['dp']} x EP {p['ep']} x PP {p['pp']}".replace("  ", " ")
+        layout = f"{p['strategy']} {p['mode'] or ''} {_sizes(p)}".replace("  ", " ")
         lines.append(
             f"| {recipe} | {layout} | {_recompute(p['activation_checkpointing'])} | {_gb(m['weights'])} | "
             f"{_gb(m['gradients'])} | {_gb(m['master'])} | {_gb(m['moments'])} | {_gb(m['activations'])} | "
@@ -58,7 +64,7 @@ def tables() -> str:
         for rank, q in enumerate(found["layouts"][:3]):
             name = f"{q['strategy']} {q['mode'] or ''}".strip()
             searched.append(
-                f"| {recipe if rank == 0 else ''} | {rank + 1} | {name} DP {q['dp']} x EP {q['ep']} x PP {q['pp']} | "
+                f"| {recipe if rank == 0 else ''} | {rank + 1} | {name} {_sizes(q)} | "
                 f"{_recompute(q['activation_checkpointing'])} | {_gb(q['memory_bytes']['total'])} | "
                 f"{q['step_time_s']:.2f} | {100 * q['mfu']:.1f}% |"
             )

@@ -73,9 +73,13 @@ def test_a_cluster_file_and_bad_input(tmp_path, capsys):
         ([], "needs a preset"),
         (["mula-1b", "--nodes", "0"], "--nodes (0) must be at least 1"),
         (["mula-1b", "--ep", "2"], "ep (2) > 1 needs an MoE model; mula-1b is dense"),
-        (["mula-7b-a1b", "--ep", "4", "--dp", "4"], "--dp (4) must be the world size / (pp x ep) = 12 / (1 x 4) = 3"),
+        (["mula-7b-a1b", "--ep", "4", "--dp", "4"], "--dp (4) must be the world size / (pp x ep x etp) = 12"),
         (["mula-7b-a1b", "--activation-checkpointing", "moe,ffn"], "'ffn'"),
-        (["mula-1b", "--sp", "2"], "does not model sequence parallelism yet (sp 2)"),
+        (["mula-1b", "--sp", "2"], "--sp (2) must be 1 (off) or the tensor-parallel degree --tp (1)"),
+        (["mula-1b", "--tp", "3"], "tp_size (3) must divide num_heads (16), num_kv_heads (16), intermediate_size"),
+        (["mula-1b", "--tp", "5"], "pp (1) x tp (5) must divide the world size (12)"),
+        (["mula-7b-a1b", "--tp", "2", "--sp", "2", "--seq-len", "2049"], "the sequence length (2049) must be"),
+        (["mula-7b-a1b", "--etp", "2", "--dispatcher", "alltoall"], "etp (2) > 1 needs the all-gather dispatcher"),
         (["--config", "missing.yaml"], "--config missing.yaml: no such file"),
     ]:
         assert mula(["plan", *args]) == 1

@@ -7,7 +7,13 @@ pairs are the plan's balanced ones), one optimizer step of 2 micro-batches:
 * ``epso`` DP 2 x EP 2: ``ep_aware`` with the all-gather dispatcher and bf16 gradient reduction; ``dp`` with the
   all-to-all dispatcher and the expert blocks recomputed; ``none`` with whole layers recomputed;
 * ``epso`` PP 2 x EP 2 (1F1B, 2 micro-batches): each stage's ranks against the plan of their stage;
-* ``zero_topo`` with EP 2 (weights on 1 rank, gradients over the node, optimizer states over all 4).
+* ``zero_topo`` with EP 2 (weights on 1 rank, gradients over the node, optimizer states over all 4);
+* tensor parallelism folded over the same ranks (DTensor's collectives recorded): TP 2 x EP 2; TP 2 with sequence
+  parallelism, the all-to-all dispatcher, ``none`` and attention and MLPs recomputed in float32; ETP 2 x EP 2; TP 2
+  with SP x ETP 2 with the expert blocks recomputed; TP 2 with SP x EP 2 with whole layers recomputed; PP 2 x TP 2
+  x EP 2.
+
+The bytes one micro-batch keeps for backward equal the plan's too (every case without pipelining).
 
 Every (tag, op, level) the ledger holds is in the plan with the same calls and bytes, and the plan holds nothing
 the ledger lacks except the pipeline's point-to-point sends (``ledger=False``).
@@ -21,7 +27,7 @@ from lightning.fabric import Fabric
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.parallel.hardware import HardwareTopology
-from mula_lightning.parallel.ledger import CommLedger
+from mula_lightning.parallel.ledger import CommLedger, record_functional_collectives
 from mula_lightning.plan import Layout
 from mula_lightning.plan.activations import saved_tensor_bytes, stage_activation_bytes
 from mula_lightning.plan.comm import Batch, bytes_per_link, comm_bytes
@@ -53,6 +59,35 @@ CASES = {  # name: strategy, its arguments, precision
         "bf16-true",
     ),  # fmt: skip
     "zero_topo ep2": ("zero_topo", dict(ep_size=2, ranks_per_node=2, ranks_per_gpu=1, block_size=4), "bf16-true"),
+    "epso tp2 ep2": ("epso", dict(tp_size=2, ep_size=2), "bf16-true"),
+    "epso tp2 sp ep2 alltoall none attention-recompute": (
+        "epso",
+        dict(
+            tp_size=2,
+            sequence_parallel=True,
+            ep_size=2,
+            dispatcher="alltoall",
+            sharded_optimizer="none",
+            activation_checkpointing=["attention", "mlp"],
+        ),
+        "32-true",
+    ),  # fmt: skip
+    "epso etp2 ep2": ("epso", dict(etp_size=2, ep_size=2), "bf16-true"),
+    "epso tp2 sp etp2 moe-recompute": (
+        "epso",
+        dict(tp_size=2, sequence_parallel=True, etp_size=2, activation_checkpointing=["moe"]),
+        "bf16-true",
+    ),  # fmt: skip
+    "epso tp2 sp full-recompute": (
+        "epso",
+        dict(tp_size=2, sequence_parallel=True, ep_size=2, activation_checkpointing="full"),
+        "bf16-true",
+    ),  # fmt: skip
+    "epso tp2 pp2 ep2": (
+        "epso",
+        dict(tp_size=2, ep_size=2, pp_size=2, pp_schedule="1f1b", pp_microbatches=ACCUM),
+        "bf16-true",
+    ),  # fmt: skip
 }
 
 
@@ -76,10 +111,11 @@ def _record(rank, world_size, name):
     with fabric.init_module(empty_init=True):
         model = MulaForCausalLM(_config())
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    x = torch.randint(0, V, (MICRO * ACCUM, T), generator=torch.Generator().manual_seed(rank))
+    tp = kwargs.get("tp_size", 1)  # the ranks of a tp group read one batch
+    x = torch.randint(0, V, (MICRO * ACCUM, T), generator=torch.Generator().manual_seed(rank // tp))
     ledger = CommLedger()
     for step in range(2):  # the second step is recorded: the pipeline's first infers its shapes with a forward
-        with ledger if step else contextlib.nullcontext():
+        with ledger if step else contextlib.nullcontext(), record_functional_collectives():
             if kind == "epso" and strategy.pp_size > 1:
                 strategy.pipeline_step(x, x)
             else:
@@ -106,8 +142,10 @@ def _record(rank, world_size, name):
 def _plan(name):
     kind, kwargs, precision = CASES[name]
     pp = kwargs.get("pp_size", 1)
-    layout = Layout(4, strategy=kind, ep=2, pp=pp, mode=kwargs.get("sharded_optimizer", "ep_aware"),
-                    precision=precision, ranks_per_node=2, ranks_per_gpu=1,
+    layout = Layout(4, strategy=kind, ep=kwargs.get("ep_size", 1), pp=pp,
+                    mode=kwargs.get("sharded_optimizer", "ep_aware"), precision=precision, ranks_per_node=2,
+                    ranks_per_gpu=1, tp=kwargs.get("tp_size", 1), etp=kwargs.get("etp_size", 1),
+                    sp=kwargs.get("sequence_parallel", False),
                     extra={"block_size": kwargs.get("block_size", 256)})  # fmt: skip
     batch = Batch(MICRO, T, ACCUM)  # with PP too: the schedule cuts the rank's 4 sequences into ACCUM micro-batches
     reduce = "bfloat16" if kwargs.get("reduce_dtype") is torch.bfloat16 else "float32"
@@ -123,8 +161,9 @@ def test_planned_collectives_equal_the_ledger_on_every_rank(name):
     stage_size = 4 // len(stages)
     kind, kwargs, precision = CASES[name]
     (activations, *_) = stage_activation_bytes(
-        _config(), 1, MICRO, T, ACCUM, PRECISIONS[precision], 2, kwargs.get("dispatcher", "allgather"),
-        kwargs.get("activation_checkpointing"),
+        _config(), 1, MICRO, T, ACCUM, PRECISIONS[precision], kwargs.get("ep_size", 1),
+        kwargs.get("dispatcher", "allgather"), kwargs.get("activation_checkpointing"), tp=kwargs.get("tp_size", 1),
+        sequence_parallel=kwargs.get("sequence_parallel", False), etp=kwargs.get("etp_size", 1),
     )  # fmt: skip
     for rank, (got, saved) in enumerate(run_pooled_test(_record, 4, name=name, ranks_per_node=2, timeout=300)):
         assert saved is None or saved == activations["per_micro_batch"], (name, rank, saved, activations)

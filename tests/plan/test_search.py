@@ -43,8 +43,9 @@ def test_every_table_1_preset_has_layouts_that_fit_aurora_and_the_papers_is_one(
 
 def test_candidates_divide_and_the_command_line(capsys):
     """Every candidate's sizes divide (pp the layers and the world, ep the experts and a stage; zero_topo without
-    pipelining and with EP inside a node); --search prints the 10 fastest and JSON lists all, each with the stable
-    keys."""
+    pipelining and with EP inside a node; tp the node's devices and the heads, ep_aware with sequence parallelism);
+    --search prints the 10 fastest and JSON lists all, each with the stable keys; a global batch is only split into
+    whole batches (33 sequences: over 1, 3 or 11 distinct batches)."""
     config = MulaConfig.from_name("mula-7b-a1b")
     cluster = CLUSTERS["frontier"]
     layouts = list(candidates(config, cluster, 4))
@@ -52,6 +53,8 @@ def test_candidates_divide_and_the_command_line(capsys):
     for lay in layouts:
         assert config.num_layers % lay.pp == 0 and 32 % (lay.pp * lay.ep) == 0 and config.num_experts % lay.ep == 0
         assert lay.strategy == "epso" or (lay.pp == 1 and 8 % lay.ep == 0)
+        assert lay.tp == 1 or (8 % lay.tp == 0 and config.num_heads % lay.tp == 0 and lay.sp and lay.mode == "ep_aware")
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
     assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search"]) == 0
     out = capsys.readouterr().out
     assert "--search:" in out and out.count("\n  1 ") == 1 and "\n 10 " in out
@@ -62,7 +65,8 @@ def test_candidates_divide_and_the_command_line(capsys):
     for key in ("dp", "ep", "etp", "tp", "pp", "strategy", "fits", "reason", "memory_bytes", "comm_bytes",
                 "step_time_s", "tokens_per_s", "mfu"):  # fmt: skip
         assert key in result["layouts"][0]
-    assert (
-        mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search", "--global-batch", "33"]) == 0
-    )
-    assert "0 layouts fit" in capsys.readouterr().out  # 33 sequences divide into no layout's batches
+    assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search", "--global-batch", "33",
+                 "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert all(33 % (32 // (p["pp"] * p["tp"])) == 0 for p in result["layouts"])
+    assert any(r["reason"].startswith("the global batch (33) does not divide") for r in result["rejected"])

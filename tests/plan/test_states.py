@@ -15,6 +15,7 @@ import torch
 from lightning.fabric import Fabric
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM
+from mula_lightning.parallel.params import local_tensor
 from mula_lightning.plan import Layout, stage_params, state_bytes
 from mula_lightning.testing import run_pooled_test
 
@@ -63,11 +64,11 @@ def _config():
     )  # fmt: skip
 
 
-def _held(rank, world_size, strategy_name, mode):
+def _held(rank, world_size, strategy_name, mode, tp=1, etp=1):
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
     if strategy_name == "epso":
-        strategy = FabricEPSOStrategy(ep_size=2, sharded_optimizer=mode, bucket_numel=None)
+        strategy = FabricEPSOStrategy(ep_size=2, sharded_optimizer=mode, bucket_numel=None, tp_size=tp, etp_size=etp)
     else:
         strategy = FabricZeroTopoStrategy(ranks_per_node=2, ranks_per_gpu=2, ep_size=2, block_size=1)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="bf16-true")
@@ -84,23 +85,27 @@ def _held(rank, world_size, strategy_name, mode):
         return {"weights": held["weights"] + held["secondary"], "gradients": held["grads"],
                 "optimizer": held["optimizer"]}, units  # fmt: skip
     inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
     gradients = sum(b.grads.numel() * b.grads.element_size() for b in inner.buffers.values())
     return {"weights": weights, "gradients": gradients, "optimizer": inner.state_bytes()}, len(inner.buffers)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy_name, mode", [("epso", "none"), ("epso", "dp"), ("epso", "ep_aware"),
-                                                 ("zero_topo", None)])  # fmt: skip
-def test_planned_bytes_equal_what_the_strategy_holds(strategy_name, mode):
+@pytest.mark.parametrize("strategy_name, mode, tp, etp", [
+    ("epso", "none", 1, 1), ("epso", "dp", 1, 1), ("epso", "ep_aware", 1, 1), ("zero_topo", None, 1, 1),
+    ("epso", "ep_aware", 2, 1), ("epso", "none", 2, 1), ("epso", "ep_aware", 1, 2),
+])  # fmt: skip
+def test_planned_bytes_equal_what_the_strategy_holds(strategy_name, mode, tp, etp):
     """4 ranks (2 nodes x 2 GCDs), bf16-true, one step: every rank's weights, gradient buffers and optimizer state
     (moments and fp32 master) equal the plan's, up to the padding of each flat buffer (at most its shard group's
-    size less one element per buffer)."""
-    layout = Layout(4, strategy=strategy_name, ep=2, mode=mode or "ep_aware", ranks_per_node=2, ranks_per_gpu=2)
+    size less one element per buffer); with EP 2 and TP 2 (EPSO and replicated) or ETP 2 folded over the ranks."""
+    layout = Layout(4, strategy=strategy_name, ep=2, mode=mode or "ep_aware", ranks_per_node=2, ranks_per_gpu=2,
+                    tp=tp, etp=etp)  # fmt: skip
     (planned,) = state_bytes(_config(), layout)
     planned = {"weights": planned["weights"], "gradients": planned["gradients"],
                "optimizer": planned["master"] + planned["moments"]}  # fmt: skip
-    for held, buffers in run_pooled_test(_held, 4, strategy_name=strategy_name, mode=mode, timeout=300):
+    for held, buffers in run_pooled_test(_held, 4, strategy_name=strategy_name, mode=mode, tp=tp, etp=etp,
+                                         timeout=300):  # fmt: skip
         for kind, value in held.items():
             per_element = {"weights": 2, "gradients": 4, "optimizer": 12}[kind]
             slack = buffers * 3 * per_element * (2 if strategy_name == "zero_topo" else 1)  # padding, < 4 per buffer
@@ -108,14 +113,21 @@ def test_planned_bytes_equal_what_the_strategy_holds(strategy_name, mode):
 
 
 def test_layouts_that_cannot_run_are_named():
-    """Sizes that do not divide, an EP the experts do not split into, tensor parallelism (not planned yet), pipeline
-    stages under zero_topo, an EP group larger than a node: one ValueError each, naming the values."""
+    """Sizes that do not divide (pp x ep x etp, pp x tp, heads, intermediate size), an EP the experts do not split
+    into, sequence parallelism without TP, 'dp' mode with TP, tensor parallelism or pipeline stages under zero_topo,
+    an EP group larger than a node: one ValueError each, naming the values."""
     config = MulaConfig.from_name("mula-7b-a1b")
     cases = [
         (Layout(12, ep=5), r"pp \(1\) x ep \(5\) must divide the world size \(12\)"),
         (Layout(32, ep=16, pp=2), None),
         (Layout(40, ep=40), r"ep \(40\) must divide the experts of mula-7b-a1b \(64\)"),
-        (Layout(16, tp=2), r"does not model tensor or expert-tensor parallelism yet \(tp 2, etp 1\)"),
+        (Layout(16, tp=3), r"pp \(1\) x tp \(3\) must divide the world size \(16\)"),
+        (Layout(32, tp=32), r"tp_size \(32\) must divide num_heads \(16\), num_kv_heads \(16\)"),
+        (Layout(16, sp=True), r"sequence parallelism .* needs tp > 1"),
+        (Layout(16, tp=2, mode="dp"), r"sharded_optimizer='dp' does not run with tp \(2\) or etp \(1\)"),
+        (Layout(16, etp=3), r"pp \(1\) x ep \(1\) x etp \(3\) must divide the world size \(16\)"),
+        (Layout(48, ep=2, etp=3), r"etp \(3\) must divide the experts' intermediate_size \(1024\)"),
+        (Layout(16, strategy="zero_topo", tp=2, ranks_per_node=8), r"zero_topo has no tensor .* \(tp 2, etp 1\)"),
         (Layout(16, strategy="zero_topo", pp=2, ranks_per_node=8), r"zero_topo has no pipeline parallelism \(pp 2\)"),
         (Layout(16, strategy="zero_topo", ep=16, ranks_per_node=8), r"ep_size \(16\) must divide the ranks of a node"),
         (Layout(40, pp=5), r"num_layers \(16\) must be divisible by the pipeline stages \(5"),

@@ -42,6 +42,21 @@ def test_epso_pipeline_and_experts_at_192_ranks(capsys):
         assert t["peak_resident_bytes"] < 4 * GB
 
 
+def test_tensor_and_expert_tensor_parallelism_folded_at_96_ranks(capsys):
+    """mula-7b-a1b on 8 Aurora nodes, PP 2 x EP 4 x ETP 2 with TP 2 and sequence parallelism folded over the same
+    ranks, replicated optimizer: rank -1 holds the planned bytes (its tensor-parallel shards counted locally), its
+    tp group is its 2 neighbours, its dense layers' 24 replicas of a shard span the stage, its experts' block is its
+    8 consecutive ranks."""
+    layout, (t,) = _traced(capsys, "mula-7b-a1b", "--nodes", "8", "--ep", "4", "--etp", "2", "--tp", "2", "--sp", "2",
+                           "--pp", "2", "--mode", "none", "--ranks", "-1")  # fmt: skip
+    assert (t["rank"], t["stage"], layout["sp"], layout["dense_dp"], layout["dp"]) == (95, 1, True, 24, 6)
+    for kind in TRACED_KINDS:
+        assert abs(t["memory_bytes"][kind] - layout["stages"][1][kind]) <= t["padding_elements"] * 8, kind
+    assert t["groups"]["tp"] == [94, 95] and t["groups"]["expert"] == list(range(88, 96))
+    assert t["groups"]["dense_dp"] == list(range(49, 96, 2)) and len(t["groups"]["edp"]) == 6
+    assert t["peak_resident_bytes"] < 4 * GB
+
+
 def test_zero_topo_three_levels_with_experts(capsys):
     """mula-7b-a1b with zero_topo and EP 8 on 4 Frontier nodes (32 GCDs): the traced engine holds the planned
     weights, gradients and optimizer states of its three levels (up to the units' padding); the engine's own groups:

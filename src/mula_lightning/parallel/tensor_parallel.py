@@ -59,7 +59,8 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
     """
     sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "vocab_size": config.vocab_size}
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
-        sizes["intermediate_size"] = config.intermediate_size
+        dense = getattr(config, "dense_intermediate_size", None)  # the dense MLPs' width, when it is their own
+        sizes["dense_intermediate_size" if dense else "intermediate_size"] = dense or config.intermediate_size
     bad = [f"{k} ({v})" for k, v in sizes.items() if v % tp]
     if bad:
         raise ValueError(f"tp_size ({tp}) must divide {', '.join(bad)}")

@@ -17,6 +17,14 @@ rank, ``b`` bytes per element of the model's dtype, statistics in float32), meas
 * the embedding keeps the token ids; the final norm as above; the fused head and loss keep the input's gradient
   (``S H b``) and the head weight's (``V H``, float32 when the loss needs several chunks).
 
+Tensor parallelism (``tp``) divides what attention keeps per head (q, k, v, output, statistics, per-head or
+full-width q/k norms) and a dense MLP's four ``S F`` tensors by ``tp``; each keeps its whole ``S x H`` input (the
+replicated, or under sequence parallelism all-gathered, residual stream). The vocabulary-parallel loss keeps its
+float32 softmax slice (``S V / tp``), the LM head its input. Sequence parallelism divides the tokens of the norms,
+the residual stream and the MoE blocks by ``tp`` (each rank routes its part of the sequence). Expert tensor
+parallelism (``etp``) gathers over the ``EP x ETP`` ranks of a block: a rank's experts compute ``etp`` times the rows,
+each ``F / etp`` wide.
+
 Recomputation (``activation_checkpointing``): a recomputed region keeps its input only (``S H b``; ``"full"``: the
 layer's input), and its backward holds the region's whole set again for a moment (the ``transient``).
 
@@ -42,22 +50,23 @@ from mula_lightning.plan.states import layer_counts
 LOSS_CHUNK_ELEMENTS = 2**28
 
 
-def _norm(s: int, width: int, b: int) -> int:
-    """An RMSNorm over ``width``: its input in float32 (at least) and the inverse RMS; below float32 (the unfused
-    path) also the normalised input in the model's dtype, which the weight's product keeps."""
+def _norm(s: int, width: int, b: int, decomposed: bool = False) -> int:
+    """An RMSNorm over ``width``: its input in float32 (at least) and the inverse RMS; below float32, or
+    ``decomposed`` (a DTensor weight, or the full-width q/k norm over tensor-parallel heads: not the fused kernel),
+    also the normalised input in the model's dtype, which the weight's product keeps."""
     acc = max(b, 4)
-    return s * width * acc + s * acc + (s * width * b if b < 4 else 0)
+    return s * width * acc + s * acc + (s * width * b if b < 4 or decomposed else 0)
 
 
-def _attention(config: MulaConfig, s: int, b: int, norms_recomputed: bool = False) -> int:
-    q, kv = config.q_dim, config.kv_dim
-    out = s * config.hidden_size * b + s * (2 * q + 2 * kv) * b + 4 * s * config.num_heads  # in, q k v out, lse
+def _attention(config: MulaConfig, s: int, b: int, norms_recomputed: bool = False, tp: int = 1) -> int:
+    q, kv, heads, kv_heads = config.q_dim // tp, config.kv_dim // tp, config.num_heads // tp, config.num_kv_heads // tp
+    out = s * config.hidden_size * b + s * (2 * q + 2 * kv) * b + 4 * s * heads  # in, q k v out, lse
     if config.qk_norm and norms_recomputed:  # each keeps its input only
         out += s * (q + kv) * b
     elif config.qk_norm and config.qk_norm_per_head:  # a norm per head: one statistic per head and token
-        out += _norm(s * config.num_heads, config.head_dim, b) + _norm(s * config.num_kv_heads, config.head_dim, b)
+        out += _norm(s * heads, config.head_dim, b) + _norm(s * kv_heads, config.head_dim, b)
     elif config.qk_norm:
-        out += _norm(s, q, b) + _norm(s, kv, b)
+        out += _norm(s, q, b, tp > 1) + _norm(s, kv, b, tp > 1)
     return out
 
 
@@ -65,21 +74,23 @@ def _mlp(s: int, h: int, width: int, b: int) -> int:
     return s * h * b + 4 * s * width * b
 
 
-def _moe(config: MulaConfig, s: int, b: int, ep: int, dispatcher: str, imbalance: float) -> int:
-    h, e, k, f = config.hidden_size, config.num_experts, config.top_k, config.intermediate_size
-    rows, pairs = round(s * k * imbalance), s * k  # rows this rank's experts compute; pairs its tokens send
+def _moe(config: MulaConfig, s: int, b: int, ep: int, dispatcher: str, imbalance: float, etp: int = 1,
+         sequence_parallel: bool = False) -> int:  # fmt: skip
+    h, e, k, f = config.hidden_size, config.num_experts, config.top_k, config.intermediate_size // etp
+    group = ep * etp  # the ranks whose tokens a rank's experts read
+    rows, pairs = round(s * k * etp * imbalance), s * k  # rows this rank's experts compute; pairs its tokens send
     acc = max(b, 4)  # the router computes in float32 at least: its input (and below float32 its weight) copied
     out = s * h * acc + (e * h * acc if b < 4 else 0) + 2 * s * e * acc + pairs * 8 + acc * (s + e)
     out += rows * 2 * f * b + 4 * (e // ep)  # the experts' gate / up pre-activations, their row offsets
-    if ep == 1 or dispatcher == "allgather":  # the experts read every EP rank's tokens (the router's own in float32)
-        out += ep * s * h * b if ep > 1 or b < 4 else 0
-        out += ep * pairs * acc + rows * h * b  # the (gathered) routing weights, the expert outputs the combine reads
+    if group == 1 or dispatcher == "allgather":  # the experts read every rank's tokens (the router's own in float32)
+        out += group * s * h * b if group > 1 or b < 4 else 0
+        out += group * pairs * acc + rows * h * b  # the (gathered) routing weights, the expert outputs combined
     else:  # all-to-all: the rows received, the indices that route pairs and rows, the outputs back in float32
         out += rows * h * b + rows * 8 + 2 * pairs * 8 + pairs * acc + 2 * pairs * h * acc
     shared = layer_counts(config)[0].shared_width
     if shared:
         out += 4 * s * shared * b
-    return out
+    return out + (8 if sequence_parallel else 0)  # the sequence's token count, for the router's losses
 
 
 def layer_activation_bytes(
@@ -91,38 +102,52 @@ def layer_activation_bytes(
     dispatcher: str = "allgather",
     checkpointing: Any = None,
     imbalance: float = 1.0,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    etp: int = 1,
 ) -> tuple[int, int]:
-    """``(stored, transient)``: bytes one decoder layer keeps for backward per micro-batch of ``tokens`` tokens,
-    and the most its backward holds again at once (a recomputed region's whole set; 0 without recomputation)."""
+    """``(stored, transient)``: bytes one decoder layer keeps for backward per micro-batch of ``tokens`` tokens
+    (each ``tp`` rank's sequence, whole), and the most its backward holds again at once (a recomputed region's whole
+    set; 0 without recomputation)."""
     parts = parse_activation_checkpointing(checkpointing)
     s, h, b = tokens, config.hidden_size, param_bytes
-    norm = _norm(s, h, b)
+    local = s // tp if sequence_parallel else s  # the residual stream's tokens on this rank
+    norm = _norm(local, h, b, sequence_parallel)
     moe = layer_counts(config)[layer].moe
-    ffn = (_moe(config, s, b, ep, dispatcher, imbalance) if moe
-           else _mlp(s, h, config.dense_width, b))  # fmt: skip
+    ffn = (_moe(config, local, b, ep, dispatcher, imbalance, etp, sequence_parallel) if moe
+           else _mlp(s, h, config.dense_width // tp, b))  # fmt: skip
     parts = parts or ()
-    regions = {"norm": 2 * norm, "attention": _attention(config, s, b, "norm" in parts), "ffn": ffn}
+    regions = {"norm": 2 * norm, "attention": _attention(config, s, b, "norm" in parts, tp), "ffn": ffn}
     if parts == "full":
-        return s * h * b, sum(regions.values())
+        return local * h * b, sum(regions.values())
     recomputed = {"norm": "norm" in parts, "attention": "attention" in parts,
                   "ffn": ("moe" if moe else "mlp") in parts}  # fmt: skip
-    kept = {name: (2 * s * h * b if name == "norm" else s * h * b) if recomputed[name] else size
-            for name, size in regions.items()}  # fmt: skip
+    inputs = {"norm": 2 * local * h * b, "attention": s * h * b,  # attention's input gathered before the region
+              "ffn": (local if moe else s) * h * b}  # fmt: skip
+    kept = {name: inputs[name] if recomputed[name] else size for name, size in regions.items()}
     transient = max((regions[name] for name in regions if recomputed[name]), default=0)
     return sum(kept.values()), transient
 
 
 def head_activation_bytes(
-    config: MulaConfig, tokens: int, param_bytes: int, checkpointing: Any = None
-) -> tuple[int, int]:
+    config: MulaConfig, tokens: int, param_bytes: int, checkpointing: Any = None, tp: int = 1,
+    sequence_parallel: bool = False,
+) -> tuple[int, int]:  # fmt: skip
     """``(stored, transient)`` of the final norm, LM head and loss per micro-batch: the norm's as any, the gradients
     of the head's input and weight (the fused loss computes them in forward; the weight's in float32 when the
-    micro-batch needs several chunks of logits); one chunk of float32 logits in flight."""
+    micro-batch needs several chunks of logits); one chunk of float32 logits in flight. With tensor parallelism the
+    vocabulary-parallel loss instead: the head's input, the float32 softmax of this rank's vocabulary slice, the
+    targets' index (int64) and two masks, the count of tokens; its backward's gradient of the logits twice over."""
     h, v = config.hidden_size, config.vocab_size
+    parts = parse_activation_checkpointing(checkpointing) or ()
+    local = tokens // tp if sequence_parallel else tokens
+    norm = (local * h * param_bytes if parts != "full" and "norm" in parts
+            else _norm(local, h, param_bytes, sequence_parallel))  # fmt: skip
+    if tp > 1:
+        softmax = tokens * v // tp * 4
+        return norm + tokens * h * param_bytes + softmax + 10 * tokens + 8, 2 * softmax
     chunk = max(1, LOSS_CHUNK_ELEMENTS // v)
     weight_grad = v * h * (param_bytes if tokens <= chunk else max(param_bytes, 4))
-    parts = parse_activation_checkpointing(checkpointing) or ()
-    norm = tokens * h * param_bytes if parts != "full" and "norm" in parts else _norm(tokens, h, param_bytes)
     stored = norm + tokens * h * param_bytes + weight_grad
     return stored, min(tokens, chunk) * v * 4
 
@@ -157,6 +182,9 @@ def stage_activation_bytes(
     imbalance: float = 1.0,
     schedule: str = "1f1b",
     virtual: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    etp: int = 1,
 ) -> list[dict[str, int]]:
     """Per pipeline stage: ``per_micro_batch`` (stored bytes of its layers, RoPE tables, embedding ids and head
     included), ``in_flight`` (micro-batches held, :func:`micro_batches_in_flight`), ``transient`` and their
@@ -167,13 +195,13 @@ def stage_activation_bytes(
         stored = transient = 0
         for layer in rank_layers(config, pp, virtual, index):
             kept, again = layer_activation_bytes(config, layer, tokens, param_bytes, ep, dispatcher, checkpointing,
-                                                 imbalance)  # fmt: skip
+                                                 imbalance, tp, sequence_parallel, etp)  # fmt: skip
             stored, transient = stored + kept, max(transient, again)
         stored += 2 * seq_len * config.head_dim * param_bytes  # RoPE's cos and sin, once for all layers
         if index == 0:
             stored += tokens * 8  # the token ids the embedding's backward reads
         if index == pp - 1:
-            kept, again = head_activation_bytes(config, tokens, param_bytes, checkpointing)
+            kept, again = head_activation_bytes(config, tokens, param_bytes, checkpointing, tp, sequence_parallel)
             stored, transient = stored + kept, max(transient, again)
         per_chunk = stored // virtual
         held = micro_batches_in_flight(schedule, pp, index, micro_batches, virtual)
@@ -200,8 +228,9 @@ def saved_tensor_bytes(params: Any = ()) -> Iterator[dict[str, int]]:
     seen: set[int] = set()
     result = {"bytes": 0}
 
-    def storage_of(t: torch.Tensor) -> Any:  # a DTensor's bytes are its local shard's
-        return getattr(t, "_local_tensor", t).untyped_storage()
+    def storage_of(t: torch.Tensor) -> Any:  # a DTensor's bytes are its local shard's; a functional collective's
+        t = getattr(t, "_local_tensor", t)  # result not yet waited for (tensor parallelism's) wraps its buffer
+        return getattr(t, "elem", t).untyped_storage()
 
     fixed = None if callable(params) else {storage_of(p).data_ptr() for p in params}
 

@@ -45,11 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", default="aurora", help=f"{', '.join(sorted(CLUSTERS))} or a YAML file")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's, else 1)")
     parser.add_argument("--strategy", choices=("epso", "zero_topo"), default=None)
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (checked: world / (pp x ep))")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="replicas of an expert slice, the paper's DP of DP x EP (checked: world / (pp x ep x "
+                        "etp)); the dense layers' DP is world / (pp x tp)")  # fmt: skip
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree")
-    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel degree (not modelled yet)")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (not modelled yet)")
-    parser.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (not modelled yet)")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel degree (each expert cut)")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree of the dense layers (folded)")
+    parser.add_argument(
+        "--sp",
+        type=int,
+        default=None,
+        help="sequence parallelism: 1 (off) or the --tp degree (Megatron's, over the tp ranks)",
+    )
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages")
     parser.add_argument("--pp-schedule", choices=tuple(SCHEDULES), default=None)
     parser.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches the schedule cuts")
@@ -111,10 +118,20 @@ def _from_fit_config(path: str) -> dict[str, Any]:
         | (model.get("model_overrides") or {}),
         "strategy": "zero_topo" if "ZeroTopo" in class_path or class_path == "zero_topo" else "epso",
     }
-    renames = {"ep_size": "ep", "pp_size": "pp", "tp_size": "tp", "etp_size": "etp", "sharded_optimizer": "mode",
-               "pp_schedule": "pp_schedule", "pp_microbatches": "pp_microbatches",
-               "pp_virtual_stages": "pp_virtual_stages", "dispatcher": "dispatcher",
-               "activation_checkpointing": "activation_checkpointing"}  # fmt: skip
+    renames = {
+        "ep_size": "ep",
+        "pp_size": "pp",
+        "tp_size": "tp",
+        "etp_size": "etp",
+        "sharded_optimizer": "mode",
+        "pp_schedule": "pp_schedule",
+        "pp_microbatches": "pp_microbatches",
+        "pp_virtual_stages": "pp_virtual_stages",
+        "dispatcher": "dispatcher",
+        "activation_checkpointing": "activation_checkpointing",
+        "sequence_parallel": "sequence_parallel",
+    }
+    # fmt: skip
     out.update({new: args[old] for old, new in renames.items() if args.get(old) is not None})
     if "reduce_dtype" in args:
         out["reduce_dtype"] = str(args["reduce_dtype"]).replace("torch.", "")
@@ -172,8 +189,11 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     for flag, value in sizes.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be at least 1")
-    if (args.sp or 1) > 1:
-        raise ValueError(f"mula plan does not model sequence parallelism yet (sp {args.sp})")
+    tp = int(given("tp", 1))
+    if args.sp is not None and args.sp not in (1, tp):
+        raise ValueError(f"--sp ({args.sp}) must be 1 (off) or the tensor-parallel degree --tp ({tp}): sequence "
+                         "parallelism splits each sequence over the tp ranks")  # fmt: skip
+    sequence_parallel = tp > 1 and (args.sp == tp if args.sp is not None else bool(fit.get("sequence_parallel")))
     pp = int(given("pp", 1))
     micro = int(given("micro_batch_size", pp))  # with pipelining: one sequence per micro-batch, pp of them
     chunks = int(given("pp_microbatches", micro)) if pp > 1 else int(given("accumulate", 1))
@@ -215,15 +235,16 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         ),
         ranks_per_node=cluster.devices_per_node,
         ranks_per_gpu=cluster.devices_per_gpu,
-        tp=int(given("tp", 1)),
+        tp=tp,
         etp=int(given("etp", 1)),
+        sp=sequence_parallel,
         extra={**fit.get("extra", {}), **{k: True for k in ("quantize_weights", "quantize_grads") if getattr(args, k)}},
     )
     layout.check(config)
     if args.dp is not None and args.dp != layout.dp:
         raise ValueError(
-            f"--dp ({args.dp}) must be the world size / (pp x ep) = {layout.world_size} / ({layout.pp} x {layout.ep}) "
-            f"= {layout.dp} at {nodes} nodes of {cluster.devices_per_node}"
+            f"--dp ({args.dp}) must be the world size / (pp x ep x etp) = {layout.world_size} / ({layout.pp} x "
+            f"{layout.ep} x {layout.etp}) = {layout.dp} at {nodes} nodes of {cluster.devices_per_node}"
         )
     notes = []
     if fit.get("devices") not in (None, cluster.devices_per_node):
@@ -258,7 +279,8 @@ def _traced(config: Any, layout: Layout, training: Training, planned: dict[str, 
 
     spec = {
         "config": dataclasses.asdict(config), "world_size": layout.world_size, "strategy": layout.strategy,
-        "ep": layout.ep, "pp": layout.pp, "mode": layout.mode, "precision": layout.precision,
+        "ep": layout.ep, "pp": layout.pp, "tp": layout.tp, "etp": layout.etp, "sp": layout.sp, "mode": layout.mode,
+        "precision": layout.precision,
         "zero_sizes": layout.zero_sizes, "ranks_per_node": layout.ranks_per_node, "ranks_per_gpu": layout.ranks_per_gpu,
         "dispatcher": training.dispatcher, "checkpointing": training.checkpointing, "schedule": training.schedule,
         "micro_batches": training.micro_batches, "virtual": training.virtual, "reduce_dtype": training.reduce_dtype,
@@ -280,14 +302,14 @@ def _search_table(result: dict[str, Any], top: int = 10) -> list[str]:
     lines = [
         f"\n--search: {len(layouts)} layouts fit, {len(rejected)} do not or cannot run; the global batch "
         f"{result['global_batch']} sequences of {result['seq_len']} tokens; the {min(top, len(layouts))} fastest:",
-        f"{'#':>3} {'strategy':<18}{'DP x EP x PP':<16}{'recompute':<24}{'GB/rank':>8}{'step s':>8}{'M tok/s':>9}"
+        f"{'#':>3} {'strategy':<18}{'DP x EP x PP x TP':<21}{'recompute':<24}{'GB/rank':>8}{'step s':>8}{'M tok/s':>9}"
         f"{'MFU %':>7}",
     ]
     for index, p in enumerate(layouts[:top]):
         name = p["strategy"] + (f" {p['mode']}" if p["mode"] else "")
-        sizes = f"{p['dp']} x {p['ep']} x {p['pp']}"
+        sizes = f"{p['dp']} x {p['ep']} x {p['pp']} x {p['tp']}" + (" SP" if p["sp"] else "")
         lines.append(
-            f"{index + 1:>3} {name:<18}{sizes:<16}"
+            f"{index + 1:>3} {name:<18}{sizes:<21}"
             f"{_recompute(p['activation_checkpointing']):<24}{p['memory_bytes']['total'] / GB:>8.1f}"
             f"{p['step_time_s']:>8.2f}{p['tokens_per_s'] / 1e6:>9.2f}{100 * p['mfu']:>7.1f}"
         )
@@ -312,9 +334,14 @@ def _table(result: dict[str, Any]) -> str:
         mode = f" {layout['mode']}" if layout["mode"] else ""
         ckpt = layout["activation_checkpointing"] or "no"
         ckpt = "+".join(ckpt) if isinstance(ckpt, list) else ckpt
+        etp = f" x ETP {layout['etp']}" if layout["etp"] > 1 else ""
+        dense = ""
+        if layout["tp"] > 1:
+            dense = f" (dense layers: DP {layout['dense_dp']} x TP {layout['tp']}{' with SP' if layout['sp'] else ''})"
         lines.append(
-            f"\n{layout['strategy']}{mode}, {layout['precision']}: DP {layout['dp']} x EP {layout['ep']} x PP "
-            f"{layout['pp']}; {layout['micro_batches']} micro-batches of {layout['sequences_per_micro_batch']} x "
+            f"\n{layout['strategy']}{mode}, {layout['precision']}: DP {layout['dp']} x EP {layout['ep']}{etp} x PP "
+            f"{layout['pp']}{dense}; {layout['micro_batches']} micro-batches of "
+            f"{layout['sequences_per_micro_batch']} x "
             f"{layout['seq_len']} tokens, {ckpt} recomputation, {layout['dispatcher']} dispatch at "
             f"{layout['imbalance']:g}x routing headroom"
         )
@@ -324,10 +351,10 @@ def _table(result: dict[str, Any]) -> str:
             lines.append(f"{'stage ' + str(index):<23}{cells}  {act['in_flight']:>9}")
         lines.append("fits" if layout["fits"] else f"does not fit: {layout['reason']}")
         lines.append(f"\none step, stage {layout['worst_stage']}'s first rank: bytes sent per collective (GB)")
-        lines.append(f"{'tag':<24}{'op':<16}{'level':<12}{'link':<12}{'ranks':>6}{'calls':>7}{'GB':>10}")
+        lines.append(f"{'tag':<27}{'op':<16}{'level':<12}{'link':<12}{'ranks':>6}{'calls':>7}{'GB':>10}")
         for c in layout["collectives"]:
             mark = "" if c["ledger"] else "  (point-to-point: not in the ledger)"
-            lines.append(f"{c['tag']:<24}{c['op']:<16}{c['level']:<12}{c['link']:<12}{c['group_size']:>6}"
+            lines.append(f"{c['tag']:<27}{c['op']:<16}{c['level']:<12}{c['link']:<12}{c['group_size']:>6}"
                          f"{c['calls']:>7}{c['bytes_sent'] / GB:>10.3f}{mark}")  # fmt: skip
         per_link = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in layout["comm_bytes"].items())
         lines.append(f"per link: {per_link or 'nothing sent'}")

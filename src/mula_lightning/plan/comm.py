@@ -27,6 +27,20 @@ What is counted, per optimizer step of ``A`` micro-batches (``pp_microbatches`` 
   elements), per micro-batch the forward and backward weight gathers and the gradient reduce-scatter, per step the
   cross-node all-reduce of the gradient shard, the post-step gather and the scalar all-reduce of the gradient norm
   (the recipes clip).
+* tensor parallelism (``tp``; DTensor's collectives, which the ledger tags ``"dtensor"`` under
+  :func:`~mula_lightning.parallel.ledger.record_functional_collectives`, and the package's own ``tp.*``), per
+  micro-batch: each row-parallel output (attention's ``o_proj``, a dense MLP's ``down_proj``, the embedding) reduced
+  in forward, each column-parallel input's gradient (attention, MLP, LM head) reduced in backward: an all-reduce of
+  the ``S x H`` activation, or under sequence parallelism a reduce-scatter of it and an all-gather of its ``S / tp``
+  part for each (the column inputs in forward, the row outputs' gradients in backward); the full-width q/k norms'
+  sums of squares (``tp.qk_norm``, forward and backward), the vocabulary-parallel loss's three per-token statistics
+  (``tp.ce.*``) and under sequence parallelism each MoE layer's router statistics (``tp.sp.router``, ``2E + 2``
+  float32). A recomputation stops after the last tensor backward needs: a recomputed attention block or MLP repeats
+  only the q/k norms' sums (its output's reduction follows its last saved input; its input's gather runs in the
+  module's input hook, outside it); a recomputed whole layer also gathers both blocks' inputs and reduces
+  attention's output again.
+  Without sequence parallelism every ``tp`` rank routes the whole sequence (its ``S`` tokens dispatched); with it,
+  ``S / tp``. Expert tensor parallelism dispatches over the ``EP x ETP`` ranks of a block.
 * pipeline parallelism: each micro-batch's activations sent forward and their gradients back, per stage boundary.
 """
 
@@ -43,7 +57,7 @@ from mula_lightning.parallel.mesh import ParallelDims
 from mula_lightning.parallel.pipeline import stage_layer_ranges
 from mula_lightning.parallel.zero.layout import ZeroTopoLayout, expert_layout
 from mula_lightning.parallel.zero.quantization import packed_bytes
-from mula_lightning.plan.states import PRECISIONS, Layout, layer_counts, stage_params
+from mula_lightning.plan.states import PRECISIONS, Layout, epso_families, layer_counts, stage_params
 
 #: bytes of the gradient reduction's dtype
 REDUCE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -132,8 +146,10 @@ def _dispatch(
     param_bytes: int,
     checkpointing: Any,
     hw: HardwareTopology,
+    ep_size: int | None = None,
 ) -> None:
-    """The token dispatch of the MoE layers in ``layers`` over one step (see the module docstring)."""
+    """The token dispatch of the MoE layers in ``layers`` over one step (see the module docstring); ``ep_ranks``
+    is the group the dispatcher gathers over (``EP x ETP`` ranks), ``ep_size`` the experts' split (default: all)."""
     moe_layers = sum(layer_counts(config)[i].moe for i in layers)
     ep = len(ep_ranks)
     if ep < 2 or not moe_layers:
@@ -142,7 +158,7 @@ def _dispatch(
     again = forward * (2 if _recomputes_moe(checkpointing) else 1)  # forward, and the recomputation's
     s, k, h = tokens, config.top_k, config.hidden_size
     if dispatcher == "allgather":
-        rows.add("moe.token_count", "all_gather", ep_ranks, "ep", hw, again, (1 + ep) * 8)
+        rows.add("moe.token_count", "all_gather", ep_ranks, "ep", hw, again, (1 + (ep_size or ep)) * 8)
         rows.add("moe.dispatch.x", "all_gather", ep_ranks, "ep", hw, again, s * h * param_bytes)
         rows.add("moe.dispatch.w", "all_gather", ep_ranks, "ep", hw, again, s * k * 4)
         rows.add("moe.dispatch.idx", "all_gather", ep_ranks, "ep", hw, again, s * k * 8)
@@ -170,24 +186,84 @@ def _epso_optimizer(
     reduce_bytes: int,
     param_bytes: int,
     hw: HardwareTopology,
+    dense_dp_ranks: list[int] | None = None,
 ) -> None:
-    """Each family's gradient reduction and weight gather, once per step (the optimizer's table)."""
-    expert = stage.expert // layout.ep
-    families = [("optimizer.non_expert", stage.non_expert), ("optimizer.expert", expert)]
-    for tag, numel in families:
+    """Each family's gradient reduction and weight gather, once per step (the optimizer's table): ``non_expert``
+    over the stage, ``tensor_parallel`` over the ``dense_dp`` ranks holding the same shard, ``expert`` over ``dp``."""
+    replicas = {"optimizer.non_expert": stage_ranks, "optimizer.tensor_parallel": dense_dp_ranks or stage_ranks,
+                "optimizer.expert": dp_ranks}  # fmt: skip
+    for family, numel in epso_families(stage, layout).items():
+        tag, numel = f"optimizer.{family}", round(numel)
         if not numel:
             continue
         is_expert = tag == "optimizer.expert"
         if layout.mode == "none":
-            group = dp_ranks if is_expert else stage_ranks
-            rows.add(tag, "all_reduce", group, None, hw, 1, numel * reduce_bytes)
+            rows.add(tag, "all_reduce", replicas[tag], None, hw, 1, numel * reduce_bytes)
             continue
-        shard = dp_ranks if is_expert or layout.mode == "dp" else stage_ranks
+        shard = dp_ranks if is_expert or layout.mode == "dp" else replicas[tag]
         padded = _pad(numel, len(shard))
         rows.add(tag, "reduce_scatter", shard, None, hw, 1, padded * reduce_bytes)
         if layout.mode == "dp" and not is_expert:
             rows.add(tag, "all_reduce", ep_ranks, None, hw, 1, padded // len(shard) * reduce_bytes)
         rows.add(tag, "all_gather", shard, None, hw, 1, padded // len(shard) * param_bytes)
+
+
+def _tensor_parallel(
+    rows: _Rows,
+    config: MulaConfig,
+    layout: Layout,
+    layers: range,
+    first: bool,
+    last: bool,
+    batch: Batch,
+    tp_ranks: list[int],
+    param_bytes: int,
+    checkpointing: Any,
+    hw: HardwareTopology,
+) -> None:
+    """Tensor parallelism's collectives of a stage over one step (see the module docstring)."""
+    if len(tp_ranks) < 2:
+        return
+    from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
+
+    parts = parse_activation_checkpointing(checkpointing) or ()
+    tp, sp, m, s = layout.tp, layout.sp, batch.micro_batches, batch.tokens
+    activation = s * config.hidden_size * param_bytes
+    counts = layer_counts(config)
+    full = parts == "full"
+
+    def block(calls: int, outputs_again: int, inputs_again: int) -> None:
+        """``calls`` column-input / row-output pairs per micro-batch, of which the recomputation repeats
+        ``outputs_again`` output reductions and ``inputs_again`` input gathers."""
+        if not sp:
+            rows.add("dtensor", "all_reduce", tp_ranks, None, hw, m * (2 * calls + outputs_again), activation)
+            return
+        rows.add("dtensor", "reduce_scatter", tp_ranks, None, hw, m * (2 * calls + outputs_again), activation)
+        rows.add("dtensor", "all_gather", tp_ranks, None, hw, m * (2 * calls + inputs_again), activation // tp)
+
+    # A recomputation stops after the last tensor backward needs: a region's own output reduction comes after its
+    # last matmul saved its input (not repeated), and its input's gather is outside it (the module's input hook);
+    # a recomputed whole layer gathers both blocks' inputs again and reduces attention's output, which its second
+    # block reads, again.
+    dense = sum(not counts[i].moe for i in layers)
+    moe = len(layers) - dense
+    block(len(layers), len(layers) if full else 0, len(layers) if full else 0)  # attention
+    block(dense, 0, dense if full else 0)  # dense MLPs
+    if first or last:  # the embedding's output, the head's input: one collective each way
+        rows.add("dtensor", "all_reduce" if not sp else "reduce_scatter", tp_ranks, None, hw, m * (first + last),
+                 activation)  # fmt: skip
+        if sp:
+            rows.add("dtensor", "all_gather", tp_ranks, None, hw, m * (first + last), activation // tp)
+    if config.qk_norm and not config.qk_norm_per_head:  # sums of squares of q and k over the full width
+        again = len(layers) if full or "attention" in parts else 0
+        rows.add("tp.qk_norm", "all_reduce", tp_ranks, None, hw, m * 2 * (len(layers) + again), s * 4)
+        rows.add("tp.qk_norm.backward", "all_reduce", tp_ranks, None, hw, m * 2 * len(layers), s * 4)
+    if last:
+        for tag in ("tp.ce.max", "tp.ce.target", "tp.ce.sum_exp"):
+            rows.add(tag, "all_reduce", tp_ranks, None, hw, m, s * 4)
+    if sp and moe:
+        again = moe if _recomputes_moe(checkpointing) else 0
+        rows.add("tp.sp.router", "all_reduce", tp_ranks, None, hw, m * (moe + again), (2 * config.num_experts + 2) * 4)
 
 
 def _zero_units(config: MulaConfig, layout: Layout) -> list[tuple[int, ZeroTopoLayout, list[int]]]:
@@ -263,24 +339,30 @@ def comm_bytes(
         raise ValueError(f"dispatcher ({dispatcher!r}) must be 'allgather' or 'alltoall'")
     if reduce_dtype not in REDUCE_BYTES:
         raise ValueError(f"reduce_dtype ({reduce_dtype!r}) must be one of {sorted(REDUCE_BYTES)}")
+    if layout.etp > 1 and dispatcher != "allgather":
+        raise ValueError(f"etp ({layout.etp}) > 1 needs the all-gather dispatcher (got {dispatcher!r})")
     param_bytes = PRECISIONS[layout.precision]
-    dims = ParallelDims(layout.world_size, pp=layout.pp, ep=layout.ep)
+    dims = ParallelDims(layout.world_size, pp=layout.pp, ep=layout.ep, tp=layout.tp, etp=layout.etp)
     stage_size = dims.stage_size
     out = []
     layer_ranges = stage_layer_ranges(config.num_layers, layout.pp)
     levels: dict[tuple[int, ...], str] = {}
+    moe_tokens = batch.tokens // layout.sequence_split  # each tp rank routes its part of the sequence under SP
     for index, stage in enumerate(stage_params(config, layout.pp)):
         rows, first = _Rows(levels), index * stage_size
         ep_ranks = dims.ranks("ep", first)
+        expert_ranks = list(range(first, first + layout.ep * layout.etp))  # the block of EP x ETP ranks
         if layout.strategy == "zero_topo":
             _zero_topo(rows, config, layout, batch, param_bytes, hw)
         else:
             stage_ranks = list(range(first, first + stage_size))
             _epso_optimizer(rows, layout, stage, stage_ranks, dims.ranks("edp", first), ep_ranks,
-                            REDUCE_BYTES[reduce_dtype], param_bytes, hw)  # fmt: skip
-        _dispatch(rows, config, layer_ranges[index], batch.tokens, batch.micro_batches, ep_ranks, dispatcher,
-                  param_bytes, checkpointing, hw)  # fmt: skip
-        activation = batch.tokens * config.hidden_size * param_bytes
+                            REDUCE_BYTES[reduce_dtype], param_bytes, hw, dims.ranks("dp", first))  # fmt: skip
+        _dispatch(rows, config, layer_ranges[index], moe_tokens, batch.micro_batches, expert_ranks, dispatcher,
+                  param_bytes, checkpointing, hw, layout.ep)  # fmt: skip
+        _tensor_parallel(rows, config, layout, layer_ranges[index], index == 0, index == layout.pp - 1, batch,
+                         dims.ranks("tp", first), param_bytes, checkpointing, hw)  # fmt: skip
+        activation = batch.tokens // layout.sequence_split * config.hidden_size * param_bytes
         for tag, neighbour in (("pp.send_forward", index + 1), ("pp.send_backward", index - 1)):
             if 0 <= neighbour < layout.pp:  # a point-to-point send, as a 2-rank all-to-all keeping nothing
                 pair = [first, neighbour * stage_size]

@@ -31,7 +31,7 @@ from mula_lightning.parallel.pipeline import stage_layer_ranges
 from mula_lightning.plan.activations import rank_layers, stage_activation_bytes
 from mula_lightning.plan.clusters import GB, Cluster
 from mula_lightning.plan.comm import REDUCE_BYTES, Batch, bytes_per_link, comm_bytes
-from mula_lightning.plan.states import PRECISIONS, Layout, layer_counts, stage_params, state_bytes
+from mula_lightning.plan.states import PRECISIONS, Layout, epso_families, layer_counts, stage_params, state_bytes
 from mula_lightning.plan.step_time import predict_step
 
 MEMORY_KINDS = ("weights", "gradients", "master", "moments", "activations", "buffers", "total")
@@ -85,11 +85,12 @@ def _largest_parameter(config: MulaConfig, layout: Layout, stage: int) -> int:
     gate / up and down projections' gradients together)."""
     h, counts = config.hidden_size, layer_counts(config)
     layers = stage_layer_ranges(config.num_layers, layout.pp)[stage]
-    largest = config.vocab_size * h if stage in (0, layout.pp - 1) else 0
+    largest = config.vocab_size // layout.tp * h if stage in (0, layout.pp - 1) else 0
     if any(counts[i].moe for i in layers):
-        largest = max(largest, config.num_experts // layout.ep * 3 * config.intermediate_size * h)
+        experts = config.num_experts // layout.ep * 3 * config.intermediate_size // layout.etp * h
+        largest = max(largest, experts)
     if any(not counts[i].moe for i in layers):
-        largest = max(largest, config.dense_width * h)
+        largest = max(largest, config.dense_width // layout.tp * h)
     return largest
 
 
@@ -100,7 +101,7 @@ def _buffers(config: MulaConfig, layout: Layout, cluster: Cluster, states: dict[
     if layout.strategy == "epso":
         reduce = REDUCE_BYTES[training.reduce_dtype]
         owned = states["moments"] // 8
-        local = stage.non_expert + stage.expert // layout.ep
+        local = round(sum(epso_families(stage, layout).values()))
         backward = owned * reduce + (local * reduce if reduce != 4 else 0) + largest
         step = 0 if cluster.inplace_all_gather else local * param_bytes  # every bucket's gather in flight at once
         return max(backward, step)
@@ -121,6 +122,13 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
     layout.check(config)
     if training.dispatcher not in ("allgather", "alltoall"):
         raise ValueError(f"dispatcher ({training.dispatcher!r}) must be 'allgather' or 'alltoall'")
+    if layout.etp > 1 and training.dispatcher != "allgather":
+        raise ValueError(f"etp ({layout.etp}) > 1 needs the all-gather dispatcher (got {training.dispatcher!r})")
+    if layout.sp and training.seq_len % layout.tp:
+        raise ValueError(
+            f"sequence parallelism splits each sequence over tp ({layout.tp}) ranks: the sequence length "
+            f"({training.seq_len}) must be divisible by it"
+        )
     batch = training.batch(layout.pp)
     param_bytes = PRECISIONS[layout.precision]
     hw = hw or HardwareTopology.uniform(layout.world_size, cluster.devices_per_node, cluster.devices_per_gpu)
@@ -128,6 +136,7 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
     activations = stage_activation_bytes(
         config, layout.pp, batch.micro_batch_size, batch.seq_len, batch.micro_batches, param_bytes, layout.ep,
         training.dispatcher, training.checkpointing, training.imbalance, training.schedule, training.virtual,
+        layout.tp, layout.sp, layout.etp,
     )  # fmt: skip
     comms = comm_bytes(config, layout, batch, hw, training.dispatcher, training.reduce_dtype, training.checkpointing)
     stages = []
@@ -138,9 +147,10 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         row["total"] = sum(row.values())
         stages.append(row)
     layers = [rank_layers(config, layout.pp, training.virtual, rank) for rank in range(layout.pp)]
-    batches = layout.world_size // layout.pp  # every rank of a stage reads its own batch (EP ranks too)
+    batches = layout.world_size // (layout.pp * layout.tp)  # every dense_dp rank reads its own batch (EP ranks too)
     time = predict_step(config, cluster, layout.world_size, layout.pp, batches, batch, layers, comms,
-                        training.checkpointing, training.imbalance, training.virtual)  # fmt: skip
+                        training.checkpointing, training.imbalance, training.virtual, layout.tp,
+                        layout.sp)  # fmt: skip
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
     usable = cluster.memory_bytes - cluster.reserved_bytes
     fits = stages[worst]["total"] <= usable
@@ -152,6 +162,7 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         )
     return {
         "dp": layout.dp, "ep": layout.ep, "etp": layout.etp, "tp": layout.tp, "pp": layout.pp,
+        "sp": layout.sp, "dense_dp": layout.dense_dp,
         "strategy": layout.strategy, "mode": layout.mode if layout.strategy == "epso" else None,
         "precision": layout.precision, "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,
         "sequences_per_micro_batch": batch.micro_batch_size,

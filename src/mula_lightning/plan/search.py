@@ -5,7 +5,10 @@ The candidates (all at the same global batch, so that their step times compare):
 * pipeline stages ``pp`` dividing the layers and the world (1F1B, one sequence per micro-batch: each pipeline's
   ``global batch / (world / pp)`` sequences are its micro-batches, at least ``pp`` of them);
 * expert-parallel degrees ``ep`` dividing the experts and a stage's ranks (1 for a dense model);
-* ``epso`` in each ``sharded_optimizer`` mode, and ``zero_topo`` (its default 3-level sizes from the node) without
+* ``epso`` in each ``sharded_optimizer`` mode; ``epso`` ``ep_aware`` with tensor parallelism ``tp`` over a divisor of
+  the node's devices that divides the heads and the vocabulary, with sequence parallelism (its activations are
+  ``1 / tp`` of the norms' and MoE blocks' for the same bytes on the links), folded over the same ranks as ``ep``;
+  and ``zero_topo`` (its default 3-level sizes from the node) without
   pipelining, where ``ep`` divides a node;
 * recomputation: none, the FFN blocks (``moe`` or ``mlp``), norms + attention + FFN (the paper's 220B choice), whole
   layers; without pipelining one sequence per forward, the rest accumulated.
@@ -22,6 +25,7 @@ from typing import Any
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.parallel.hardware import HardwareTopology
+from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
 from mula_lightning.plan.clusters import Cluster
 from mula_lightning.plan.planner import Training, plan_layout
 from mula_lightning.plan.states import EPSO_MODES, Layout
@@ -38,8 +42,9 @@ def recomputation_choices(config: MulaConfig) -> list[Any]:
 
 
 def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str = "bf16-true",
-               max_pp: int = 16) -> Iterator[Layout]:  # fmt: skip
-    """Every (strategy, mode, pp, ep) layout of ``nodes`` nodes (see the module docstring)."""
+               max_pp: int = 16, seq_len: int | None = None) -> Iterator[Layout]:  # fmt: skip
+    """Every (strategy, mode, pp, ep, tp) layout of ``nodes`` nodes (see the module docstring); ``seq_len``: only the
+    ``tp`` degrees sequence parallelism can split it over."""
     world = nodes * cluster.devices_per_node
     common = dict(
         world_size=world,
@@ -47,6 +52,14 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
         ranks_per_node=cluster.devices_per_node,
         ranks_per_gpu=cluster.devices_per_gpu,
     )
+    tensor_parallel = []
+    for tp in _divisors(cluster.devices_per_node)[1:]:
+        try:
+            check_tensor_parallel(config, tp)
+        except ValueError:
+            continue
+        if seq_len is None or seq_len % tp == 0:
+            tensor_parallel.append(tp)
     for pp in _divisors(config.num_layers, min(max_pp, config.num_layers)):
         if world % pp:
             continue
@@ -55,6 +68,9 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
                 continue
             for mode in EPSO_MODES:
                 yield Layout(strategy="epso", ep=ep, pp=pp, mode=mode, **common)
+            for tp in tensor_parallel:
+                if (world // pp) % tp == 0:
+                    yield Layout(strategy="epso", ep=ep, pp=pp, tp=tp, sp=True, **common)
             if pp == 1 and cluster.devices_per_node % ep == 0:
                 yield Layout(strategy="zero_topo", ep=ep, **common)
 
@@ -72,8 +88,8 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
     base = training or Training()
     fitting, rejected = [], []
     hw = HardwareTopology.uniform(world, cluster.devices_per_node, cluster.devices_per_gpu)
-    for layout in candidates(config, cluster, nodes, precision):
-        batches = world // layout.pp
+    for layout in candidates(config, cluster, nodes, precision, seq_len=seq_len):
+        batches = world // (layout.pp * layout.tp)
         for checkpointing in recomputation_choices(config):
             summary = {
                 "strategy": layout.strategy,
@@ -81,6 +97,7 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
                 "dp": layout.dp,
                 "ep": layout.ep,
                 "pp": layout.pp,
+                "tp": layout.tp,
                 "activation_checkpointing": checkpointing,
             }
             if global_batch % batches:
@@ -88,7 +105,7 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
                     {
                         **summary,
                         "reason": f"the global batch ({global_batch}) does not divide into "
-                        f"{batches} batches (world {world} / pp {layout.pp})",
+                        f"{batches} batches (world {world} / (pp {layout.pp} x tp {layout.tp}))",
                     }
                 )
                 continue

@@ -18,7 +18,13 @@ expert_layout`'s sizes: weights ``P / w`` (plus a secondary copy ``P / s``: INT8
 weights travel quantized, else in the weights' dtype where ``s != w``), gradients ``P / g`` in float32, moments (and
 master) over ``P / o``.
 
-Tensor and expert-tensor parallelism are not planned yet (refused by name).
+With tensor parallelism (``tp``, MoE parallel folding, :mod:`~mula_lightning.parallel.topology`) ``P_ne`` splits
+into ``P_tp``, the elements :mod:`~mula_lightning.parallel.tensor_parallel` shards over ``tp`` (attention projections
+and biases, full-width q/k norms, dense MLPs, embedding, LM head) and ``P_rep``, the rest (norms, routers, shared
+experts, per-head q/k norms); with expert tensor parallelism (``etp``) each expert slice is cut ``etp`` ways more.
+``epso`` then holds ``P_rep + P_tp / tp + P_e / (EP x ETP)`` elements, and ``ep_aware`` owns ``1 / W`` of every
+element (each family sharded over exactly its replicas: ``W``, ``W / tp``, ``W / (EP x ETP)`` ranks).
+``zero_topo`` has no tensor parallelism.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.parallel.pipeline import stage_layer_ranges
+from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
 from mula_lightning.parallel.zero.layout import ZeroTopoLayout, expert_layout
 
 PRECISIONS = {"32-true": 4, "bf16-true": 2}
@@ -41,9 +48,13 @@ class Layout:
     Attributes:
         world_size: ranks in the run.
         strategy: ``"epso"`` or ``"zero_topo"``.
-        ep / pp: expert- and pipeline-parallel degrees (DP is what is left: ``world / (pp x ep)``).
+        ep / pp: expert- and pipeline-parallel degrees (DP, the replicas of an expert slice as in the paper's DP x EP,
+            is what is left: ``world / (pp x ep x etp)``).
         mode: ``epso``'s ``sharded_optimizer``.
         precision: ``"32-true"`` or ``"bf16-true"``.
+        tp / etp: tensor- and expert-tensor-parallel degrees (MoE parallel folding: a stage is ``dense_dp x tp`` on
+            the dense side, ``dp x ep x etp`` on the MoE side).
+        sp: sequence parallelism over the ``tp`` ranks (Megatron's; needs ``tp > 1``).
         zero_sizes: ``zero_topo``'s ``weight_size``, ``grad_size``, ``optimizer_size``, ``secondary_size`` (0: its
             defaults from the node).
         ranks_per_node / ranks_per_gpu: the node's shape (``zero_topo``'s defaults, the EP group's node).
@@ -60,27 +71,45 @@ class Layout:
     ranks_per_gpu: int = 1
     tp: int = 1
     etp: int = 1
+    sp: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage."""
+        return self.world_size // self.pp
+
+    @property
     def dp(self) -> int:
-        return self.world_size // (self.pp * self.ep * self.tp * self.etp)
+        """Replicas of an expert slice (the mesh's ``edp``; the paper's DP of DP x EP)."""
+        return self.stage_size // (self.ep * self.etp)
+
+    @property
+    def dense_dp(self) -> int:
+        """Replicas of a dense parameter's tensor-parallel shard: the distinct batches of a stage."""
+        return self.stage_size // self.tp
+
+    @property
+    def sequence_split(self) -> int:
+        """Ways the residual stream's tokens are split (``tp`` under sequence parallelism, else 1)."""
+        return self.tp if self.sp else 1
 
     def check(self, config: MulaConfig) -> None:
         """Raise ``ValueError`` naming the values when this layout cannot run ``config``."""
-        if self.tp != 1 or self.etp != 1:
-            raise ValueError(
-                f"mula plan does not model tensor or expert-tensor parallelism yet (tp {self.tp}, etp {self.etp})"
-            )
         if self.strategy not in ("epso", "zero_topo"):
             raise ValueError(f"strategy ({self.strategy!r}) must be 'epso' or 'zero_topo'")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision ({self.precision!r}) must be one of {sorted(PRECISIONS)}")
-        for name, size in (("world size", self.world_size), ("ep", self.ep), ("pp", self.pp)):
+        sizes = (("world size", self.world_size), ("ep", self.ep), ("pp", self.pp), ("tp", self.tp), ("etp", self.etp))
+        for name, size in sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} ({size!r}) must be a positive integer")
-        if self.world_size % (self.pp * self.ep):
-            raise ValueError(f"pp ({self.pp}) x ep ({self.ep}) must divide the world size ({self.world_size})")
+        if self.world_size % (self.pp * self.ep * self.etp):
+            extra = f" x etp ({self.etp})" if self.etp > 1 else ""
+            raise ValueError(f"pp ({self.pp}) x ep ({self.ep}){extra} must divide the world size ({self.world_size})")
+        if self.world_size % (self.pp * self.tp):
+            raise ValueError(f"pp ({self.pp}) x tp ({self.tp}) must divide the world size ({self.world_size})")
+        self._check_tensor_parallel(config)
         if self.ep > 1 and not config.is_moe:
             raise ValueError(f"ep ({self.ep}) > 1 needs an MoE model; {config.name} is dense")
         if self.ep > 1 and config.num_experts % self.ep:
@@ -90,9 +119,29 @@ class Layout:
         if self.strategy == "epso" and self.mode not in EPSO_MODES:
             raise ValueError(f"epso's sharded_optimizer ({self.mode!r}) must be one of {EPSO_MODES}")
         if self.strategy == "zero_topo":
+            if self.tp > 1 or self.etp > 1:
+                raise ValueError(f"zero_topo has no tensor or expert-tensor parallelism (tp {self.tp}, etp {self.etp})")
             if self.pp > 1:
                 raise ValueError(f"zero_topo has no pipeline parallelism (pp {self.pp})")
             expert_layout(self.zero_layout(), self.ep)
+
+    def _check_tensor_parallel(self, config: MulaConfig) -> None:
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism splits the sequence over tensor-parallel ranks: it needs tp > 1")
+        if self.tp > 1:
+            check_tensor_parallel(config, self.tp)
+        if self.etp > 1:
+            if not config.is_moe:
+                raise ValueError(f"etp ({self.etp}) > 1 needs an MoE model; {config.name} is dense")
+            if config.intermediate_size % self.etp:
+                raise ValueError(
+                    f"etp ({self.etp}) must divide the experts' intermediate_size ({config.intermediate_size})"
+                )
+        if self.strategy == "epso" and self.mode == "dp" and (self.tp > 1 or self.etp > 1):
+            raise ValueError(
+                f"epso's sharded_optimizer='dp' does not run with tp ({self.tp}) or etp ({self.etp}) > 1: use "
+                "'ep_aware' or 'none'"
+            )
 
     def zero_layout(self) -> ZeroTopoLayout:
         w, g, o, s = self.zero_sizes
@@ -119,6 +168,16 @@ class LayerCounts:
     expert_active: int  # the top_k experts one token uses
     moe: bool
     shared_width: int  # the shared experts' intermediate width (0: none)
+    tensor_parallel: int = 0  # of the non-expert ones, those tensor parallelism shards over tp
+
+
+def _tensor_parallel_elements(config: MulaConfig, layer: int) -> int:
+    """Elements of a layer that :func:`~mula_lightning.parallel.tensor_parallel.apply_tensor_parallel` shards:
+    q / k / v / o (and their biases), full-width q/k norms, a dense layer's SwiGLU MLP."""
+    h, q, kv = config.hidden_size, config.q_dim, config.kv_dim
+    out = 2 * h * q + 2 * h * kv + (q + 2 * kv if config.qkv_bias else 0)
+    out += q + kv if config.qk_norm and not config.qk_norm_per_head else 0
+    return out + (0 if config.is_moe_layer(layer) else 3 * h * config.dense_width)
 
 
 def layer_counts(config: MulaConfig) -> tuple[LayerCounts, ...]:
@@ -142,13 +201,20 @@ def layer_counts(config: MulaConfig) -> tuple[LayerCounts, ...]:
         c.qk_norm,
         c.qk_norm_per_head,
         c.qkv_bias,
+        c.dense_intermediate_size,
     )
     if key not in _LAYER_COUNTS:
         if len(_LAYER_COUNTS) >= 32:
             _LAYER_COUNTS.pop(next(iter(_LAYER_COUNTS)))
         shared = config.moe.shared_width if config.is_moe else 0
         _LAYER_COUNTS[key] = tuple(
-            LayerCounts(*config.layer_params(i), config.layer_params(i, active=True)[1], config.is_moe_layer(i), shared)
+            LayerCounts(
+                *config.layer_params(i),
+                config.layer_params(i, active=True)[1],
+                config.is_moe_layer(i),
+                shared,
+                _tensor_parallel_elements(config, i),
+            )  # fmt: skip
             for i in range(config.num_layers)
         )
     return _LAYER_COUNTS[key]
@@ -163,6 +229,7 @@ class StageParams:
 
     non_expert: int
     expert: int  # all experts of the stage's MoE layers (the whole layer, before EP cuts it)
+    tensor_parallel: int = 0  # of the non-expert ones, those tensor parallelism shards (embedding and head included)
 
 
 def stage_params(config: MulaConfig, pp: int = 1) -> list[StageParams]:
@@ -170,16 +237,31 @@ def stage_params(config: MulaConfig, pp: int = 1) -> list[StageParams]:
     h = config.hidden_size
     out = []
     for index, layers in enumerate(stage_layer_ranges(config.num_layers, pp)):
-        non_expert = expert = 0
+        non_expert = expert = tensor_parallel = 0
         for layer in layers:
             counts = layer_counts(config)[layer]
             non_expert, expert = non_expert + counts.non_expert, expert + counts.expert
+            tensor_parallel += counts.tensor_parallel
         if index == 0:
             non_expert += config.vocab_size * h
+            tensor_parallel += config.vocab_size * h
         if index == pp - 1:
-            non_expert += h + (0 if config.tie_word_embeddings and pp == 1 else config.vocab_size * h)
-        out.append(StageParams(non_expert, expert))
+            head = 0 if config.tie_word_embeddings and pp == 1 else config.vocab_size * h
+            non_expert, tensor_parallel = non_expert + h + head, tensor_parallel + head
+        out.append(StageParams(non_expert, expert, tensor_parallel))
     return out
+
+
+def epso_families(stage: StageParams, layout: Layout) -> dict[str, float]:
+    """Elements one rank holds per ``epso`` family: ``non_expert`` (replicated over the stage), ``tensor_parallel``
+    (this rank's ``1 / tp`` shard; 0 without tensor parallelism, where those elements are non-expert ones) and
+    ``expert`` (this rank's ``1 / (EP x ETP)`` of the experts)."""
+    tensor_parallel = stage.tensor_parallel if layout.tp > 1 else 0
+    return {
+        "non_expert": stage.non_expert - tensor_parallel,
+        "tensor_parallel": tensor_parallel / layout.tp,
+        "expert": stage.expert / (layout.ep * layout.etp),
+    }
 
 
 def state_bytes(config: MulaConfig, layout: Layout) -> list[dict[str, int]]:
@@ -191,8 +273,8 @@ def state_bytes(config: MulaConfig, layout: Layout) -> list[dict[str, int]]:
     out = []
     for stage in stage_params(config, layout.pp):
         if layout.strategy == "epso":
-            local = stage.non_expert + stage.expert / layout.ep
-            ranks = layout.dp * layout.ep
+            local = sum(epso_families(stage, layout).values())
+            ranks = layout.stage_size
             owned = {
                 "none": local,
                 "dp": stage.non_expert / layout.dp + stage.expert / ranks,

@@ -14,7 +14,8 @@ A prediction with stated assumptions, not a measurement (``benchmarks/`` measure
   (``optimizer.*`` reduce-scatter / all-reduce, issued bucket by bucket during the last micro-batch's backward:
   two thirds of a micro-batch's compute) and ``zero_topo``'s per-micro-batch weight prefetches and gradient
   reduce-scatters (beside the whole step's compute). Exposed in full: the token dispatch (on the critical path of
-  every MoE layer), the weights' all-gather after the update, ``zero_topo``'s cross-node all-reduce and post-step
+  every MoE layer), tensor parallelism's activation collectives (between every two of its matmuls), the weights'
+  all-gather after the update, ``zero_topo``'s cross-node all-reduce and post-step
   gather, the gradient norm, and the pipeline's sends.
 * **MFU** = model FLOPs of the step (no recomputation) / (step time x ranks x peak).
 """
@@ -34,6 +35,7 @@ from mula_lightning.plan.states import layer_counts
 LAST_BACKWARD = {
     ("optimizer.non_expert", "reduce_scatter"), ("optimizer.expert", "reduce_scatter"),
     ("optimizer.non_expert", "all_reduce"), ("optimizer.expert", "all_reduce"),
+    ("optimizer.tensor_parallel", "reduce_scatter"), ("optimizer.tensor_parallel", "all_reduce"),
 }  # fmt: skip
 #: collectives of every micro-batch prefetched or reduced while it computes (zero_topo): they hide behind the compute
 EVERY_MICRO_BATCH = {
@@ -43,8 +45,10 @@ EVERY_MICRO_BATCH = {
 
 
 def _layer_flops(config: MulaConfig, layer: int, tokens: int, seq_len: int, checkpointing: Any,
-                 imbalance: float) -> float:  # fmt: skip
-    """Training FLOPs (forward, backward, recomputation) of one layer for ``tokens`` tokens on the busiest rank."""
+                 imbalance: float, tp: int = 1, sequence_parallel: bool = False) -> float:  # fmt: skip
+    """Training FLOPs (forward, backward, recomputation) of one layer for ``tokens`` tokens on the busiest rank:
+    with tensor parallelism attention and dense MLPs are ``1 / tp`` of it, the MoE block (router, shared and routed
+    experts) works on this rank's tokens (every ``tp`` rank on all of them without sequence parallelism)."""
     h = config.hidden_size
     counts = layer_counts(config)[layer]
     parts = parse_activation_checkpointing(checkpointing) or ()
@@ -60,16 +64,22 @@ def _layer_flops(config: MulaConfig, layer: int, tokens: int, seq_len: int, chec
         ffn = 6.0 * ffn_params
         recomputed_ffn = parts == "full" or "mlp" in parts
     recomputed_attention = parts == "full" or "attention" in parts
-    total = attention * (4 / 3 if recomputed_attention else 1) + ffn * (4 / 3 if recomputed_ffn else 1)
-    return total * tokens
+    attention /= tp
+    ffn = ffn if counts.moe else ffn / tp
+    moe_tokens = tokens / tp if counts.moe and sequence_parallel else tokens
+    return tokens * attention * (4 / 3 if recomputed_attention else 1) + moe_tokens * ffn * (
+        4 / 3 if recomputed_ffn else 1
+    )
 
 
 def stage_flops(config: MulaConfig, layers: list[int] | range, first: bool, last: bool, tokens: int, seq_len: int,
-                checkpointing: Any, imbalance: float) -> float:  # fmt: skip
+                checkpointing: Any, imbalance: float, tp: int = 1,
+                sequence_parallel: bool = False) -> float:  # fmt: skip
     """Training FLOPs of one micro-batch on one rank of a stage (its layers, the head on the last)."""
-    flops = sum(_layer_flops(config, i, tokens, seq_len, checkpointing, imbalance) for i in layers)
+    flops = sum(_layer_flops(config, i, tokens, seq_len, checkpointing, imbalance, tp, sequence_parallel)
+                for i in layers)  # fmt: skip
     if last:
-        flops += 6.0 * config.vocab_size * config.hidden_size * tokens
+        flops += 6.0 * config.vocab_size * config.hidden_size * tokens / tp
     return flops
 
 
@@ -84,20 +94,23 @@ def flops_per_token(config: MulaConfig, seq_len: int) -> float:
 
 def predict_step(config: MulaConfig, cluster: Cluster, world_size: int, pp: int, batches: int, batch: Batch,
                  stage_layers: list[list[int]], collectives: list[list[Collective]], checkpointing: Any,
-                 imbalance: float, virtual: int = 1) -> dict[str, Any]:  # fmt: skip
+                 imbalance: float, virtual: int = 1, tp: int = 1,
+                 sequence_parallel: bool = False) -> dict[str, Any]:  # fmt: skip
     """Step time, its parts, tokens/s and MFU (see the module docstring).
 
     Args:
         stage_layers: the decoder layers of each pipeline rank.
         collectives: per pipeline stage, one step's collectives of a rank (:func:`~mula_lightning.plan.comm.
             comm_bytes`).
-        batches: the distinct batches a step reads (``world / pp``: every rank of a stage, EP ranks included, reads
-            its own): the global batch is ``batches`` x the rank's.
+        batches: the distinct batches a step reads (``world / (pp x tp)``: every rank of a stage, EP ranks
+            included, reads its own, the ``tp`` ranks of a group the same): the global batch is ``batches`` x the
+            rank's.
+        tp / sequence_parallel: the tensor-parallel degree and whether the sequence is split over it.
     """
     rate = cluster.peak_flops * cluster.matmul_efficiency
     per_stage = [
         stage_flops(config, layers, index == 0, index == pp - 1, batch.tokens, batch.seq_len, checkpointing,
-                    imbalance) / rate
+                    imbalance, tp, sequence_parallel) / rate
         for index, layers in enumerate(stage_layers)
     ]  # fmt: skip
     micro = max(per_stage)

@@ -74,12 +74,15 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from mula_lightning.checkpoint.sharded import sharded_checkpoint_parts
+    from mula_lightning.parallel.params import local_tensor
     from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
     from mula_lightning.parallel.topology import build_topology
     from mula_lightning.strategies.epso import EPSOSettings, setup_epso_module
 
+    tp, etp, sp = spec.get("tp", 1), spec.get("etp", 1), spec.get("sp", False)
     settings = EPSOSettings(
         ep_size=spec["ep"], pp_size=spec["pp"], sharded_optimizer=spec["mode"], dispatcher=spec["dispatcher"],
+        tp_size=tp, etp_size=etp, sequence_parallel=sp,
         activation_checkpointing=spec["checkpointing"] or False, pp_schedule=spec["schedule"],
         pp_microbatches=spec["micro_batches"] if spec["pp"] > 1 else None, pp_virtual_stages=spec["virtual"],
         reduce_dtype=getattr(torch, spec["reduce_dtype"]), bucket_numel=spec["bucket_numel"],
@@ -87,7 +90,7 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # the mesh is built from real tensors (DeviceMesh reads its rank grid); everything after it is on meta
-    topology = build_topology(settings.ep_size, 1, False, 1, settings.pp_size)
+    topology = build_topology(settings.ep_size, tp, sp, etp, settings.pp_size)
     setup_epso_module(model, settings, torch.device("meta"), topology)
     sharded = ShardedAdamW.from_optimizer(model, optimizer, topology, names, **settings.optimizer_kwargs())
     padding = sum(b.numel - sum(s.numel for s in b.slots) for buf in sharded.buffers.values() for b in buf.buckets)
@@ -99,7 +102,9 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
             nbytes = state[key].numel() * state[key].element_size()
             master, moments = (master + nbytes, moments) if key == "master" else (master, moments + nbytes)
     measured = {
-        "weights": sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()),
+        "weights": sum(
+            local_tensor(p).numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
+        ),
         "gradients": grad_bytes - padding * grad_elem,
         "master": master,
         "moments": moments,
@@ -111,6 +116,10 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
         "stage": stage if spec["pp"] > 1 else list(range(dist.get_world_size())),
         "pp": _ranks(topology.pp_group, rank),
     }
+    if tp > 1:
+        groups.update(tp=_ranks(topology.tp_group, rank), dense_dp=_ranks(topology.dense_dp_group, rank))
+    if etp > 1:
+        groups["expert"] = _ranks(topology.expert_group, rank)
     tensors, _, planner = sharded_checkpoint_parts({"model": model, "optimizer": sharded}, topology)
     files = _checkpoint_writes(tensors, planner, rank, groups["edp"], stage)
     return {"measured": measured, "padding_elements": padding, "groups": groups, **files}
@@ -291,7 +300,8 @@ def check_trace(traced: dict[str, Any], planned: dict[str, Any], layout: Any) ->
                 "the code disagree"
             )
     if layout.strategy == "epso":
-        sizes = {"ep": layout.ep, "edp": layout.dp, "stage": world // layout.pp, "pp": layout.pp}
+        sizes = {"ep": layout.ep, "edp": layout.dp, "stage": world // layout.pp, "pp": layout.pp, "tp": layout.tp,
+                 "dense_dp": layout.dense_dp, "expert": layout.ep * layout.etp}  # fmt: skip
     else:  # the engine's own groups (one rank: no group, the rank alone), dense family and expert slices
         from mula_lightning.parallel.zero.layout import expert_layout
 
