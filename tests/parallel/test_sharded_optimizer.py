@@ -430,3 +430,47 @@ def test_global_norm_is_reduced_once_until_the_gradients_change(bucket_numel):
         assert first == pytest.approx(expected, rel=1e-12)
         assert after == pytest.approx(0.5 * expected, rel=1e-6)  # torch's clip coefficient: max / (norm + 1e-6)
         assert (before_clip, calls) == (1, 2)
+
+
+def _bf16_reduction(rank, world_size, ep, mode, reduce_dtype):
+    from mula_lightning.parallel.sharded_optimizer import COPIES_IN_FLIGHT
+
+    topo = build_topology(ep)
+    full = _full_params(torch.float32)
+    model = _Model({n: (_slice(t, topo.ep_rank, ep) if n in EXPERT_SHAPES else t) for n, t in full.items()})
+    params = dict(model.named_parameters())
+    opt = ShardedAdamW(model, topo, mode, bucket_numel=12, reduce_dtype=reduce_dtype, **HP)
+    in_flight = []
+    for n, p in reversed(params.items()):  # one parameter at a time: buckets launch as backward reaches them
+        (p * _grad(n, p.shape, 0, rank, torch.float32)).sum().backward()
+        in_flight.append(sum(work is not None for work, _ in opt._pending.values()))
+    launched = len(opt._pending)
+    opt.finish_grad_sync()
+    return in_flight, launched, COPIES_IN_FLIGHT, opt.owned_gradient_segments()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode, reduce_dtype", [("ep_aware", torch.bfloat16), ("dp", torch.bfloat16),
+                                               ("none", torch.bfloat16), ("ep_aware", torch.float32)])  # fmt: skip
+def test_reductions_keep_a_bounded_number_of_bucket_copies_in_flight(mode, reduce_dtype):
+    """With ``reduce_dtype=bfloat16`` each bucket is reduced from a bf16 copy of its float32 gradients (and gloo's
+    emulated reduce-scatter receives into a copy of any bucket), which the launched collective holds until it is
+    waited for: at most ``COPIES_IN_FLIGHT`` are in flight at any time of the backward (4 ranks, EP 2, buckets of 12
+    elements: many more buckets than that), and every rank's reduced shard still equals the mean of the ranks'
+    gradients (to bf16's precision)."""
+    results = run_pooled_test(_bf16_reduction, 4, ep=2, mode=mode, reduce_dtype=reduce_dtype, timeout=120)
+    mean = {}  # every family divides by W = 4; an expert slice sums the ranks of its EP index
+    for name, t in _full_params(torch.float64).items():
+        if name in EXPERT_SHAPES:
+            parts = [sum(_grad(name, _slice(t, j, 2).shape, 0, r, torch.float32).double() for r in range(j, 4, 2))
+                     for j in range(2)]  # fmt: skip
+            mean[name] = torch.cat(parts) / 4
+        else:
+            mean[name] = sum(_grad(name, t.shape, 0, r, torch.float32).double() for r in range(4)) / 4
+    for in_flight, launched, bound, segments in results:
+        assert max(in_flight) <= bound < launched, (in_flight, launched)
+        assert segments
+        for name, offset, values in segments:  # offsets into the whole flattened parameter
+            expected = mean[name].reshape(-1)[offset : offset + values.numel()]
+            scale = mean[name].abs().max().item()
+            torch.testing.assert_close(values.double(), expected, rtol=2**-6, atol=2**-6 * scale)

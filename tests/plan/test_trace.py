@@ -4,8 +4,8 @@ group, compared with the plan.
 In ``make test`` the worlds are smaller than the papers' (192 and 32 ranks; the 12,288-rank 220B recipe and the
 384-rank ZeRO-topo layout are in BENCHMARKS.md): the traced bytes of every state kind equal the plan's up to the
 flat buffers' padding, every group has the layout's size and contains the rank, the checkpoint's DCP plan names the
-rank's file, and each traced process stays below 4 GB resident. A disagreement and a rank outside the world are
-named in one line.
+rank's file, and each traced process stays below 4 GB resident; the items the trace says each rank writes are those
+a real save of 4 gloo ranks writes. A disagreement and a rank outside the world are named in one line.
 """
 
 import json
@@ -93,3 +93,75 @@ def test_disagreements_and_bad_ranks_are_named(capsys):
         assert mula(["plan", "mula-1b", "--trace", "--ranks", ranks]) == 1
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def _config():
+    from mula_lightning.models import MulaConfig
+
+    return MulaConfig.from_name(
+        "mula-tiny-moe", vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
+        intermediate_size=16, num_experts=4, top_k=2,
+    )  # fmt: skip
+
+
+SAVES = {  # name: strategy, its arguments
+    "epso ep2 tp2": ("epso", dict(ep_size=2, tp_size=2)),
+    "epso pp2 ep2": ("epso", dict(ep_size=2, pp_size=2, pp_microbatches=2)),
+    "zero_topo ep2": ("zero_topo", dict(ep_size=2, ranks_per_node=2, ranks_per_gpu=2)),
+}
+
+
+def _save(rank, world_size, name, path):
+    import torch
+    from lightning.fabric import Fabric
+
+    from mula_lightning.models import MulaForCausalLM
+    from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
+
+    kind, kwargs = SAVES[name]
+    strategy = FabricEPSOStrategy(**kwargs) if kind == "epso" else FabricZeroTopoStrategy(**kwargs)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="bf16-true")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MulaForCausalLM(_config())
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank // kwargs.get("tp_size", 1)))
+    if kwargs.get("pp_size", 1) > 1:
+        strategy.pipeline_step(x, x)
+    else:
+        fabric.backward(model(x, labels=x).loss)
+    optimizer.step()
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(SAVES))
+def test_traced_checkpoint_writes_equal_a_real_save(name, tmp_path):
+    """The DCP items the trace says each rank writes (the DP-scattered choice of a writer for every replicated item)
+    are those a real save of the same layout on 4 gloo ranks puts in that rank's file: ``epso`` EP 2 x TP 2, PP 2 x
+    EP 2, and ``zero_topo`` (EP 2, weights over a GPU's 2 ranks)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mula_lightning.plan.trace import trace
+    from mula_lightning.testing import run_pooled_test
+
+    kind, kwargs = SAVES[name]
+    path = tmp_path / "ckpt"
+    run_pooled_test(_save, 4, name=name, path=str(path), timeout=300)
+    items: dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        items[info.relative_path] = items.get(info.relative_path, 0) + 1
+    spec = {
+        "config": dataclasses.asdict(_config()), "world_size": 4, "strategy": kind, "ep": 2,
+        "pp": kwargs.get("pp_size", 1),
+        "tp": kwargs.get("tp_size", 1), "etp": 1, "sp": False, "mode": "ep_aware", "precision": "bf16-true",
+        "zero_sizes": (0, 0, 0, 0), "ranks_per_node": 2, "ranks_per_gpu": kwargs.get("ranks_per_gpu", 1),
+        "dispatcher": "allgather", "checkpointing": None, "schedule": "1f1b", "micro_batches": 2, "virtual": 1,
+        "reduce_dtype": "float32", "bucket_numel": 40_000_000,
+    }  # fmt: skip
+    traced = {t["rank"]: t for t in trace(spec, [0, 1, 2, 3])}
+    for rank, t in traced.items():
+        written = items.get(f"__{rank}_0.distcp", 0)
+        assert (t["checkpoint_items"], t["checkpoint_files"]) == (written, [f"__{rank}_0.distcp"] if written else [])

@@ -82,7 +82,11 @@ def backend_for_device(backend: str, device_type: str) -> str:
 
 
 class _SumOnWait:
-    """The work of :func:`reduce_scatter_single` on gloo: waits for the all-to-all, then sums what arrived."""
+    """The work of :func:`reduce_scatter_single` on gloo: waits for the all-to-all, then sums what arrived. Until
+    then it holds a receive buffer of the input's size (``holds_input_copy``: callers that launch many bound how
+    many are in flight)."""
+
+    holds_input_copy = True
 
     def __init__(self, work: Any, recv: torch.Tensor, out: torch.Tensor, size: int) -> None:
         self.work, self.recv, self.out, self.size, self.done = work, recv, out, size, False

@@ -22,7 +22,9 @@ ep_aware   expert        RS over dp              over dp (DP)        AG over dp
 
 On one rank, for every family: backward hooks add each parameter's gradient into the family's gradient
 buffer; when every parameter of a bucket is ready (and synchronisation is on: the last micro-batch of a
-gradient-accumulation window) the bucket's RS is launched asynchronously, overlapping the rest of backward.
+gradient-accumulation window) the bucket's RS is launched asynchronously, overlapping the rest of backward (a
+reduction that holds a copy of its bucket, cast to ``reduce_dtype`` or gloo's receive buffer, is waited for once
+more than :data:`COPIES_IN_FLIGHT` are in flight, so the copies never add up to a copy of every gradient).
 ``step()`` waits for the reductions, runs the cross-group AR of the owned shard where the table says so,
 clips by the global norm (each element counted once: a shard replicated R times is counted 1/R each), updates
 the owned fp32 shard with AdamW (decoupled weight decay), writes it into the parameters and all-gathers.
@@ -49,6 +51,7 @@ element of the model is owned by exactly one rank.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +70,10 @@ from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.precision import at_least_float32
 
 MODES = ("ep_aware", "dp", "none")
+#: reductions of bucket copies in flight at once (a cast copy when ``reduce_dtype`` is not the buffers' dtype, gloo's
+#: receive buffer): a launched collective holds its input until it is waited for, so launching every bucket's copy
+#: before the step waits would keep a copy of every gradient (the model's gradients in bf16: 14 GB for a 7B model)
+COPIES_IN_FLIGHT = 2
 
 
 @dataclass
@@ -266,6 +273,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.master_dtype = torch.float32  # of half-precision parameters; float32 / float64 ones are their own master
         self._init_state()
         self._pending: dict[tuple[str, int], Any] = {}
+        self._copies: deque[tuple[str, int]] = deque()  # buckets whose cast copy a launched reduction holds
         self._ready: dict[tuple[str, int], set[int]] = {}  # per bucket, its parameters with a gradient this round
         #: per bucket, the owned result of reductions already finished this step (several synchronised backwards)
         self._banked: dict[tuple[str, int], torch.Tensor] = {}
@@ -432,6 +440,26 @@ class ShardedAdamW(torch.optim.Optimizer):
             _record("all_reduce", plan.cross_group, plan.cross_size, send, send, fam)
             out = send
         self._pending[(fam, bucket_index)] = (work, out)
+        copied = send is not view or getattr(work, "holds_input_copy", False)
+        if copied and work is not None:  # bound the bucket copies alive (COPIES_IN_FLIGHT)
+            self._copies.append((fam, bucket_index))
+            while len(self._copies) > COPIES_IN_FLIGHT:
+                self._settle(*self._copies.popleft())
+
+    def _settle(self, fam: str, bucket_index: int) -> None:
+        """Wait for a launched reduction of a bucket copy so the copy can be freed: a reduce-scatter's owned result
+        stays (shard-sized); a replicated bucket's all-reduced copy is written back into the float32 buffer."""
+        key = (fam, bucket_index)
+        if key not in self._pending:  # completed already (finish_grad_sync, a banked reduction)
+            return
+        work, out = self._pending[key]
+        if work is not None:
+            work.wait()
+        if self.plans[fam].shard_size == 1 and out is not None:
+            b = self.buffers[fam].buckets[bucket_index]
+            self.buffers[fam].grads[b.start : b.start + b.numel].copy_(out)
+            out = None
+        self._pending[key] = (None, out)
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction so each rank holds its owned, fully reduced gradient shard."""
@@ -452,6 +480,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 if banked is not None:
                     target.add_(banked)
         self._ready.clear()
+        self._copies.clear()
 
     def _complete_reduction(self, fam: str, b: Any) -> torch.Tensor:
         """Wait for the bucket's launched reduction (and run the cross-group all-reduce where the plan has one);
@@ -605,6 +634,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad = None
         self._ready.clear()
         self._pending.clear()
+        self._copies.clear()
         self._banked.clear()
         self._synced = False
         self._grad_norm = None

@@ -207,6 +207,7 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         schedule=given("pp_schedule", "1f1b"),
         virtual=int(given("pp_virtual_stages", 1)),
         imbalance=float(given("imbalance", 1.25)),
+        bucket_numel=fit.get("bucket_numel", 40_000_000),
     )
     head = {
         "model": {"name": config.name, "total_params": config.num_params(), "active_params": config.num_params(True)},

@@ -8,10 +8,10 @@ communication buffers of the strategy and the cluster's reserved memory. ``mula 
 Communication buffers and the step's other transients (compared with a measured step in ``benchmarks/memory.py``):
 
 * ``epso``: the larger of backward's (the gradient reduction's output shards, ``owned x reduce bytes``; when
-  gradients travel in another dtype than their float32 buffers, ``reduce_dtype=bfloat16``, the cast copy of every
-  bucket, all launched before the step waits for them; the largest parameter's whole gradient before its hook adds
-  it to the buffer) and the optimizer step's (nothing where the library gathers in place, else a temporary of every
-  bucket's gathered weights, all in flight together: gloo);
+  gradients travel in another dtype than their float32 buffers, ``reduce_dtype=bfloat16``, the cast copies of the
+  buckets whose reductions are in flight, at most ``COPIES_IN_FLIGHT`` of the sharded optimizer's; the largest
+  parameter's whole gradient before its hook adds it to the buffer) and the optimizer step's (nothing where the
+  library gathers in place, else a temporary of every bucket's gathered weights, all in flight together: gloo);
 * ``zero_topo``: the root unit (embedding, final norm, head) gathered from the model's forward to the end of its
   backward with its float32 gradient, a layer and the previous one (prefetched) gathered with that layer's float32
   gradient, and the largest parameter's whole gradient.
@@ -28,6 +28,7 @@ from typing import Any
 from mula_lightning.models.config import MulaConfig
 from mula_lightning.parallel.hardware import HardwareTopology
 from mula_lightning.parallel.pipeline import stage_layer_ranges
+from mula_lightning.parallel.sharded_optimizer import COPIES_IN_FLIGHT
 from mula_lightning.plan.activations import rank_layers, stage_activation_bytes
 from mula_lightning.plan.clusters import GB, Cluster
 from mula_lightning.plan.comm import REDUCE_BYTES, Batch, bytes_per_link, comm_bytes
@@ -51,6 +52,7 @@ class Training:
         reduce_dtype: ``epso``'s gradient reduction dtype.
         schedule / virtual: the pipeline schedule and virtual stages per rank.
         imbalance: routing headroom: rows the busiest rank's experts compute, over the balanced ``S x K``.
+        bucket_numel: ``epso``'s elements per communication bucket (None: one bucket per family).
     """
 
     micro_batch_size: int = 1
@@ -62,6 +64,7 @@ class Training:
     schedule: str = "1f1b"
     virtual: int = 1
     imbalance: float = 1.25
+    bucket_numel: int | None = 40_000_000
 
     def batch(self, pp: int) -> Batch:
         """The micro-batches one rank computes per step."""
@@ -102,7 +105,8 @@ def _buffers(config: MulaConfig, layout: Layout, cluster: Cluster, states: dict[
         reduce = REDUCE_BYTES[training.reduce_dtype]
         owned = states["moments"] // 8
         local = round(sum(epso_families(stage, layout).values()))
-        backward = owned * reduce + (local * reduce if reduce != 4 else 0) + largest
+        copies = min(local, COPIES_IN_FLIGHT * training.bucket_numel) if training.bucket_numel else local
+        backward = owned * reduce + (copies * reduce if reduce != 4 else 0) + largest
         step = 0 if cluster.inplace_all_gather else local * param_bytes  # every bucket's gather in flight at once
         return max(backward, step)
     layers = layer_counts(config)

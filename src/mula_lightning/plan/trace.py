@@ -74,7 +74,7 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from mula_lightning.checkpoint.sharded import sharded_checkpoint_parts
-    from mula_lightning.parallel.params import local_tensor
+    from mula_lightning.parallel.params import is_tensor_parallel, local_tensor
     from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
     from mula_lightning.parallel.topology import build_topology
     from mula_lightning.strategies.epso import EPSOSettings, setup_epso_module
@@ -121,15 +121,19 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     if etp > 1:
         groups["expert"] = _ranks(topology.expert_group, rank)
     tensors, _, planner = sharded_checkpoint_parts({"model": model, "optimizer": sharded}, topology)
-    files = _checkpoint_writes(tensors, planner, rank, groups["edp"], stage)
+    shards = {f"model.{name}" for name, p in model.named_parameters() if is_tensor_parallel(p)}
+    dense_dp = groups.get("dense_dp", stage)
+    files = _checkpoint_writes(tensors, planner, rank, dist.get_world_size(), groups["edp"], stage, shards, dense_dp)
     return {"measured": measured, "padding_elements": padding, "groups": groups, **files}
 
 
-def _checkpoint_writes(tensors: dict[str, Any], planner: Any, rank: int, replicas: list[int],
-                       stage: list[int]) -> dict[str, Any]:  # fmt: skip
+def _checkpoint_writes(tensors: dict[str, Any], planner: Any, rank: int, world: int, replicas: list[int],
+                       stage: list[int], shards: set[str] = frozenset(),
+                       dense_dp: list[int] = ()) -> dict[str, Any]:  # fmt: skip
     """The DCP items this rank writes after the DP-scattered choice of a writer for every replicated item, as the
-    coordinator's de-duplication would make it (an expert slice is held by its EP slice's replicas, any other model
-    tensor by every rank of the stage, an optimizer shard by its owner)."""
+    coordinator's de-duplication would make it (an expert slice is held by its EP slice's replicas, a tensor-parallel
+    shard (``shards``) by its ``dense_dp`` replicas, any other model tensor by every rank of the stage, an optimizer
+    shard by its owner, a value every rank saves by the rank the planner picks among them all)."""
     import math
 
     planner.set_up_planner(tensors, is_coordinator=rank == 0)
@@ -139,10 +143,12 @@ def _checkpoint_writes(tensors: dict[str, Any], planner: Any, rank: int, replica
         fqn = item.index.fqn
         chunk = getattr(item.tensor_data, "chunk", None)
         offsets, sizes = (list(chunk.offsets), list(chunk.sizes)) if chunk is not None else (None, None)
-        if fqn.startswith("optimizer"):
+        if item.tensor_data is None:  # a value every rank saves (the optimizer's step and hyper-parameters)
+            holders = list(range(world))
+        elif fqn.startswith("optimizer"):
             holders = [rank]
         else:
-            holders = replicas if ".experts." in f".{fqn}" else stage
+            holders = replicas if ".experts." in f".{fqn}" else list(dense_dp) if fqn in shards else stage
         if planner.writer_of(fqn, sorted(holders), offsets, sizes) != rank:
             continue
         count += 1
@@ -181,14 +187,56 @@ def _trace_zero_topo(model: Any, spec: dict[str, Any], rank: int) -> dict[str, A
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = build_engine(model, optimizer, settings, world, names, initializer, torch.device("cpu"))
         held = engine.memory_bytes()
+        files = _zero_topo_writes(engine, model, rank, world)
     master = sum(u.master.numel() * u.master.element_size() for u in engine.units if not u.master_is_primary)
     measured = {"weights": held["weights"] + held["secondary"], "gradients": held["grads"], "master": master,
                 "moments": held["optimizer"] - master}  # fmt: skip
     families = [engine.dense] + ([engine.experts] if engine.experts is not engine.dense else [])
     groups = {f"{fam.name}.{kind}": _ranks(group, rank) for fam in families for kind, (group, *_) in fam.groups.items()}
     padding = sum(u.buf.numel - sum(slot.numel for slot in u.buf.slots) for u in engine.units)
-    return {"measured": measured, "padding_elements": padding, "groups": groups, "checkpoint_files": None,
-            "checkpoint_items": None, "checkpoint_bytes": None}  # fmt: skip
+    return {"measured": measured, "padding_elements": padding, "groups": groups, **files}
+
+
+def _zero_topo_writes(engine: Any, model: Any, rank: int, world: int) -> dict[str, Any]:
+    """The DCP items this rank writes of what :class:`~mula_lightning.strategies.ZeroTopoStrategy` saves (its
+    logical-key state dicts, :class:`~mula_lightning.checkpoint.scattered.SpreadReplicasSavePlanner`): a piece of a
+    primary weight chunk is held by the family's ranks at the same position of their weight groups and written by
+    the one of them its key hashes to; an optimizer range by its owner in the family's first optimizer group; an
+    item every rank holds (buffers, the step) by rank 0."""
+    import math
+    import zlib
+
+    from mula_lightning.checkpoint.scattered import SpreadReplicasSavePlanner
+    from mula_lightning.parallel.zero import state_dict as zc
+
+    tensors = {"model": zc.model_state_dict(engine, model), "optimizer": zc.optimizer_state_dict(engine)}
+    planner = SpreadReplicasSavePlanner()
+    planner.set_up_planner(tensors, is_coordinator=rank == 0)
+    plan = planner.create_local_plan()
+    families = {f"model.{slot.name}": u.family for u in engine.units for slot in u.buf.slots}
+    written = count = 0
+    for item in plan.items:
+        fqn, family = item.index.fqn, families.get(item.index.fqn)
+        if fqn.startswith("optimizer.state."):
+            holders = [rank]
+        elif family is None:  # replicated on every rank
+            holders = list(range(world))
+        else:
+            lay, w = family.layout, family.layout.weight_size
+            holders = [family.offset + family.stride * k for k in range(family.index % w, lay.world_size, w)]
+        if len(holders) in (1, world):
+            writer = min(holders)
+        else:
+            key = f"{fqn}@{tuple(item.index.offset) if item.index.offset is not None else ()}"
+            writer = sorted(holders)[zlib.crc32(key.encode()) % len(holders)]
+        if writer != rank:
+            continue
+        count += 1
+        if item.tensor_data is not None:
+            sizes = list(item.tensor_data.chunk.sizes)
+            written += math.prod(sizes) * item.tensor_data.properties.dtype.itemsize
+    return {"checkpoint_files": [f"__{rank}_0.distcp"] if count else [], "checkpoint_items": count,
+            "checkpoint_bytes": written}  # fmt: skip
 
 
 def trace_in_process(spec: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +263,8 @@ def trace_in_process(spec: dict[str, Any]) -> dict[str, Any]:
             with torch.device("meta"):
                 model = MulaForCausalLM(config).to(dtype)
             traced = (_trace_epso if spec["strategy"] == "epso" else _trace_zero_topo)(model, spec, rank)
+            if rank == 0:  # the save's metadata item (the state's entries that are not tensors): rank 0 writes it
+                traced.update(checkpoint_items=traced["checkpoint_items"] + 1, checkpoint_files=["__0_0.distcp"])
         finally:
             dist.destroy_process_group()
     traced.update(rank=rank, seconds=time.perf_counter() - start, peak_resident_bytes=memory.peak)
