@@ -16,6 +16,7 @@ from mula_lightning.checkpoint.slots import SLOT_NAMES, read_marker
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import EPSOStrategy
 from mula_lightning.testing import DistributedTestError, run_pooled_test
+from mula_lightning.utils.launch_env import NanRecord, parse_nan_line
 
 BAD_RANK, BAD_STEP = 2, 3
 
@@ -96,9 +97,9 @@ def _tensors(obj):
 def test_nan_in_one_rank_gradient_stops_all_ranks_with_report_and_clean_checkpoints(tmp_path):
     """A NaN injected into rank 2's lm_head gradient at step 3 (finite loss): detected at step 3, all 4 ranks exit
     with NAN_EXIT_CODE within the harness's 2 s grace (none is left hanging and killed), the report names rank 2,
-    its host node1, its device and lm_head.weight first, node1 is appended to failed_hosts.txt with its step, rank,
-    expert-parallel group and the event's size (what mula launch attributes from), no checkpoint is
-    newer than step 3 and every tensor of every checkpoint on disk is finite.
+    its host node1, its device and lm_head.weight first, node1 is added to failed_hosts.txt (a host list) and its
+    step, rank, expert-parallel group and the event's size to nan_events.jsonl (what mula launch attributes from), no
+    checkpoint is newer than step 3 and every tensor of every checkpoint on disk is finite.
     Then, from the same run: a model-only checkpoint holds exactly the full checkpoint's weights, a fresh
     single-process Trainer restarts from it with fresh optimizer states, and the size ratio is printed."""
     with pytest.raises(DistributedTestError) as info:
@@ -111,8 +112,9 @@ def test_nan_in_one_rank_gradient_stops_all_ranks_with_report_and_clean_checkpoi
     (bad,) = report["ranks"]
     assert (bad["rank"], bad["host"], bad["device"], bad["loss_finite"]) == (BAD_RANK, "node1", "cpu", True)
     assert bad["first_offending_tensors"][0] == "model.lm_head.weight"
-    expected = f"node1 step={BAD_STEP} ranks={BAD_RANK} ep_groups={BAD_RANK // 2} bad=1 world=4\n"  # EP=2
-    assert (tmp_path / "nan" / "failed_hosts.txt").read_text() == expected
+    assert (tmp_path / "nan" / "failed_hosts.txt").read_text() == "node1\n"  # a host list: srun --exclude reads it
+    (event,) = (tmp_path / "nan" / "nan_events.jsonl").read_text().splitlines()
+    assert parse_nan_line(event) == NanRecord("node1", BAD_STEP, [BAD_RANK], [BAD_RANK // 2], 1, 4)  # EP=2
 
     steps = sorted(read_marker(tmp_path / "dual" / n)["step"] for n in SLOT_NAMES)
     assert steps == [BAD_STEP - 1, BAD_STEP]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
-    FAILED_HOSTS_ENV,
     FAULT_ENV,
+    NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
     HeartbeatClient,
     NanRecord,
@@ -57,7 +57,7 @@ def main() -> int:
             elif fault.kind == "abort":
                 os.abort()
             else:
-                with open(os.environ[FAILED_HOSTS_ENV], "a") as fh:
+                with open(os.environ[NAN_EVENTS_ENV], "a") as fh:
                     fh.write(NanRecord(host_name(), step=step - 1, ranks=[rank]).line() + "\n")
                 return NAN_EXIT_CODE
         time.sleep(step_s)

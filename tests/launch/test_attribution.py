@@ -45,9 +45,13 @@ def test_nan_one_unit_is_a_suspect_several_units_or_a_replayed_step_a_divergence
 
 
 def test_nan_lines_round_trip_and_old_lines_still_parse():
-    """NaNDetector's line format reads back; a bare host line (an older writer) and junk values parse leniently."""
+    """NaNDetector's JSON line reads back; an earlier version's ``HOST key=value`` line, a bare host line and junk
+    values parse leniently; a line that is not a record is skipped."""
     record = NanRecord("nid01", step=3, ranks=[4, 5], ep_groups=[1], bad=2, world=16)
-    assert parse_nan_line(record.line() + "\n") == record
+    assert parse_nan_line(record.line() + "\n") == record and record.line().startswith("{")
+    assert parse_nan_line(record.legacy_line()) == record
+    assert parse_nan_line('{"host": "nid04", "step": "x", "ranks": [1, "2"]}') == NanRecord("nid04", ranks=[1])
+    assert parse_nan_line('{"step": 3}') is None and parse_nan_line("{not json") is None
     assert parse_nan_line("nid02\n") == NanRecord("nid02")
     assert parse_nan_line("nid03 step=x ranks=1,2 what=3") == NanRecord("nid03", ranks=[1, 2])
     assert parse_nan_line("  \n") is None

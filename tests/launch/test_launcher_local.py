@@ -17,6 +17,7 @@ from mula_lightning.launch import (
     Launcher,
     LaunchOptions,
 )
+from mula_lightning.utils.launch_env import parse_nan_line
 
 
 @pytest.fixture
@@ -60,10 +61,11 @@ def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, 
     assert any("taken out: node0" in t for t in texts) and any("time lost" in t for t in texts)
 
 
-def test_nan_on_one_node_makes_it_a_suspect_and_twice_in_a_row_takes_it_out(launch, fake_env):
-    """Exit code 86 with one host in MULA_FAILED_HOSTS_FILE (what NaNDetector does): node0 is only a suspect (a bad
-    sample or a transient may have caused it) and the relaunch keeps it; a NaN on node0 again in that relaunch (at
-    another step) takes it out and the third attempt runs on the buffer node in its place."""
+def test_nan_on_one_node_makes_it_a_suspect_and_twice_in_a_row_takes_it_out(launch, fake_env, tmp_path):
+    """Exit code 86 with one host's record in MULA_NAN_EVENTS_FILE (what NaNDetector does): node0 is only a suspect
+    (a bad sample or a transient may have caused it) and the relaunch keeps it; a NaN on node0 again in that relaunch
+    (at another step) takes it out and the third attempt runs on the buffer node in its place. failed_hosts.txt lists
+    the host taken out, one name per line, once: ``srun --exclude=$(paste -sd, failed_hosts.txt)`` reads it."""
     code, report = launch("nan@step=3,node=node0;nan@step=6,node=node0,attempt=1", nnodes=3, buffer_nodes=1)
     assert code == 0
     first, second, third = report["attempts"]
@@ -71,6 +73,12 @@ def test_nan_on_one_node_makes_it_a_suspect_and_twice_in_a_row_takes_it_out(laun
     assert first["reason"].startswith("soft failure: NaN at step 2 on 1 rank on node0")
     assert second["nodes"] == ["node0", "node1", "node2"] and second["failed_hosts"] == ["node0"]
     assert third["nodes"] == ["node3", "node1", "node2"] and third["outcome"] == "succeeded"
+    hosts = tmp_path / "launch" / "failed_hosts.txt"
+    assert hosts.read_text() == "node0\n"
+    exclude = subprocess.run(["paste", "-sd,", str(hosts)], capture_output=True, text=True, check=True).stdout
+    assert f"--exclude={exclude.strip()}" == "--exclude=node0"
+    events = (tmp_path / "launch" / "nan_events.jsonl").read_text().splitlines()
+    assert {(r.host, r.step) for r in map(parse_nan_line, events)} == {("node0", 2), ("node0", 5)}
 
 
 def test_nan_on_every_rank_is_a_divergence_and_evicts_nobody(launch, fake_env):

@@ -45,12 +45,20 @@ from lightning.pytorch.callbacks import Callback
 from mula_lightning.parallel.params import local_tensor
 from mula_lightning.utils.dist import all_gather_object, flag_device, is_distributed
 from mula_lightning.utils.io import atomic_write_text
-from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EXIT_CODE, NanRecord, host_name
+from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EVENTS_ENV, NAN_EXIT_CODE, NanRecord, host_name
 
 REPORT_NAME = "nan_report.json"
 FAILED_HOSTS_NAME = "failed_hosts.txt"
+NAN_EVENTS_NAME = "nan_events.jsonl"
 
 log = logging.getLogger(__name__)
+
+
+def _append_host(path: Path, host: str) -> None:
+    """Add ``host`` to a host list (one name per line, as ``srun --exclude=$(paste -sd, FILE)`` reads it), once."""
+    if path.exists() and host in path.read_text().split():
+        return
+    _append_line(path, host)
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -67,9 +75,13 @@ class NaNDetector(Callback):
     """Stop the run on the first non-finite local loss or gradient; report the rank, host and tensors.
 
     Args:
-        report_dir: directory of ``nan_report.json`` (and of the failed-hosts file by default).
-        failed_hosts_file: file the offending hosts are appended to, one per line (default
-            ``report_dir/failed_hosts.txt``).
+        report_dir: directory of ``nan_report.json``, of ``nan_events.jsonl`` (one JSON record per offending host
+            and event: step, ranks, expert-parallel groups, the event's size) and of the failed-hosts file by
+            default.
+        failed_hosts_file: the host list the offending hosts are added to, one name per line, each once (default
+            ``report_dir/failed_hosts.txt``): ``srun --exclude=$(paste -sd, failed_hosts.txt)`` leaves them out.
+            Under ``mula launch`` the launcher's own ``failed_hosts.txt`` lists the hosts it took out, and its
+            ``nan_events.jsonl`` receives the events (what it attributes from).
         exit_code: the exit status of every rank after a detection (default :data:`NAN_EXIT_CODE`).
         max_tensors: how many offending tensors the report names per rank (first seen first).
 
@@ -168,9 +180,9 @@ class NaNDetector(Callback):
         if rank == 0:
             self.report_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.report_dir / REPORT_NAME, json.dumps(report, indent=1))
-            files = [self.failed_hosts_file]
-            if os.environ.get(FAILED_HOSTS_ENV) and Path(os.environ[FAILED_HOSTS_ENV]) != self.failed_hosts_file:
-                files.append(Path(os.environ[FAILED_HOSTS_ENV]))
+            events = [self.report_dir / NAN_EVENTS_NAME]
+            if os.environ.get(NAN_EVENTS_ENV) and Path(os.environ[NAN_EVENTS_ENV]) != events[0]:
+                events.append(Path(os.environ[NAN_EVENTS_ENV]))
             ep_size = max(1, int(getattr(getattr(trainer.strategy, "topology", None), "ep_size", 1)))
             for host in dict.fromkeys(r["host"] for r in offenders):
                 ranks = [r["rank"] for r in offenders if r["host"] == host]
@@ -182,8 +194,9 @@ class NaNDetector(Callback):
                     bad=len(bad_ranks),
                     world=report["world_size"],
                 ).line()
-                for path in files:
+                for path in events:
                     _append_line(path, line)
+                _append_host(self.failed_hosts_file, host)
         if distributed:
             dist.barrier()  # the report is on disk before anyone leaves
         where = ", ".join(
@@ -199,4 +212,12 @@ class NaNDetector(Callback):
         os._exit(self.exit_code)  # now, on every rank: no later hook (checkpoint, logger) may run after the event
 
 
-__all__ = ["FAILED_HOSTS_ENV", "FAILED_HOSTS_NAME", "NAN_EXIT_CODE", "REPORT_NAME", "NaNDetector", "host_name"]
+__all__ = [
+    "FAILED_HOSTS_ENV",
+    "FAILED_HOSTS_NAME",
+    "NAN_EVENTS_NAME",
+    "NAN_EXIT_CODE",
+    "REPORT_NAME",
+    "NaNDetector",
+    "host_name",
+]

@@ -64,6 +64,7 @@ from mula_lightning.utils.launch_env import (
     FAILED_HOSTS_ENV,
     HEARTBEAT_ENV,
     LAUNCH_ID_ENV,
+    NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
 )
 
@@ -196,7 +197,8 @@ class Launcher:
             )
         self.pool = NodePool(all_nodes[:wanted], options.nnodes)
         self.report_dir = Path(options.report_dir)
-        self.failed_hosts_file = self.report_dir / "failed_hosts.txt"
+        self.failed_hosts_file = self.report_dir / "failed_hosts.txt"  # the hosts taken out, one name per line
+        self.nan_events_file = self.report_dir / "nan_events.jsonl"  # NaNDetector's records, one JSON per line
         self.launch_id = uuid.uuid4().hex[:12]
         settings = {k: v for k, v in asdict(options).items() if k != "command"}
         settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
@@ -228,6 +230,7 @@ class Launcher:
         opts = self.options
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.failed_hosts_file.touch()
+        self.nan_events_file.touch()
         if opts.backend == "slurm" and (warning := no_kill_warning()) is not None:
             self.report.event(f"warning: {warning}", no_kill=False)
         failure_at: float | None = None
@@ -252,6 +255,7 @@ class Launcher:
                 HEARTBEAT_ENV: server.address,
                 ATTEMPT_ENV: str(attempt),
                 FAILED_HOSTS_ENV: str(self.failed_hosts_file.resolve()),
+                NAN_EVENTS_ENV: str(self.nan_events_file.resolve()),
                 LAUNCH_ID_ENV: self.launch_id,
             }
             handle = None
@@ -298,7 +302,7 @@ class Launcher:
         records: dict[int, dict[str, Any]] = {}
         steps: dict[int, int] = {}
         exited_ok: set[int] = set()  # processes known to have exited 0 (a rank that only reported "end" may hang)
-        hosts_offset = self.failed_hosts_file.stat().st_size
+        events_offset = self.nan_events_file.stat().st_size
         written = start
         while True:
             exits = handle.poll()
@@ -318,7 +322,7 @@ class Launcher:
                     exited_ok.update(ended.ranks)
             bad = [e for e in exits if e.code != 0]
             if bad:
-                self._on_exit_failure(handle, record, bad, hosts_offset)
+                self._on_exit_failure(handle, record, bad, events_offset)
                 return False
             if handle.finished():
                 if handle.succeeded():
@@ -374,7 +378,7 @@ class Launcher:
             return None
         return silent, min(seen[r][1] if r in seen else start for r in silent)
 
-    def _on_exit_failure(self, handle: Any, record: AttemptRecord, bad: list[RankExit], hosts_offset: int) -> None:
+    def _on_exit_failure(self, handle: Any, record: AttemptRecord, bad: list[RankExit], events_offset: int) -> None:
         opts = self.options
         first = bad[0]
         record.failure_at = time.time() - (time.monotonic() - first.at)
@@ -387,8 +391,8 @@ class Launcher:
         record.ended = time.time()
         record.outcome = "failed"
         if any(e.code == NAN_EXIT_CODE for e in bad):
-            with open(self.failed_hosts_file) as fh:
-                fh.seek(hosts_offset)
+            with open(self.nan_events_file) as fh:
+                fh.seek(events_offset)
                 nan_records = [r for r in map(parse_nan_line, fh) if r is not None]
             verdict = attribute_nan(nan_records, self._previous_nan)
             self._previous_nan = nan_records
@@ -447,6 +451,7 @@ class Launcher:
             record.suspect_hosts = known
             for host in self.pool.mark_suspects(known, verdict.reason):
                 record.failed_hosts.append(host)
+                self._list_failed(host)
         else:
             self.pool.clear_suspects()
 
@@ -466,6 +471,14 @@ class Launcher:
         if self._known_host(host, why) and host not in record.failed_hosts:
             self.pool.mark_failed(host, why)
             record.failed_hosts.append(host)
+            self._list_failed(host)
+
+    def _list_failed(self, host: str) -> None:
+        """Add a host taken out to ``failed_hosts.txt`` (one name per line, each once: what a job script passes to
+        ``srun --exclude=$(paste -sd, failed_hosts.txt)``; the reasons are in the launch report)."""
+        if host not in self.failed_hosts_file.read_text().split():
+            with open(self.failed_hosts_file, "a") as fh:
+                fh.write(host + "\n")
 
     def _announce_failure(self, record: AttemptRecord) -> None:
         out = f"; taken out: {', '.join(record.failed_hosts)}" if record.failed_hosts else ""

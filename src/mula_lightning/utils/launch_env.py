@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "ATTEMPT_ENV",
     "FAILED_HOSTS_ENV",
+    "NAN_EVENTS_ENV",
     "FAULT_ENV",
     "FAULT_KINDS",
     "HEARTBEAT_ACK",
@@ -57,7 +58,9 @@ HEARTBEAT_ACK = b"ok\n"
 HEARTBEAT_MAX_LINE = 65536
 #: the attempt number the launcher gives each attempt (0 for the first)
 ATTEMPT_ENV = "MULA_LAUNCH_ATTEMPT"
-#: the failed-hosts file of the attempt (NaNDetector appends the hosts it blames)
+#: the launcher's file of NaN events (NaNDetector appends one JSON record per blamed host: :class:`NanRecord`)
+NAN_EVENTS_ENV = "MULA_NAN_EVENTS_FILE"
+#: kept for code that still reads it: the launcher's failed-hosts file (a host list, one name per line)
 FAILED_HOSTS_ENV = "MULA_FAILED_HOSTS_FILE"
 #: one id per launch, in every rank's environment (finds the processes of a launch)
 LAUNCH_ID_ENV = "MULA_LAUNCH_ID"
@@ -264,11 +267,11 @@ class HeartbeatClient:
 
 @dataclass
 class NanRecord:
-    """One line NaNDetector appended to the launcher's failed-hosts file: ``HOST key=value ...``.
+    """One host of a NaN event, as NaNDetector appends it to the NaN-events file: one JSON object per line.
 
     ``ranks``: this host's non-finite ranks; ``ep_groups``: their expert-parallel groups; ``bad``: non-finite ranks
-    in the whole event; ``world``: the world size; ``step``: optimizer steps completed before the skipped one. A line
-    with the host only (an older writer) leaves the others empty.
+    in the whole event; ``world``: the world size; ``step``: optimizer steps completed before the skipped one.
+    (The failed-hosts file beside it holds the host names only, one per line, for ``srun --exclude``.)
     """
 
     host: str
@@ -279,6 +282,12 @@ class NanRecord:
     world: int | None = None
 
     def line(self) -> str:
+        """The record as one line of the NaN-events file (JSON)."""
+        return json.dumps({"host": self.host, "step": self.step, "ranks": self.ranks, "ep_groups": self.ep_groups,
+                           "bad": self.bad, "world": self.world})  # fmt: skip
+
+    def legacy_line(self) -> str:
+        """The ``HOST key=value ...`` line earlier versions appended to the failed-hosts file."""
         parts = [self.host]
         if self.step is not None:
             parts.append(f"step={self.step}")
@@ -294,10 +303,26 @@ class NanRecord:
 
 
 def parse_nan_line(line: str) -> NanRecord | None:
-    """A failed-hosts line as a :class:`NanRecord`; None for a blank line. Unknown keys and bad values are skipped
-    (the host is what matters)."""
+    """A NaN-events line (JSON) as a :class:`NanRecord`; None for a blank line. An earlier version's ``HOST
+    key=value ...`` line, or a host name alone, is read too. Unknown keys and bad values are skipped (the host is
+    what matters)."""
     if not line.strip():
         return None
+    if line.lstrip().startswith("{"):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("host"), str):
+            return None
+        record = NanRecord(data["host"])
+        for key in ("step", "bad", "world"):
+            if isinstance(data.get(key), int):
+                setattr(record, key, data[key])
+        for key in ("ranks", "ep_groups"):
+            if isinstance(data.get(key), list):
+                setattr(record, key, [v for v in data[key] if isinstance(v, int)])
+        return record
     host, *items = line.split()
     record = NanRecord(host)
     for item in items:
