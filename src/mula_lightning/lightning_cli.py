@@ -28,6 +28,7 @@ layout: ``runs/<name>/version_N/`` holds ``metrics.csv``, ``config.yaml`` and ``
 
 from __future__ import annotations
 
+import logging
 import netrc
 import os
 import sys
@@ -79,6 +80,13 @@ def launch_callbacks() -> list[Any]:
     return out
 
 
+#: configs are read with OmegaConf's interpolation (LightningCLI's ``parser_mode="omegaconf"``): ``${data.seq_len}``,
+#: ``${model.model}``, ``${oc.env:SLURM_JOB_ID,local}`` are resolved when the file is read, against that file's values
+#: (an override on the command line sets its key, not the references to it). jsonargparse's ``omegaconf+`` would
+#: resolve after the overrides, but with subcommands (``fit``) it resolves over keys prefixed ``fit.``
+CONFIG_PARSER_MODE = "omegaconf"
+
+
 class MulaCLI(LightningCLI):
     """LightningCLI with the MoE statistics, throughput and last-step callbacks as configurable, always-on sections,
     the configuration checked before launch and short argument errors."""
@@ -101,6 +109,8 @@ class MulaCLI(LightningCLI):
         """LightningCLI's Trainer, plus :func:`launch_callbacks` when ``mula launch`` (or a drill) asked for them."""
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.extend(launch_callbacks())
+        for logger in trainer.loggers:
+            quiet_wandb_logger(logger)
         return trainer
 
     def __init__(self, *args: Any, started: list[str] | None = None, **kwargs: Any) -> None:
@@ -125,6 +135,38 @@ class MulaCLI(LightningCLI):
         self._preflight("test")
 
 
+class _DropLightningTips(logging.Filter):
+    """Drops Lightning's advertisements for its cloud products (``💡 Tip: ... try installing litlogger``): nothing a
+    user of this project acts on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_lightning_noise() -> None:
+    """Silence what Lightning prints that no user can act on (each process calls it; idempotent): its product tips,
+    and the deprecation its own pytree helper triggers in recent torch (``isinstance(treespec, LeafSpec)``, fixed in
+    Lightning, not in the user's code)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
+            logger.addFilter(_DropLightningTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+def quiet_wandb_logger(logger: Any) -> None:
+    """Keep a ``WandbLogger`` from making W&B print two warnings nobody can act on: Lightning passes
+    ``anonymous=None`` (W&B warns that the setting is deprecated whenever it is given), and W&B looks for a git
+    repository at the logger's ``save_dir`` before it exists (created here). Other loggers are left alone."""
+    init = getattr(logger, "_wandb_init", None)
+    if not isinstance(init, dict):
+        return
+    if init.get("anonymous") is None:
+        init.pop("anonymous", None)
+    if init.get("dir"):
+        os.makedirs(init["dir"], exist_ok=True)
+
+
 def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True, started: list[str] | None = None) -> MulaCLI:
     """Parse ``args`` into a :class:`MulaCLI`: ``["fit", "--config", ...]`` when ``run``, else only options (a list
     of flags, or a config dict as the YAML would hold it).
@@ -140,12 +182,15 @@ def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True, started: l
     # `mula fit ...` passes its own arguments (sys.argv minus the command word) while sys.argv still holds them,
     # which is what Lightning's subprocess launcher re-executes: the "both args and command line" warning is noise.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
+    quiet_lightning_noise()
+    mode = {"parser_mode": CONFIG_PARSER_MODE}
     return MulaCLI(
         MulaLM,
         MulaDataModule,
         args=dict(args) if isinstance(args, dict) else list(args),
         run=run,
         started=started,
+        parser_kwargs={**mode, **{command: mode for command in ("fit", "validate", "test", "predict")}},
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"logger": default_loggers(), "default_root_dir": RUNS_DIR},
     )

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mula_lightning import cli as mula_cli
-from mula_lightning.lightning_cli import MulaCLI, build_cli
+from mula_lightning.lightning_cli import CONFIG_PARSER_MODE, MulaCLI, build_cli
 from mula_lightning.models import MulaConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
@@ -51,8 +51,10 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
     callbacks (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
     import mula_lightning.strategies  # noqa: F401
 
-    cli = _ParseOnly(run=False, args=["--config", str(path)], **_cli_classes())
+    cli = _ParseOnly(run=False, args=["--config", str(path)], parser_kwargs={"parser_mode": CONFIG_PARSER_MODE},
+                     **_cli_classes())  # fmt: skip
     config = cli.config
+    assert "${" not in str(config.as_dict())  # every interpolation resolved
     strategy = config.trainer.strategy
     ep_size = strategy.init_args.ep_size
     spec = config.model.model
@@ -109,6 +111,32 @@ def test_unknown_yaml_key_is_rejected_with_its_name(tiny_config, tmp_path, capsy
         mula_cli.main(["fit", "--config", _write(tiny_config, tmp_path / "bad.yaml")])
     assert exc.value.code == 2
     assert "warmup_step" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_interpolation_resolves_and_names_a_missing_key(tmp_path, monkeypatch, capsys):
+    """A config may refer to its other values (``${model.model}``, ``${trainer.max_steps}``) and to the environment
+    (``${oc.env:NAME,default}``), resolved when ``mula fit`` reads the file (LightningCLI's ``omegaconf`` mode), the
+    command line's overrides applied after; a reference to a key that does not exist stops ``mula fit`` with exit
+    code 1 and one line naming it, before anything is written. Both through the ``fit`` subcommand's parser."""
+    config = {
+        "model": {"model": "mula-tiny-moe", "warmup_steps": "${trainer.max_steps}"},
+        "data": {"data_dir": str(tmp_path / "data" / "${model.model}")},
+        "trainer": {"max_steps": 7, "default_root_dir": str(tmp_path / "runs" / "${oc.env:MULA_TEST_JOB,local}")},
+    }
+    path = _write(config, tmp_path / "interpolated.yaml")
+    monkeypatch.setenv("MULA_TEST_JOB", "job42")
+    cli = build_cli(["--config", path, "--trainer.max_steps", "9"], run=False)
+    assert cli.model.hparams.warmup_steps == 7 and cli.trainer.max_steps == 9
+    assert cli.datamodule.hparams.data_dir == str(tmp_path / "data" / "mula-tiny-moe")
+    assert cli.trainer.default_root_dir == str(tmp_path / "runs" / "job42")
+    assert mula_cli.main(["fit", "--config", path]) == 1  # resolved, then stopped by the missing data, naming it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "data" / "mula-tiny-moe" / "manifest.json") in err[0], err
+    config["model"]["warmup_steps"] = "${trainer.max_step}"
+    assert mula_cli.main(["fit", "--config", _write(config, tmp_path / "bad.yaml")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trainer.max_step" in err[0] and "not found" in err[0], err
     assert not (tmp_path / "runs").exists()
 
 

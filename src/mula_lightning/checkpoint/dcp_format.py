@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -138,7 +139,7 @@ def load_dcp(path: Path, targets: dict[str, Any], strict: bool = True) -> dict[s
         if isinstance(value, dict):
             targets[key] = {k: as_saved_shape(v, saved_sizes.get(f"{key}.{k}")) for k, v in value.items()}
     targets[METADATA_KEY] = b""
-    dcp_load(targets, path, strict)
+    dcp_load(targets, path, strict, no_dist=not (dist.is_available() and dist.is_initialized()))  # one process
     return loads_data(targets.pop(METADATA_KEY), path)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -308,7 +309,10 @@ def dcp_load(
 
     planner = SafeLoadPlanner(allow_partial_load=not strict, source=path)
     try:
-        dcp.load(targets, storage_reader=reader or SafeFileSystemReader(str(path)), planner=planner, no_dist=no_dist)
+        with warnings.catch_warnings():  # torch warns on every single-process load, the ones asked for too
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(targets, storage_reader=reader or SafeFileSystemReader(str(path)), planner=planner,
+                     no_dist=no_dist)  # fmt: skip
     except CheckpointException as err:
         for failure in err.failures.values():
             exc = failure[0] if isinstance(failure, tuple) else failure
