@@ -96,19 +96,20 @@ class SpreadReplicasSavePlanner(NoCopySavePlanner):
     by one of them chosen by a hash of its key and offset, so those writes spread over the holders instead of going
     to the least-loaded rank of each plan (DCP's default, which moves small replicated items from file to file)."""
 
+    @staticmethod
+    def writer_of(index: Any, holders: list[int], world: int) -> int:
+        """The rank (among ``holders``, of ``world`` ranks) that writes the item ``index`` (a DCP ``MetadataIndex``)."""
+        if len(holders) in (1, world):
+            return min(holders)
+        key = f"{index.fqn}@{tuple(index.offset) if index.offset is not None else ()}"
+        return sorted(holders)[zlib.crc32(key.encode()) % len(holders)]
+
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         holders: dict[Any, list[int]] = {}
         for rank, plan in enumerate(all_plans):
             for item in plan.items:
                 holders.setdefault(item.index, []).append(rank)
-        world = len(all_plans)
-        keep: dict[Any, int] = {}
-        for index, ranks in holders.items():
-            if len(ranks) in (1, world):
-                keep[index] = ranks[0]
-            else:
-                key = f"{index.fqn}@{tuple(index.offset) if index.offset is not None else ()}"
-                keep[index] = sorted(ranks)[zlib.crc32(key.encode()) % len(ranks)]
+        keep = {index: self.writer_of(index, ranks, len(all_plans)) for index, ranks in holders.items()}
         return [
             dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == rank])
             for rank, plan in enumerate(all_plans)

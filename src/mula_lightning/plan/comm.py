@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mula_lightning.models.config import MulaConfig
+from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
 from mula_lightning.parallel.hardware import HardwareTopology
 from mula_lightning.parallel.ledger import ring_bytes_sent
 from mula_lightning.parallel.mesh import ParallelDims
@@ -186,11 +187,11 @@ def _epso_optimizer(
     reduce_bytes: int,
     param_bytes: int,
     hw: HardwareTopology,
-    dense_dp_ranks: list[int] | None = None,
+    dense_dp_ranks: list[int],
 ) -> None:
     """Each family's gradient reduction and weight gather, once per step (the optimizer's table): ``non_expert``
     over the stage, ``tensor_parallel`` over the ``dense_dp`` ranks holding the same shard, ``expert`` over ``dp``."""
-    replicas = {"optimizer.non_expert": stage_ranks, "optimizer.tensor_parallel": dense_dp_ranks or stage_ranks,
+    replicas = {"optimizer.non_expert": stage_ranks, "optimizer.tensor_parallel": dense_dp_ranks,
                 "optimizer.expert": dp_ranks}  # fmt: skip
     for family, numel in epso_families(stage, layout).items():
         tag, numel = f"optimizer.{family}", round(numel)
@@ -224,8 +225,6 @@ def _tensor_parallel(
     """Tensor parallelism's collectives of a stage over one step (see the module docstring)."""
     if len(tp_ranks) < 2:
         return
-    from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
-
     parts = parse_activation_checkpointing(checkpointing) or ()
     tp, sp, m, s = layout.tp, layout.sp, batch.micro_batches, batch.tokens
     activation = s * config.hidden_size * param_bytes

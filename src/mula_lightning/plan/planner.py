@@ -126,8 +126,6 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
     layout.check(config)
     if training.dispatcher not in ("allgather", "alltoall"):
         raise ValueError(f"dispatcher ({training.dispatcher!r}) must be 'allgather' or 'alltoall'")
-    if layout.etp > 1 and training.dispatcher != "allgather":
-        raise ValueError(f"etp ({layout.etp}) > 1 needs the all-gather dispatcher (got {training.dispatcher!r})")
     if layout.sp and training.seq_len % layout.tp:
         raise ValueError(
             f"sequence parallelism splits each sequence over tp ({layout.tp}) ranks: the sequence length "

@@ -204,7 +204,6 @@ def _zero_topo_writes(engine: Any, model: Any, rank: int, world: int) -> dict[st
     the one of them its key hashes to; an optimizer range by its owner in the family's first optimizer group; an
     item every rank holds (buffers, the step) by rank 0."""
     import math
-    import zlib
 
     from mula_lightning.checkpoint.scattered import SpreadReplicasSavePlanner
     from mula_lightning.parallel.zero import state_dict as zc
@@ -224,12 +223,7 @@ def _zero_topo_writes(engine: Any, model: Any, rank: int, world: int) -> dict[st
         else:
             lay, w = family.layout, family.layout.weight_size
             holders = [family.offset + family.stride * k for k in range(family.index % w, lay.world_size, w)]
-        if len(holders) in (1, world):
-            writer = min(holders)
-        else:
-            key = f"{fqn}@{tuple(item.index.offset) if item.index.offset is not None else ()}"
-            writer = sorted(holders)[zlib.crc32(key.encode()) % len(holders)]
-        if writer != rank:
+        if planner.writer_of(item.index, holders, world) != rank:
             continue
         count += 1
         if item.tensor_data is not None:
