@@ -1,6 +1,6 @@
-"""Generate the README's layout tables from ``mula plan`` (never typed by hand), or check that they are current.
+"""Generate the layout tables of docs/plan.md from ``mula plan`` (never typed by hand), or check that they are current.
 
-    .venv/bin/python scripts/plan_tables.py          # rewrite the block between the README's markers
+    .venv/bin/python scripts/plan_tables.py          # rewrite the block between the markers of docs/plan.md
     .venv/bin/python scripts/plan_tables.py --check  # exit 1 (naming the first differing line) if it is stale
 
 One row per shipped recipe (``examples/configs/mula-{20b-a2b,100b-a7b,220b-a10b}.yaml``) planned on the cluster and
@@ -84,12 +84,12 @@ def tables() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
-    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--page", default=str(ROOT / "docs" / "plan.md"))
     args = parser.parse_args(argv)
-    readme = Path(args.readme)
-    text = readme.read_text()
+    page = Path(args.page)
+    text = page.read_text()
     if START not in text or END not in text:
-        print(f"{readme}: the markers {START} / {END} are missing", file=sys.stderr)
+        print(f"{page}: the markers {START} / {END} are missing", file=sys.stderr)
         return 1
     before, rest = text.split(START, 1)
     current, after = rest.split(END, 1)
@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         old, new = current.splitlines(), fresh.splitlines()
         first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-        print(f"{readme}: the layout tables are stale at line {first + 1} of the block; run scripts/plan_tables.py\n"
-              f"  README:    {old[first] if first < len(old) else '(nothing)'}\n"
+        print(f"{page}: the layout tables are stale at line {first + 1} of the block; run scripts/plan_tables.py\n"
+              f"  page:      {old[first] if first < len(old) else '(nothing)'}\n"
               f"  generated: {new[first] if first < len(new) else '(nothing)'}", file=sys.stderr)  # fmt: skip
         return 1
-    readme.write_text(before + START + fresh + END + after)
+    page.write_text(before + START + fresh + END + after)
     return 0
 
 

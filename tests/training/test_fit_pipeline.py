@@ -77,7 +77,7 @@ def test_pipeline_example_trains_like_the_same_steps_without_pipelining(tiny_dat
     assert len(piped) == 1
     torch.testing.assert_close(torch.tensor(piped[-1]), torch.tensor(plain[-1]), rtol=1e-5, atol=0)
 
-    # exported in this process by the function `mula export` runs (the command itself is the README journey's)
+    # exported in this process by the function `mula export` runs (the journey's command)
     for cwd in (tmp_path, reference):
         export_to_hf(cwd / "checkpoints" / name / "dual", cwd / "out")
     # the model-only checkpoint of the pipelined run: each stage wrote its layers, bf16

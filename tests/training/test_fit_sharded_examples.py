@@ -51,7 +51,7 @@ def test_sharded_example_trains_and_exports(tiny_data, tmp_path, name):
     assert sorted(losses) == [0, 1] and all(math.isfinite(v) for v in losses.values()), losses
 
     checkpoints = tmp_path / "checkpoints" / name
-    # exported in this process by the function `mula export` runs (the command itself is the README journey's)
+    # exported in this process by the function `mula export` runs (the journey's command)
     export_to_hf(checkpoints / "dual", tmp_path / "out" / "dual")
     export_to_hf(checkpoints / "weights" / "step-00000002", tmp_path / "out" / "weights")
     dual = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "dual").eval()

@@ -1,11 +1,12 @@
-"""The README's journey, command by command, at a tiny scale: prepare -> fit -> resume -> validate -> report ->
-export -> transformers -> generate; a dense model -> upcycle -> continue training -> export.
+"""The training guide's journey, command by command, at a tiny scale: prepare -> fit -> resume -> validate -> report
+-> export -> transformers -> generate; a dense model -> upcycle -> continue training -> export. The README's quick
+start is a part of it.
 
-The commands are read from the README block between ``<!-- journey:start -->`` and ``<!-- journey:end -->`` and run
-as they are, in a fresh folder holding a copy of ``examples/``, with a few appended overrides that only shrink the
-work (a 512-token BPE on 300 kB, a 2-layer width-32 model, 2 processes, 4 + 2 steps instead of 200 + 100): a README
-edit that breaks a command breaks this test. Each ``mula`` command runs in its own interpreter, so ``mula fit``
-starts its second process with Lightning's own launcher, as on a user's machine.
+The commands are read from the block of docs/training.md marked ``<!-- test: by journey -->`` and run as they are, in
+a fresh folder holding a copy of ``examples/``, with a few appended overrides that only shrink the work (a 512-token
+BPE on 300 kB, a 2-layer width-32 model, 2 processes, 4 + 2 steps instead of 200 + 100): an edit that breaks a
+command breaks this test. Each ``mula`` command runs in its own interpreter, so ``mula fit`` starts its second process
+with Lightning's own launcher, as on a user's machine.
 """
 
 from __future__ import annotations
@@ -23,20 +24,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from mula_lightning.testing.doc_blocks import doc_block
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 32}
-STEPS = {"200": "4", "300": "6"}  # the README's step counts, shrunk
+STEPS = {"200": "4", "300": "6"}  # the guide's step counts, shrunk
+
+
+def _commands(block) -> list[str]:
+    lines = [line.strip() for line in block.text.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def journey_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- journey:start -->", 1)[1].split("<!-- journey:end -->", 1)[0]
-    lines = [line.strip() for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith(("#", "```"))]
+    return _commands(doc_block("journey"))
 
 
 def _shrink(argv: list[str]) -> list[str]:
-    """The README command with the test's scale: step counts shrunk, tiny model, 2 processes, frequent logging."""
+    """The guide's command with the test's scale: step counts shrunk, tiny model, 2 processes, frequent logging."""
     argv = [STEPS.get(a, a) for a in argv]
     argv = [re.sub(r"step-00000300$", "step-00000006", a) for a in argv]
     if argv[:3] == ["mula", "data", "prepare"]:
@@ -68,12 +73,12 @@ def _run(argv: list[str], cwd: Path) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_readme_journey_runs_end_to_end(tmp_path):
-    """Every command of the README journey exits 0; the resumed run logs steps 4 and 5 only (it continued, it did not
-    restart) and leaves step 6 in the newest dual slot; the exports (and that of a model-only checkpoint, whose
-    tokenizer also reaches the upcycled model) load in
-    ``AutoTokenizer`` + ``AutoModelForCausalLM`` with the data's tokenizer, and a greedy ``generate`` stops at the
-    data's EOS; the upcycled model trained further is an 8-expert MoE."""
+def test_journey_runs_end_to_end(tmp_path):
+    """Every command of the journey (the README's quick start among them) exits 0; the resumed run logs steps 4 and 5
+    only (it continued, it did not restart) and leaves step 6 in the newest dual slot; the exports (and that of a
+    model-only checkpoint, whose tokenizer also reaches the upcycled model) load in ``AutoTokenizer`` +
+    ``AutoModelForCausalLM`` with the data's tokenizer, and a greedy ``generate`` stops at the data's EOS; the
+    upcycled model trained further is an 8-expert MoE."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mula_lightning.checkpoint.export import main as export_main
@@ -83,6 +88,8 @@ def test_readme_journey_runs_end_to_end(tmp_path):
 
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     commands = journey_commands()
+    missing = [c for c in _commands(doc_block("quickstart")) if c not in commands]  # the README's quick start
+    assert missing == [], missing
     assert any(c.startswith("mula upcycle") for c in commands) and any("--ckpt_path last" in c for c in commands)
     for command in commands:
         output = _run(_shrink(shlex.split(command)), tmp_path)

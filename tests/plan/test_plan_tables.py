@@ -1,4 +1,4 @@
-"""The README's layout tables are what ``mula plan`` computes today (``scripts/plan_tables.py --check``), and the
+"""The layout tables of docs/plan.md are what ``mula plan`` computes today (``scripts/plan_tables.py --check``), and the
 check fails on a stale table."""
 
 import importlib.util
@@ -14,14 +14,14 @@ def _script():
     return module
 
 
-def test_readme_tables_are_generated_and_current(tmp_path, capsys):
-    """--check passes on the README; a copy with one number changed fails, naming the stale line."""
+def test_plan_guide_tables_are_generated_and_current(tmp_path, capsys):
+    """--check passes on docs/plan.md; a copy with one number changed fails, naming the stale line."""
     script = _script()
     assert script.main(["--check"]) == 0, capsys.readouterr().err
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "plan.md").read_text()
     block = text.split(script.START)[1].split(script.END)[0]
     row = next(line for line in block.splitlines() if line.startswith("| mula-100b-a7b |"))
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "plan.md"
     stale.write_text(text.replace(row, row.replace("| yes |", "| no |")))
-    assert script.main(["--check", "--readme", str(stale)]) == 1
+    assert script.main(["--check", "--page", str(stale)]) == 1
     assert "the layout tables are stale" in capsys.readouterr().err
