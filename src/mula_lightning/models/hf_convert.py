@@ -29,6 +29,7 @@ that the HF model routes dropless.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -130,6 +131,18 @@ def _qwen_family(config: MulaConfig, family: str) -> str:
     return family
 
 
+def _hf_config(cls: Any, **kwargs: Any) -> Any:
+    """``cls(**kwargs)`` with the class's default special-token ids that lie outside the vocabulary passed as None:
+    transformers warns about them at construction (OLMoE's EOS 50279 in a 4096-token model), and an export drops
+    them anyway (:func:`hf_export_config`)."""
+    params = inspect.signature(cls.__init__).parameters
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        default = params[name].default if name in params else None
+        if name not in kwargs and isinstance(default, int) and not 0 <= default < kwargs["vocab_size"]:
+            kwargs[name] = None
+    return cls(**kwargs)
+
+
 def hf_config_from_mula(config: MulaConfig) -> Any:
     """The transformers config of the family chosen by :func:`hf_family`."""
     import transformers
@@ -159,9 +172,10 @@ def hf_config_from_mula(config: MulaConfig) -> Any:
         rope_parameters=rope,
     )
     if family == "llama":
-        return transformers.LlamaConfig(head_dim=config.head_dim, **common)
+        return _hf_config(transformers.LlamaConfig, head_dim=config.head_dim, **common)
     if family == "mixtral":
-        return transformers.MixtralConfig(
+        return _hf_config(
+            transformers.MixtralConfig,
             head_dim=config.head_dim,
             num_local_experts=config.num_experts,
             num_experts_per_tok=config.top_k,
@@ -169,7 +183,8 @@ def hf_config_from_mula(config: MulaConfig) -> Any:
             **common,
         )
     moe = config.is_moe
-    return transformers.OlmoeConfig(
+    return _hf_config(
+        transformers.OlmoeConfig,
         num_experts=config.num_experts if moe else 1,
         num_experts_per_tok=config.top_k if moe else 1,
         norm_topk_prob=config.norm_topk_prob or config.router_kind == "topk_softmax",
@@ -208,9 +223,12 @@ def _qwen_config(config: MulaConfig, family: str) -> Any:
         router_aux_loss_coef=config.aux_loss_coef, use_sliding_window=False,
     )  # fmt: skip
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(attention_bias=False, **common)
-    return transformers.Qwen2MoeConfig(
-        qkv_bias=config.qkv_bias, shared_expert_intermediate_size=config.moe.shared_width, **common
+        return _hf_config(transformers.Qwen3MoeConfig, attention_bias=False, **common)
+    return _hf_config(
+        transformers.Qwen2MoeConfig,
+        qkv_bias=config.qkv_bias,
+        shared_expert_intermediate_size=config.moe.shared_width,
+        **common,
     )
 
 

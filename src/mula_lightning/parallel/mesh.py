@@ -21,10 +21,9 @@ its ranks, so it needs nothing from here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from mula_lightning.utils.dist import is_distributed
 
@@ -88,9 +87,6 @@ class ParallelDims:
     def sizes(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in dims)
 
-    def _grid(self, dims: tuple[str, ...]) -> torch.Tensor:
-        return torch.arange(self.world_size).reshape(self.sizes(dims))
-
     def side(self, name: str) -> tuple[str, ...]:
         """The dims of the side (dense or MoE) that has dimension ``name`` (``pp`` is in both: dense)."""
         if name in DENSE_DIMS:
@@ -99,19 +95,24 @@ class ParallelDims:
             return MOE_DIMS
         raise KeyError(f"unknown parallel dimension {name!r}; the dimensions are {DENSE_DIMS} and {MOE_DIMS}")
 
+    def _stride(self, name: str) -> tuple[int, int]:
+        """(stride, size) of dimension ``name`` in its side's row-major grid of the world's ranks."""
+        dims = self.side(name)
+        sizes = self.sizes(dims)
+        index = dims.index(name)
+        return math.prod(sizes[index + 1 :]), sizes[index]
+
     def coordinate(self, name: str, rank: int) -> int:
         """The index of ``rank`` along dimension ``name``."""
-        dims = self.side(name)
-        where = (self._grid(dims) == rank).nonzero()[0]
-        return int(where[dims.index(name)])
+        stride, size = self._stride(name)
+        return (rank // stride) % size
 
     def ranks(self, name: str, rank: int) -> list[int]:
-        """The global ranks of ``rank``'s group along dimension ``name`` (the closed form of the layout above)."""
-        dims = self.side(name)
-        grid = self._grid(dims)
-        index = list((grid == rank).nonzero()[0].tolist())
-        index[dims.index(name)] = slice(None)
-        return grid[tuple(index)].reshape(-1).tolist()
+        """The global ranks of ``rank``'s group along dimension ``name`` (the closed form of the layout above: the
+        ranks of the row-major grid that differ from ``rank`` in this coordinate only)."""
+        stride, size = self._stride(name)
+        first = rank - ((rank // stride) % size) * stride
+        return [first + i * stride for i in range(size)]
 
 
 @dataclass
