@@ -44,27 +44,35 @@ def _loop_reference(x, gate_up, down, plan):
     return y, (x64, gu64, dn64)
 
 
-def _triton(x, gate_up, down, plan):
+def _triton(x, gate_up, down, plan, weights=None):
     from mula_lightning.moe.triton_experts import TritonSwiGLU
 
-    return TritonSwiGLU.apply(x, gate_up, down, plan)
+    return TritonSwiGLU.apply(x, gate_up, down, plan, weights)
 
 
-def _check_stage(indices, experts, hidden, inter, dtype, seed=0, n_start=0, n_end=None):
+def _check_stage(indices, experts, hidden, inter, dtype, seed=0, n_start=0, n_end=None, weighted=False):
+    """The kernels against the per-expert loop; ``weighted``: router weights applied to the rows before the down
+    projection, against the loop's rows times each row's weight (their gradient checked too)."""
     g = torch.Generator().manual_seed(seed)
     tokens = indices.shape[0]
     x = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
     local = (experts - 1 if n_end is None else n_end) - n_start + 1
     gate_up = (torch.randn(local, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype).requires_grad_()
     down = (torch.randn(local, hidden, inter, generator=g) / inter**0.5).to(dtype).requires_grad_()
+    weights = torch.rand(indices.shape, generator=g).add(0.5).to(dtype).requires_grad_() if weighted else None
     plan = build_dispatch_plan(indices, experts, n_start, n_end)
-    y = _triton(x, gate_up, down, plan)
+    y = _triton(x, gate_up, down, plan, weights)
     grad = torch.randn(y.shape, generator=g).to(dtype)
-    got = torch.autograd.grad(y, (x, gate_up, down), grad)
+    inputs = (x, gate_up, down) + ((weights,) if weighted else ())
+    got = torch.autograd.grad(y, inputs, grad)
     y_ref, leaves = _loop_reference(x, gate_up, down, plan)
+    if weighted:
+        w64 = weights.detach().double().requires_grad_()
+        y_ref = y_ref * w64.reshape(-1).index_select(0, plan.row_slot)[:, None]
+        leaves = (*leaves, w64)
     want = torch.autograd.grad(y_ref, leaves, grad.double())
     _close(y, y_ref, dtype, "forward")
-    for name, a, b in zip(("input", "gate_up", "down"), got, want):
+    for name, a, b in zip(("input", "gate_up", "down", "router weights"), got, want):
         assert a.dtype == dtype
         _close(a, b, dtype, f"{name} gradient")
     return plan
@@ -75,14 +83,17 @@ def _routing(tokens, experts, top_k, seed=0):
     return torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["rows", "rows weighted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "case",
     ["uneven sizes, an expert without tokens", "every token on one expert", "top-1", "top-k = every expert"],
 )
-def test_stage_matches_the_per_expert_loop(case, dtype):
+def test_stage_matches_the_per_expert_loop(case, dtype, weighted):
     """The kernels' rows and the input, gate/up and down gradients equal the per-expert loop in float64 (within the
-    dtype's rounding) on awkward routings; an expert without rows gets zero weight gradients."""
+    dtype's rounding) on awkward routings; an expert without rows gets zero weight gradients. With the router weights
+    applied before the down projection, the rows equal the loop's rows times their weights and the weights' gradient
+    (formed in the dSwiGLU epilogue, a dot over the expert width) equals the loop's."""
     experts, hidden, inter = 5, 40, 24  # multiples of no tile size (32)
     if case.startswith("uneven"):
         indices = _routing(37, experts, 2)
@@ -93,17 +104,19 @@ def test_stage_matches_the_per_expert_loop(case, dtype):
         indices = _routing(70, experts, 1, seed=1)  # 70 rows: several row blocks per expert
     else:
         indices = _routing(9, experts, experts, seed=2)
-    plan = _check_stage(indices, experts, hidden, inter, dtype)
+    plan = _check_stage(indices, experts, hidden, inter, dtype, weighted=weighted)
     assert plan.num_rows == indices.numel()
 
 
 def test_a_local_expert_range_with_dropped_pairs():
     """Under expert parallelism a rank computes its local experts [2, 4] of 7 only, and capacity drops (-1) remove
-    pairs: the kernels see exactly the plan's rows (float32)."""
+    pairs: the kernels see exactly the plan's rows (float32); with router weights, the slots of pairs dropped or
+    routed to other ranks get a zero weight gradient here."""
     indices = _routing(50, 7, 3, seed=3)
     indices[::4, 0] = -1
-    plan = _check_stage(indices, 7, 24, 20, torch.float32, n_start=2, n_end=4)
-    assert 0 < plan.num_rows < indices.numel()
+    for weighted in (False, True):
+        plan = _check_stage(indices, 7, 24, 20, torch.float32, n_start=2, n_end=4, weighted=weighted)
+        assert 0 < plan.num_rows < indices.numel()
 
 
 def _blocks(config, dtype, backend, seed):
@@ -169,8 +182,9 @@ def test_the_checks_see_a_lost_row_block_and_misplaced_weight_rows(monkeypatch):
 
 
 def test_kernels_compile_for_an_h100_without_a_gpu():
-    """Every kernel variant (plain, SwiGLU and dSwiGLU epilogues, gathered or not; the weight-gradient kernel; the
-    combine's forward and backward) builds for sm_90 in bf16 with the largest autotuned tile and its warps and stages
+    """Every kernel variant (plain, SwiGLU and dSwiGLU epilogues, gathered or not, with and without the router
+    weights in the epilogues; the weight-gradient kernel; the combine's forward and backward, weighted or only
+    summing) builds for sm_90 in bf16 with the largest autotuned tile and its warps and stages
     (the SwiGLU variant, two accumulators, with every row tile): Triton's front end, its MLIR passes and ptxas accept
     them."""
     import triton
@@ -182,14 +196,18 @@ def test_kernels_compile_for_an_h100_without_a_gpu():
 
     compiled, target = kernels(False), GPUTarget("cuda", 90, 32)
     rows = {"a_ptr": "*bf16", "a_index_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "extra_ptr": "*bf16",
-            "extra2_ptr": "*bf16", "offs_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32"}  # fmt: skip
-    ints = ("n_out", "n_red", "stride_a", "stride_we", "stride_wn", "stride_wk", "stride_out", "stride_extra")
-    constexprs = ("GATHER", "EPILOGUE", "BM", "BN", "BK")
+            "extra2_ptr": "*bf16", "offs_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32",
+            "row_weight_ptr": "*fp32", "row_weight_grad_ptr": "*fp32"}  # fmt: skip
+    ints = ("n_out", "n_red", "stride_a", "stride_we", "stride_wn", "stride_wk", "stride_out", "stride_extra",
+            "stride_rwg")  # fmt: skip
+    constexprs = ("GATHER", "EPILOGUE", "ROW_WEIGHTS", "BM", "BN", "BK")
     signature = {**rows, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constexprs, "constexpr")}
     largest = ROW_TILES[-1]
-    variants = [(True, 1, tile) for tile in ROW_TILES] + [(False, 0, largest), (False, 2, largest)]
-    for gather, epilogue, (bn, bk, warps, stages) in variants:
-        values = {"GATHER": gather, "EPILOGUE": epilogue, "BM": GPU_BLOCK_M, "BN": bn, "BK": bk}
+    variants = [(True, 1, weighted, tile) for tile in ROW_TILES for weighted in (False, True)]
+    variants += [(False, 0, False, largest), (False, 2, False, largest), (False, 2, True, largest)]
+    for gather, epilogue, weighted, (bn, bk, warps, stages) in variants:
+        values = {"GATHER": gather, "EPILOGUE": epilogue, "ROW_WEIGHTS": weighted, "BM": GPU_BLOCK_M, "BN": bn,
+                  "BK": bk}  # fmt: skip
         source = ASTSource(compiled["rows_times_weights"].fn, signature, constexprs=values)
         options = {"num_warps": warps, "num_stages": stages}
         assert triton.compile(source, target=target, options=options).asm["cubin"]
@@ -201,13 +219,17 @@ def test_kernels_compile_for_an_h100_without_a_gpu():
     source = ASTSource(compiled["expert_weight_grads"].fn, signature, constexprs=values)
     assert triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages}).asm["cubin"]
     combine = {"y_ptr": "*bf16", "w_ptr": "*bf16", "slot_row_ptr": "*i64", "out_ptr": "*bf16", "top_k": "i32",
-               "hidden": "i32", "stride_y": "i32", "stride_out": "i32", "BH": "constexpr"}  # fmt: skip
-    assert triton.compile(ASTSource(compiled["combine_rows"], combine, constexprs={"BH": 256}), target=target)
+               "hidden": "i32", "stride_y": "i32", "stride_out": "i32", "WEIGHTED": "constexpr",
+               "BH": "constexpr"}  # fmt: skip
     backward = {"y_ptr": "*bf16", "w_ptr": "*bf16", "row_slot_ptr": "*i64", "token_ptr": "*i64",
                 "grad_out_ptr": "*bf16", "grad_y_ptr": "*bf16", "grad_w_ptr": "*fp32", "hidden": "i32",
-                "stride_y": "i32", "stride_g": "i32", "stride_gy": "i32", "BH": "constexpr"}  # fmt: skip
-    source = ASTSource(compiled["combine_rows_backward"], backward, constexprs={"BH": 256})
-    assert triton.compile(source, target=target).asm["cubin"]
+                "stride_y": "i32", "stride_g": "i32", "stride_gy": "i32", "WEIGHTED": "constexpr",
+                "BH": "constexpr"}  # fmt: skip
+    for weighted in (True, False):
+        values = {"WEIGHTED": weighted, "BH": 256}
+        assert triton.compile(ASTSource(compiled["combine_rows"], combine, constexprs=values), target=target)
+        source = ASTSource(compiled["combine_rows_backward"], backward, constexprs=values)
+        assert triton.compile(source, target=target).asm["cubin"]
 
 
 def test_what_the_backend_cannot_serve_is_refused_in_one_line():

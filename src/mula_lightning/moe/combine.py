@@ -64,7 +64,7 @@ class CombineExpertOutputs(torch.autograd.Function):
 
 def combine_expert_outputs(
     mlp_out_RH: torch.Tensor,
-    weights_SK: torch.Tensor,
+    weights_SK: torch.Tensor | None,
     plan: DispatchPlan,
     reuse_dead_activations: bool = False,
     backend: str = "grouped_mm",
@@ -73,7 +73,7 @@ def combine_expert_outputs(
 
     Args:
         mlp_out_RH: expert outputs in routed order.
-        weights_SK: router weights.
+        weights_SK: router weights; None when the Triton experts applied them to the rows (the rows are summed).
         plan: the dispatch plan.
         reuse_dead_activations: write ``mlp_out_grad`` into ``mlp_out_RH``'s storage in backward (only when nothing
             else reads ``mlp_out_RH``; the graph can then be backpropagated once).
@@ -84,4 +84,6 @@ def combine_expert_outputs(
         from mula_lightning.moe.triton_experts import TritonCombine
 
         return TritonCombine.apply(mlp_out_RH, weights_SK, plan, reuse_dead_activations)
+    if weights_SK is None:
+        raise ValueError("rows weighted by the experts are combined by the Triton backend only")
     return CombineExpertOutputs.apply(mlp_out_RH, weights_SK, plan, reuse_dead_activations)

@@ -343,12 +343,19 @@ class GroupedExperts(ExpertWeights):
             raise ValueError(f"experts_backend ({experts_backend!r}) must be one of {EXPERTS_BACKENDS}")
         self.experts_backend = experts_backend
 
-    def forward(self, x_SH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def weights_rows(self, device: torch.device) -> bool:
+        """Whether :meth:`forward` applies router weights to the rows on ``device`` (the Triton backend does, in its
+        SwiGLU epilogue, so that the combine only sums)."""
+        return resolve_experts_backend(self.experts_backend, device, self.gate_up_proj.dtype) == "triton"
+
+    def forward(self, x_SH: torch.Tensor, plan: DispatchPlan, weights_SK: torch.Tensor | None = None) -> torch.Tensor:
         """Every routed row of the plan through its local expert.
 
         Args:
             x_SH: (S, H) tokens.
             plan: the dispatch plan (rows of local expert e are ``[cum_token_counts[e], cum_token_counts[e+1])``).
+            weights_SK: router weights indexed by the plan's slots, applied to each row before the down projection
+                (the Triton backend only: :meth:`weights_rows`); the combine then only sums the rows.
 
         Returns:
             (RT, H) expert outputs in routed order, in the weights' dtype.
@@ -356,12 +363,18 @@ class GroupedExperts(ExpertWeights):
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
         if x_SH.dtype != gate_up_proj.dtype:  # autocast or mixed inputs: compute in the weights' dtype
             x_SH = x_SH.to(gate_up_proj.dtype)
-        if plan.num_rows == 0:  # no rows: keep the weights in the graph with zero gradients
-            return x_SH.new_zeros(0, self.hidden_size) + 0.0 * (gate_up_proj.sum() + down_proj.sum() + x_SH.sum())
-        if resolve_experts_backend(self.experts_backend, x_SH.device, x_SH.dtype) == "triton":
+        triton = resolve_experts_backend(self.experts_backend, x_SH.device, x_SH.dtype) == "triton"
+        if weights_SK is not None and not triton:
+            raise ValueError("only the Triton experts backend applies the router weights inside the experts")
+        if plan.num_rows == 0:  # no rows: keep the weights (and router weights) in the graph with zero gradients
+            anchor = gate_up_proj.sum() + down_proj.sum() + x_SH.sum()
+            if weights_SK is not None:
+                anchor = anchor + weights_SK.sum()
+            return x_SH.new_zeros(0, self.hidden_size) + 0.0 * anchor
+        if triton:
             from mula_lightning.moe.triton_experts import TritonSwiGLU
 
-            return TritonSwiGLU.apply(x_SH, gate_up_proj, down_proj, plan)
+            return TritonSwiGLU.apply(x_SH, gate_up_proj, down_proj, plan, weights_SK)
         # host sizes on CPU (reading them costs nothing there, and they let the weight gradients' fix-up touch only
         # the empty experts); on an accelerator they stay on the device unless a fallback needs them
         counts = plan.token_counts.tolist() if x_SH.device.type == "cpu" else GroupSizes(plan.token_counts)

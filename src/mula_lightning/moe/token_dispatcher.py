@@ -40,14 +40,18 @@ class DispatchedTokens:
     Attributes:
         x_SH: (SL, H) tokens the local experts read (rows of ``plan``'s token index space).
         plan: the dispatch plan of the local experts over those SL tokens.
-        weights_SK: router weights aligned with ``x_SH`` (None when the transport weights on the way back).
+        weights_SK: the router weights its ``combine`` applies: aligned with ``x_SH`` and indexed by the plan's slots
+            when ``weights_on_rows``; otherwise the source tokens' (the transport weights on the way back); None when
+            the rows arrive weighted already (the experts applied them).
         state: whatever else the transport needs to bring the outputs home (split sizes, pair order, ...).
+        weights_on_rows: ``weights_SK`` follows the plan's slots, so the experts may apply it to their rows.
     """
 
     x_SH: torch.Tensor
     plan: DispatchPlan
     weights_SK: torch.Tensor | None = None
     state: Any = None
+    weights_on_rows: bool = True
 
 
 class TokenDispatcher:

@@ -15,15 +15,23 @@ from typing import Any
 import triton
 import triton.language as tl
 
+# the combine function ``tl.sum`` reduces with, named so that ``tl.reduce`` runs it under the interpreter too
+_SUM = tl.standard._sum_combine
+
 
 def rows_times_weights(
     a_ptr, a_index_ptr, w_ptr, out_ptr, extra_ptr, extra2_ptr, offs_ptr, block_expert_ptr, block_row_ptr,
-    n_out, n_red, stride_a, stride_we, stride_wn, stride_wk, stride_out, stride_extra,
-    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    row_weight_ptr, row_weight_grad_ptr, n_out, n_red, stride_a, stride_we, stride_wn, stride_wk, stride_out,
+    stride_extra, stride_rwg,
+    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):  # fmt: skip
     """out[r, n] = sum_k a[src(r), k] * w[e, n, k] for the rows of one row block of expert e; epilogues: see the
     module docstring (SwiGLU: w holds the gate rows, then the up rows, at n_out; dSwiGLU: extra = gate/up
-    pre-activations, out = their gradients)."""
+    pre-activations, out = their gradients). With ROW_WEIGHTS each row's router weight rw[r] (float32) scales the
+    SwiGLU output h = rw * silu(gate) * up; in dSwiGLU acc is the gradient of that scaled h, so the pre-activations'
+    gradients take rw * acc and this program's columns' share of rw's gradient, sum_n acc * silu(gate) * up, goes
+    to row_weight_grad[r, pid_n] (summed over the column tiles afterwards, in a fixed order: no atomics)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     row0 = tl.load(block_row_ptr + pid_m)
@@ -64,6 +72,8 @@ def rows_times_weights(
         gate = acc.to(extra_ptr.dtype.element_ty).to(tl.float32)  # what the backward will read back
         up = acc_up.to(extra_ptr.dtype.element_ty).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up
+        if ROW_WEIGHTS:
+            h = h * tl.load(row_weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + out_rows * stride_out + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # acc = dh; extra = [gate | up]; out (RT, 2I) = [dh * up * dsilu(gate) | dh * silu(gate)]
         gate = tl.load(extra_ptr + out_rows * stride_extra + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -71,6 +81,10 @@ def rows_times_weights(
                      other=0.0).to(tl.float32)  # fmt: skip
         sig = 1.0 / (1.0 + tl.exp(-gate))
         silu = gate * sig
+        if ROW_WEIGHTS:  # acc = d(rw * h): rw's share from these columns, then dh = rw * acc
+            share = tl.reduce(tl.where(mask, acc * silu * up, 0.0), 1, _SUM)
+            tl.store(row_weight_grad_ptr + rows.to(tl.int64) * stride_rwg + pid_n, share, mask=row_ok)
+            acc = acc * tl.load(row_weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         grad_gate = acc * up * (sig + silu * (1.0 - sig))
         tl.store(out_ptr + out_rows * stride_out + cols[None, :], grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + out_rows * stride_out + (cols + n_out)[None, :], (acc * silu).to(out_ptr.dtype.element_ty),
@@ -107,15 +121,12 @@ def expert_weight_grads(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# the combine function ``tl.sum`` reduces with, named so that ``tl.reduce`` runs it under the interpreter too
-_SUM = tl.standard._sum_combine
-
-
 def combine_rows(
-    y_ptr, w_ptr, slot_row_ptr, out_ptr, top_k, hidden, stride_y, stride_out, BH: tl.constexpr,
+    y_ptr, w_ptr, slot_row_ptr, out_ptr, top_k, hidden, stride_y, stride_out, WEIGHTED: tl.constexpr,
+    BH: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = sum over k of w[t, k] * y[slot_row[t, k], h] (float32, in k order; a slot routed elsewhere, -1,
-    adds an exact 0)."""
+    adds an exact 0); without WEIGHTED the rows were weighted by the experts and are only summed."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     col_ok = cols < hidden
@@ -124,32 +135,36 @@ def combine_rows(
         slot = token.to(tl.int64) * top_k + k
         row = tl.load(slot_row_ptr + slot)
         routed = row >= 0
-        weight = tl.where(routed, tl.load(w_ptr + slot).to(tl.float32), 0.0)
         y = tl.load(y_ptr + tl.where(routed, row, 0).to(tl.int64) * stride_y + cols, mask=col_ok & routed, other=0.0)
-        acc += weight * y.to(tl.float32)
+        if WEIGHTED:
+            acc += tl.where(routed, tl.load(w_ptr + slot).to(tl.float32), 0.0) * y.to(tl.float32)
+        else:
+            acc += y.to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def combine_rows_backward(
     y_ptr, w_ptr, row_slot_ptr, token_ptr, grad_out_ptr, grad_y_ptr, grad_w_ptr, hidden, stride_y, stride_g,
-    stride_gy, BH: tl.constexpr,
+    stride_gy, WEIGHTED: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
     """For routed row r of (t, k): grad_y[r] = w[t, k] * grad_out[t] and grad_w[t, k] = <y[r], grad_out[t]> (float32);
-    grad_y may be y itself (each block of the row is read before it is written)."""
+    grad_y may be y itself (each block of the row is read before it is written). Without WEIGHTED (rows weighted by
+    the experts) grad_y[r] = grad_out[t] and no weight gradient is formed here."""
     row = tl.program_id(0)
     slot = tl.load(row_slot_ptr + row)
     token = tl.load(token_ptr + row)
-    weight = tl.load(w_ptr + slot).to(tl.float32)
     dot = tl.full((), 0.0, dtype=tl.float32)
     for h0 in range(0, hidden, BH):
         cols = h0 + tl.arange(0, BH)
         col_ok = cols < hidden
         g = tl.load(grad_out_ptr + token.to(tl.int64) * stride_g + cols, mask=col_ok, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=col_ok, other=0.0).to(tl.float32)
-        dot += tl.reduce(y * g, 0, _SUM)
-        tl.store(grad_y_ptr + row.to(tl.int64) * stride_gy + cols, (weight * g).to(grad_y_ptr.dtype.element_ty),
-                 mask=col_ok)  # fmt: skip
-    tl.store(grad_w_ptr + slot, dot)
+        if WEIGHTED:
+            y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=col_ok, other=0.0).to(tl.float32)
+            dot += tl.reduce(y * g, 0, _SUM)
+            g = tl.load(w_ptr + slot).to(tl.float32) * g
+        tl.store(grad_y_ptr + row.to(tl.int64) * stride_gy + cols, g.to(grad_y_ptr.dtype.element_ty), mask=col_ok)
+    if WEIGHTED:
+        tl.store(grad_w_ptr + slot, dot)
 
 
 #: tile configurations autotuned on a GPU (per output width and reduction length): columns x reduction per program of
@@ -177,7 +192,7 @@ def kernels(interpreted: bool) -> dict[str, Any]:
         triton.Config({"BM": m, "BN": n, "BK": k}, num_warps=w, num_stages=s) for m, n, k, w, s in WEIGHT_GRAD_TILES
     ]
     return {
-        "rows_times_weights": triton.autotune(row_configs, key=["n_out", "n_red", "EPILOGUE"])(
+        "rows_times_weights": triton.autotune(row_configs, key=["n_out", "n_red", "EPILOGUE", "ROW_WEIGHTS"])(
             triton.jit(rows_times_weights)
         ),
         "expert_weight_grads": triton.autotune(grad_configs, key=["m_size", "n_size"])(triton.jit(expert_weight_grads)),

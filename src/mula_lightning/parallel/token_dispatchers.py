@@ -187,7 +187,9 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         # each received pair is one "token" with K = 1, and every one is for this rank's experts
         plan = self.local_plan(e_recv.unsqueeze(1), all_routed=True)
         state = (pairs, input_splits, output_splits, x_SH.shape[0], top_k, x_SH.dtype)
-        return DispatchedTokens(x_SH=x_recv, plan=plan, weights_SK=routed.weights_SK, state=state)
+        return DispatchedTokens(
+            x_SH=x_recv, plan=plan, weights_SK=routed.weights_SK, state=state, weights_on_rows=False
+        )
 
     def combine(
         self, y_RH: torch.Tensor, tokens: DispatchedTokens, reuse_dead_activations: bool = False,
