@@ -133,8 +133,8 @@ def _qwen_family(config: MulaConfig, family: str) -> str:
 
 def _hf_config(cls: Any, **kwargs: Any) -> Any:
     """``cls(**kwargs)`` with the class's default special-token ids that lie outside the vocabulary passed as None:
-    transformers warns about them at construction (OLMoE's EOS 50279 in a 4096-token model), and an export drops
-    them anyway (:func:`hf_export_config`)."""
+    transformers warns about them at construction (OLMoE's EOS 50279 in a 4096-token model), and an exported config
+    must not name a token the model does not have."""
     params = inspect.signature(cls.__init__).parameters
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         default = params[name].default if name in params else None
@@ -386,12 +386,9 @@ def to_hf(model: MulaForCausalLM) -> Any:
 
 
 def hf_export_config(config: MulaConfig) -> Any:
-    """The transformers config an export writes: special ids outside the vocabulary dropped, architectures named."""
+    """The transformers config an export writes (special ids outside the vocabulary left out by
+    :func:`hf_config_from_mula`), architectures named."""
     hf_config = hf_config_from_mula(config)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # transformers' defaults may lie outside the vocab
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and not 0 <= value < config.vocab_size:
-            setattr(hf_config, name, None)
     hf_config.architectures = [HF_ARCHITECTURES[hf_config.model_type]]
     return hf_config
 

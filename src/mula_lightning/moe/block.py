@@ -172,12 +172,13 @@ class FastSparseMoEBlock(nn.Module):
         x_SH = x_BTH.reshape(-1, shape[-1])
         routed = self.route(x_SH, shape[0] if len(shape) == 3 else 1)  # 1.
         tokens = self.dispatcher.dispatch(x_SH, routed, dropless=self._router_is_dropless())  # 2. + 3.
-        if tokens.weights_on_rows and tokens.weights_SK is not None and self.experts.weights_rows(x_SH.device):
+        triton = resolve_experts_backend(self.experts_backend, x_SH.device, self.experts.gate_up_proj.dtype) == "triton"
+        if triton and tokens.weights_on_rows and tokens.weights_SK is not None:
             y_RH = self.experts(tokens.x_SH, tokens.plan, tokens.weights_SK)  # 4., each row weighted before down
             tokens = replace(tokens, weights_SK=None)  # the combine only sums
         else:
             y_RH = self.experts(tokens.x_SH, tokens.plan)  # 4.
-        if resolve_experts_backend(self.experts_backend, y_RH.device, y_RH.dtype) == "triton":  # its combine too
+        if triton:  # its combine too
             out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations, backend="triton")  # 5.
         else:  # a dispatcher written before ``backend`` existed keeps working
             out_SH = self.dispatcher.combine(y_RH, tokens, self.reuse_dead_activations)  # 5.

@@ -343,11 +343,6 @@ class GroupedExperts(ExpertWeights):
             raise ValueError(f"experts_backend ({experts_backend!r}) must be one of {EXPERTS_BACKENDS}")
         self.experts_backend = experts_backend
 
-    def weights_rows(self, device: torch.device) -> bool:
-        """Whether :meth:`forward` applies router weights to the rows on ``device`` (the Triton backend does, in its
-        SwiGLU epilogue, so that the combine only sums)."""
-        return resolve_experts_backend(self.experts_backend, device, self.gate_up_proj.dtype) == "triton"
-
     def forward(self, x_SH: torch.Tensor, plan: DispatchPlan, weights_SK: torch.Tensor | None = None) -> torch.Tensor:
         """Every routed row of the plan through its local expert.
 
@@ -355,7 +350,7 @@ class GroupedExperts(ExpertWeights):
             x_SH: (S, H) tokens.
             plan: the dispatch plan (rows of local expert e are ``[cum_token_counts[e], cum_token_counts[e+1])``).
             weights_SK: router weights indexed by the plan's slots, applied to each row before the down projection
-                (the Triton backend only: :meth:`weights_rows`); the combine then only sums the rows.
+                (the Triton backend only); the combine then only sums the rows.
 
         Returns:
             (RT, H) expert outputs in routed order, in the weights' dtype.
