@@ -21,7 +21,13 @@ What it prints, one table:
    kernel (``backend="triton"``), their times and the largest difference of the loss and the two gradients;
 4. host synchronisations: none in FastSparseMoE's forward + backward on one device, nor in a whole training step of
    the tiny Mula MoE with AdamW (CUDA's sync debug mode);
-5. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
+5. the issue's targets (bf16, forward + backward of one layer, the same contenders): the Mula-7B-A1B layer at 2048
+   and 16384 tokens, skipped once the run has used ``--budget`` seconds (one device call must stay under 8 minutes);
+6. a captured training step (``epso``'s ``cuda_graphs=True`` path, :mod:`mula_lightning.parallel.cuda_graphs`): the
+   tiny Mula MoE in bf16, eager vs forward + backward replayed as CUDA graphs (AdamW eager in both), median step
+   times, the largest loss difference over the first steps, and whether the replayed steps ran under CUDA's sync
+   debug mode without a host synchronisation;
+7. training: ``mula fit`` of the tiny MoE on the device with the ``epso`` strategy (1 device, bf16-true), from a
    freshly prepared corpus: exit code, steps, first and last loss, wall time.
 
 Record the table in BENCHMARKS.md with the device named. Nothing here runs in ``make test``.
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -245,6 +252,75 @@ def training_step_syncs(device: torch.device) -> str:
     return "none; also runs under deterministic algorithms"
 
 
+def speed_row(shape: Shape, device: torch.device, reps: int) -> str:
+    """One layer's forward + backward in bf16 at ``shape``: times, the ratios to transformers' grouped_mm, TFLOP/s."""
+    flops = 18 * shape.hidden * shape.intermediate * shape.tokens * shape.top_k  # the experts' GEMMs, fwd + bwd
+    t = speed(shape, torch.bfloat16, device, reps)
+    row = ", ".join(f"{n} {t[n] * 1e3:.2f} ms" for n in CONTENDERS if n in t)
+    ratios = ", ".join(
+        f"{n} vs grouped_mm {t['hf_grouped_mm'] / t[n]:.2f}x, {flops / t[n] / 1e12:.1f} TFLOP/s"
+        for n in ("fast", "fast_triton")
+        if n in t and "hf_grouped_mm" in t
+    )
+    return f"{row}; {ratios}"
+
+
+def captured_step(device: torch.device, reps: int, steps: int = 3) -> str:
+    """The tiny Mula MoE's training step (bf16, fused head + loss, AdamW) eager and with forward + backward replayed
+    as CUDA graphs: median step times, the largest loss difference over ``steps`` steps from the same weights and
+    batches, host synchronisations of a replayed step (CUDA's sync debug mode)."""
+    if device.type != "cuda":
+        return "n/a (CUDA graphs)"
+    from mula_lightning.lightning_module import single_device_adamw
+    from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+    from mula_lightning.parallel.cuda_graphs import GraphedTrainingForward
+
+    config = MulaConfig.from_name("mula-tiny-moe", moe_impl="fast", max_seq_len=256)
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (8, 256), device=device, generator=gen) for _ in range(steps)]
+    losses, times, notes = {}, {}, []
+    for mode in ("eager", "graphs"):
+        model = init_weights(MulaForCausalLM(config), seed=0).to(device, torch.bfloat16)
+        optimizer = single_device_adamw(model.parameters(), lr=1e-4)
+        wrapper = GraphedTrainingForward(model) if mode == "graphs" else None
+
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            out = model(ids, labels=ids, return_logits=False)  # noqa: B023 - this mode's model
+            (out.loss + out.aux_loss).backward()
+            optimizer.step()  # noqa: B023
+            optimizer.zero_grad(set_to_none=True)  # noqa: B023
+            return out.loss.detach().float()
+
+        try:
+            losses[mode] = torch.stack([step(ids) for ids in batches])  # the graphs' capture is in the first
+        except RuntimeError as err:
+            return f"{mode} FAIL ({str(err).splitlines()[0][:100]})"
+        if wrapper is not None:
+            if wrapper.refused or wrapper.replays == 0:
+                return f"not captured: {wrapper.refused or 'no replay'}"
+            torch.cuda.synchronize(device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(batches[0])
+                notes.append("a replayed step does not synchronise")
+            except RuntimeError as err:
+                notes.append(f"a replayed step synchronises: {str(err).splitlines()[0][:80]}")
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        runs = []
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step(batches[0])
+            torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - start)
+        times[mode] = statistics.median(runs)
+    diff = (losses["graphs"] - losses["eager"]).abs().max().item()
+    return (f"eager {times['eager'] * 1e3:.2f} ms, graphs {times['graphs'] * 1e3:.2f} ms "
+            f"({times['eager'] / times['graphs']:.2f}x); loss difference over {steps} steps {diff:.1e}; "
+            + "; ".join(notes))  # fmt: skip
+
+
 def fit(device: torch.device, steps: int) -> str:
     """`mula fit` of the tiny MoE on one device with epso, bf16-true; returns a one-line summary."""
     import csv
@@ -290,7 +366,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50, help="mula fit steps")
     parser.add_argument("--quick", action="store_true", help="a small shape, 2 repetitions, 10 steps (smoke run)")
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds after which the target rows are skipped")
     args = parser.parse_args()
+    started = time.perf_counter()
     device = torch.device(args.device or _default_device())
     shape = SHAPES[args.shape]
     if args.quick:
@@ -323,6 +401,14 @@ def main() -> None:
         label = f"host syncs in fwd+bwd, {contender}"
         print(f"{label:<44}{host_syncs(shape, torch.bfloat16, device, contender)}")
     print(f"{'host syncs in a training step':<44}{training_step_syncs(device)}")
+    targets = [Shape("quick H64 I32 E8 K2", 64, 32, 8, 2, 512)] if args.quick else [
+        replace(SHAPES["mula-7b-a1b"], tokens=2048), replace(SHAPES["mula-7b-a1b"], tokens=16384)]  # fmt: skip
+    for target in targets:
+        label = f"fwd+bwd bf16, {target.name}, {target.tokens} tok"
+        used = time.perf_counter() - started
+        row = f"skipped ({used:.0f} s used of a {args.budget:.0f} s budget)" if used > args.budget else None
+        print(f"{label:<44}{row or speed_row(target, device, args.reps)}", flush=True)
+    print(f"{'captured training step, tiny MoE, bf16':<44}{captured_step(device, args.reps)}", flush=True)
     print(f"{'mula fit tiny MoE, epso, 1 device':<44}{fit(device, args.steps)}")
 
 

@@ -83,7 +83,10 @@ def _checkpointed_call(module: nn.Module, *args: Any, _mula_method: str, **kwarg
         with routing_replay(replay):
             return run(*a, **k)
 
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # the generator's state is saved for the recomputation only where the region draws random numbers (router
+    # jitter): the layers have no dropout, and a CUDA graph capture cannot read the state (cuda_graphs.py)
+    draws = any(float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0 for m in module.modules())
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=draws, **kwargs)
 
 
 def checkpoint_module(module: nn.Module, method: str = "forward") -> nn.Module:

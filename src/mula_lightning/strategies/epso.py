@@ -289,6 +289,10 @@ class EPSOOptions(ShardingOptions):
         pp_boundaries: the first layer of every stage but the first (stages balanced by hand), ``"params"`` (the
             stages balanced by parameter count, the embedding counted on the first and the LM head on the last), or
             None (equal layer counts).
+        cuda_graphs: replay each training micro-batch's forward and backward as two CUDA graphs, captured at the
+            first training step (:mod:`mula_lightning.parallel.cuda_graphs`): for one CUDA device per model replica
+            (``ep_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not hold, one warning
+            names why and the steps run eagerly. The optimizer step stays eager.
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
@@ -315,6 +319,7 @@ class EPSOOptions(ShardingOptions):
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
         pp_boundaries: list[int] | str | None = None,
+        cuda_graphs: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
@@ -342,6 +347,8 @@ class EPSOOptions(ShardingOptions):
         self.pipeline: Any = None  # the PipelineRunner once set up (pp_size > 1)
         self._pipeline_backward_done = False
         self.async_save = bool(async_save)
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graphed_forwards: list[Any] = []  # the GraphedTrainingForward of each model once set up (cuda_graphs)
         self._init_flavour()
 
     @property
@@ -389,6 +396,12 @@ class EPSOOptions(ShardingOptions):
         """The summed next-token cross-entropy of one batch through the pipeline (forward only), on every rank of
         the pipeline. Collective over the pipeline and its stages."""
         return self._runner().eval_step(input_ids, input_ids if labels is None else labels)
+
+    def _install_cuda_graphs(self, module: nn.Module) -> None:
+        if self.cuda_graphs and not self.graphed_forwards:
+            from mula_lightning.parallel.cuda_graphs import install_cuda_graphs
+
+            self.graphed_forwards = install_cuda_graphs(module, self.root_device, self.topology)
 
     def _runner(self) -> Any:
         if self.pipeline is None:
@@ -463,6 +476,7 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDCPSaves, Fabric
         weights = self.init_weights()
         self.topology = setup_epso_module(module, self.settings, self.root_device, self.topology, weights)
         self.pipeline = build_pipeline(module, self.settings, self.topology, self.root_device)
+        self._install_cuda_graphs(module)
         self._module = module
         return module
 
@@ -525,6 +539,7 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, Train
         weights = self.init_weights()
         self.topology = setup_epso_module(self.model, self.settings, self.root_device, self.topology, weights)
         self.pipeline = build_pipeline(self.model, self.settings, self.topology, self.root_device)
+        self._install_cuda_graphs(self.model)
         self.barrier()
         from lightning.pytorch.trainer.states import TrainerFn
 
