@@ -24,7 +24,9 @@ the LM head and the cross-entropy fused in chunks, :mod:`mula_lightning.models.l
 plain loss`` through the whole batch's logits, as transformers does; ``mula (fast), compiled`` with ``epso``'s
 ``compile=True`` (``torch.compile`` of every layer's attention and norms; the compilation happens in the warm-up steps,
 which are not timed); on a CUDA or XPU device also ``mula (fast), triton``: the experts and the loss in the Triton
-kernels (``experts_backend="triton"``, ``loss_backend="triton"``; their autotuning happens in the warm-up steps).
+kernels (``experts_backend="triton"``, ``loss_backend="triton"``; their autotuning happens in the warm-up steps); on
+CUDA also ``mula (fast), cuda graphs`` and ``mula (fast), triton, cuda graphs``: forward + backward replayed as two
+CUDA graphs (``epso``'s ``cuda_graphs=True``, :mod:`mula_lightning.parallel.cuda_graphs`; captured in the warm-up).
 
 A step is ``loss = lm_loss + aux_loss; loss.backward(); optimizer.step(); optimizer.zero_grad()`` with torch's AdamW
 as :class:`~mula_lightning.lightning_module.MulaLM` configures it for one device (the fused kernel where the device
@@ -61,6 +63,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 CONTENDERS = ("mula (fast)", "mula (fast), plain loss", "mula (fast), compiled", "HF grouped_mm", "HF eager")
 #: on CUDA / XPU also: the experts and the loss in the Triton kernels (on the CPU they would run interpreted)
 DEVICE_CONTENDERS = ("mula (fast), triton",)
+#: on CUDA also: forward + backward replayed as CUDA graphs (epso's cuda_graphs=True; captured in the warm-up steps)
+CUDA_CONTENDERS = ("mula (fast), cuda graphs", "mula (fast), triton, cuda graphs")
 
 
 def _config(shape: str):
@@ -98,6 +102,10 @@ def _build(config, contender: str, device: torch.device, dtype: torch.dtype):
 
         apply_compile(model)
     model.to(device, dtype)
+    if "cuda graphs" in contender:
+        from mula_lightning.parallel.cuda_graphs import GraphedTrainingForward
+
+        GraphedTrainingForward(model)  # replaces the model's forward: training calls replay the graphs
     optimizer = single_device_adamw(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def step(input_ids: torch.Tensor) -> None:
@@ -171,6 +179,7 @@ def main() -> None:
     from mula_lightning.testing import run_distributed_test
 
     every = CONTENDERS + (DEVICE_CONTENDERS if args.device != "cpu" else ())
+    every += CUDA_CONTENDERS if args.device.startswith("cuda") else ()
     contenders = [
         c
         for c in every

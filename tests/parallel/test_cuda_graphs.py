@@ -1,8 +1,9 @@
 """CUDA graphs for a training micro-batch (``epso``'s ``cuda_graphs=True``), on the CPU: the captured callable never
-reads the device from the host (run on the meta device, where every host read raises), the replacing forward gives
-the plain forward's losses, gradients and router loads (with an eager stand-in for the capture that keeps
-CUDA's static-output semantics), and every case a capture cannot serve is refused in one line. The capture itself
-needs a GPU: ``benchmarks/gpu_check.py`` runs it under CUDA's sync debug mode."""
+reads the device from the host (run on the meta device, where every host read raises; with the Triton kernels, under
+a counter of host reads), the replacing forward gives the plain forward's losses, gradients and router loads (with an
+eager stand-in for the capture that keeps CUDA's static-output semantics), alone and under ``Trainer`` + ``epso``, and
+every case a capture cannot serve is refused in one line. The capture itself needs a GPU: ``benchmarks/gpu_check.py``
+runs it under CUDA's sync debug mode."""
 
 import warnings
 from types import SimpleNamespace
@@ -10,7 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader
 
+from mula_lightning.lightning_module import MulaLM
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.parallel.activation_checkpointing import apply_activation_checkpointing
 from mula_lightning.parallel.cuda_graphs import (
@@ -19,8 +23,8 @@ from mula_lightning.parallel.cuda_graphs import (
     graph_refusal,
     install_cuda_graphs,
 )
-from mula_lightning.strategies import FabricEPSOStrategy
-from mula_lightning.testing import run_pooled_test
+from mula_lightning.strategies import EPSOStrategy, FabricEPSOStrategy
+from mula_lightning.testing import counting_host_reads, run_pooled_test
 
 
 def _config(**overrides):
@@ -247,3 +251,78 @@ def test_failed_capture_runs_eagerly():
     torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=1e-12)
     torch.testing.assert_close([r.pending_load for r in _routers(model)], [r.pending_load for r in _routers(plain)])
     assert wrapper.refused and wrapper.eager_calls == 1 and wrapper.replays == 0
+
+
+@pytest.mark.parametrize("variant", ["moe", "shared experts, expert bias, sequence loss"])
+def test_triton_step_reads_nothing_on_the_host(variant):
+    """With the Triton experts and loss (on the CPU under Triton's interpreter, float32), the captured callable's
+    forward and backward make no host read of any kind (``counting_host_reads``: values, data-sized outputs, boolean
+    masks); the counter sees the grouped_mm path's CPU-only read of the group sizes, so it can fail."""
+    overrides = {**VARIANTS[variant], "experts_backend": "triton", "loss_backend": "triton"}
+    model = init_weights(MulaForCausalLM(_config(**overrides)), seed=0).train()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with counting_host_reads() as reads:
+        flat = _TrainingLoss(model)(ids, ids)
+        (flat[0] + flat[1]).backward()
+    assert reads.total() == 0, dict(reads.sites)
+    assert torch.isfinite(flat[0]) and all(p.grad is not None for p in model.parameters())
+    model = init_weights(MulaForCausalLM(_config(**VARIANTS[variant])), seed=0).train()
+    with counting_host_reads() as reads:
+        _TrainingLoss(model)(ids, ids)
+    assert reads.total("moe/experts.py") == 2  # one per MoE layer: the CPU path's host sizes
+
+
+class _GraphAtTrainStart(Callback):
+    """Installs the replacing forward with the static-output stand-in once the strategy has set the model up."""
+
+    def __init__(self):
+        self.wrapper = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.wrapper = GraphedTrainingForward(pl_module.model, capture=StaticOutputCapture())
+
+
+def _fit_mula_lm(rank, world_size, graphed):
+    torch.manual_seed(0)
+    module = MulaLM(
+        model=_config(expert_bias=True, bias_update_rate=0.01, score_function="sigmoid", shared_experts=1),
+        lr=3e-3, warmup_steps=1, grad_clip=0.5, clip_during_warmup=True,
+    )  # fmt: skip
+    callbacks = [_GraphAtTrainStart()] if graphed else []
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=EPSOStrategy(cuda_graphs=not graphed), precision="64-true",
+        max_steps=3, accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks + [_KeepLosses()], use_distributed_sampler=False,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(10 + rank)
+    ids = torch.randint(0, 96, (12, 17), generator=gen)
+    data = DataLoader([{"input_ids": r[:-1].clone(), "labels": r[:-1].clone()} for r in ids], batch_size=2)
+    trainer.fit(module, data)
+    keep = trainer.callbacks[-1]
+    replays = callbacks[0].wrapper.replays if graphed else 0
+    state = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    installed = len(trainer.strategy.graphed_forwards) + ("forward" in module.model.__dict__ and not graphed)
+    return keep.losses, state, replays, installed
+
+
+class _KeepLosses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_replacing_forward_trains_like_the_model_under_the_trainer():
+    """``MulaLM`` under ``Trainer`` + ``epso`` on 2 gloo ranks (float64, accumulation 2, clipping, expert bias): with
+    the replacing forward (the static-output stand-in for the capture) every micro-batch's loss and every final
+    weight and selection bias equal the eager run's; six micro-batches were replayed. The eager run asks for
+    ``cuda_graphs=True``, which the Trainer's strategy refuses on the CPU, installing nothing."""
+    eager = run_pooled_test(_fit_mula_lm, 2, graphed=False)
+    graphed = run_pooled_test(_fit_mula_lm, 2, graphed=True)
+    assert [r[3] for r in eager] == [0, 0]
+    for (losses_e, state_e, *_), (losses_g, state_g, replays, _) in zip(eager, graphed):
+        assert replays == 6 and len(losses_g) == len(losses_e) == 6
+        torch.testing.assert_close(losses_g, losses_e, rtol=0, atol=1e-12)
+        torch.testing.assert_close(state_g, state_e, rtol=0, atol=1e-12)
+    assert any(k.endswith("e_score_correction_bias") and v.abs().sum() > 0 for k, v in graphed[0][1].items())
