@@ -13,7 +13,9 @@ Contenders (each a Lightning ``Trainer(devices=N)`` on N fresh processes started
 * ``mula epso EP=N``: :class:`~mula_lightning.lightning_module.MulaLM` exactly as ``mula fit`` builds it (meta
   device, materialised and expert-sharded by the strategy, EP-aware sharded AdamW, FastSparseMoE blocks with the
   all-gather dispatcher, or ``--dispatcher alltoall``), experts split over the N ranks;
-* ``mula epso EP=1``: the same with DP=N (every rank holds all experts);
+* ``mula epso EP=1``: the same with DP=N (every rank holds all experts); on CUDA also with the Triton experts and
+  loss (``, triton``), with ``cuda_graphs=True`` (``, cuda graphs``: forward + backward replayed as CUDA graphs), and
+  both;
 * ``HF eager, ddp``: ``OlmoeForCausalLM`` (transformers' per-expert loop) in a minimal LightningModule, ``ddp``;
 * ``HF grouped_mm, ddp``: the same with ``experts_implementation="grouped_mm"``.
 
@@ -137,6 +139,8 @@ def _run(rank, world_size, contender: str, args) -> dict:
     if contender.startswith("mula"):
         ep = world_size if "EP=1" not in contender else 1
         overrides = {k: v for k, v in config.to_dict().items() if k != "name"}
+        if "triton" in contender:  # the experts and the loss in the Triton kernels
+            overrides.update(experts_backend="triton", loss_backend="triton")
         module = MulaLM(
             model="mula-tiny-moe",
             model_overrides=overrides,
@@ -145,7 +149,8 @@ def _run(rank, world_size, contender: str, args) -> dict:
             grad_clip=0.0,
             log_grad_norm=False,
         )
-        strategy = EPSOStrategy(ep_size=ep, bucket_numel=args.bucket_numel, dispatcher=args.dispatcher)
+        strategy = EPSOStrategy(ep_size=ep, bucket_numel=args.bucket_numel, dispatcher=args.dispatcher,
+                                cuda_graphs="cuda graphs" in contender)  # fmt: skip
     else:
         module = _hf_module(config, "eager" if "eager" in contender else "grouped_mm")
         strategy = "ddp"
@@ -236,9 +241,10 @@ def main() -> None:
 
     from mula_lightning.testing import run_distributed_test
 
-    contenders = list(
-        dict.fromkeys([f"mula epso EP={args.procs}", "mula epso EP=1", "HF eager, ddp", "HF grouped_mm, ddp"])
-    )
+    names = [f"mula epso EP={args.procs}", "mula epso EP=1", "HF eager, ddp", "HF grouped_mm, ddp"]
+    if args.accelerator == "cuda":  # the Triton kernels and the CUDA-graph step (one model replica per device)
+        names[2:2] = ["mula epso EP=1, triton", "mula epso EP=1, cuda graphs", "mula epso EP=1, triton, cuda graphs"]
+    contenders = list(dict.fromkeys(names))
     if args.only:
         contenders = [c for c in contenders if any(o in c for o in args.only)]
     best: dict[str, dict] = {}

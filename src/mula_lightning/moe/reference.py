@@ -98,6 +98,16 @@ class ExpertWeights(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, device=device, dtype=dtype)
         )
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw each expert's matrices as ``nn.Linear`` draws its weight (uniform within 1/sqrt(fan_in)), so that a
+        block built alone computes on numbers, not on whatever memory ``torch.empty`` returned; a Mula model's
+        :func:`~mula_lightning.models.init_weights` redraws them from (seed, name). Nothing is drawn on the meta
+        device."""
+        self.gate_up_proj.uniform_(-(self.hidden_size**-0.5), self.hidden_size**-0.5)
+        self.down_proj.uniform_(-(self.intermediate_size**-0.5), self.intermediate_size**-0.5)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"

@@ -319,6 +319,8 @@ class Router(nn.Module):
         self.capacity_factor = capacity_factor
         self.forced_uniform_routing = forced_uniform_routing
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        with torch.no_grad():  # as nn.Linear draws its weight: a router built alone scores with numbers
+            self.weight.uniform_(-(hidden_size**-0.5), hidden_size**-0.5)
         self.bias_update_rate = float(bias_update_rate)
         if expert_bias or self.bias_update_rate > 0:  # fp32 whatever the model's dtype (see ``_apply``)
             bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
