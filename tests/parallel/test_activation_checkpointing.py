@@ -18,12 +18,12 @@ from mula_lightning.parallel.activation_checkpointing import (
 OPTIONS = ["full", ["norm"], ["attention"], ["moe"], ["mlp"], ["norm", "attention", "moe"], ["norm", "mlp", "moe"]]
 
 
-def _model(capacity_factor=None):
+def _model(capacity_factor=None, experts_backend="auto"):
     """Two MoE layers and one dense layer, GQA, q/k norm, top-2 of 4 experts (with capacity drops if asked)."""
     config = MulaConfig.from_name(
         "mula-tiny-moe", vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
         intermediate_size=16, num_experts=4, top_k=2, moe_impl="fast", moe_layers=[0, 2],
-        capacity_factor=capacity_factor,
+        capacity_factor=capacity_factor, experts_backend=experts_backend,
     )  # fmt: skip
     return init_weights(MulaForCausalLM(config), seed=1)
 
@@ -37,12 +37,16 @@ def _step(model, seed=0):
     return out.loss.detach(), stats, grads
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
-@pytest.mark.parametrize("option", OPTIONS, ids=str)
-def test_every_option_gives_the_losses_statistics_and_gradients_of_none(option, capacity_factor):
+CASES = [(option, None, "auto") for option in OPTIONS] + [(option, 1.0, "auto") for option in OPTIONS]
+CASES += [("full", None, "triton"), (["moe"], 1.0, "triton")]  # the Triton experts, under Triton's interpreter
+
+
+@pytest.mark.parametrize("option,capacity_factor,experts_backend", CASES, ids=str)
+def test_every_option_gives_the_losses_statistics_and_gradients_of_none(option, capacity_factor, experts_backend):
     """Float32, bit for bit: the loss, each MoE layer's tokens per expert and aux loss, and every gradient equal a
-    run without checkpointing (with and without capacity drops); the parts asked for, and only those, recompute."""
-    plain = _model(capacity_factor)
+    run without checkpointing (with and without capacity drops; with either experts backend); the parts asked for,
+    and only those, recompute."""
+    plain = _model(capacity_factor, experts_backend)
     checkpointed = apply_activation_checkpointing(copy.deepcopy(plain), option)
     loss, stats, grads = _step(plain)
     got_loss, got_stats, got_grads = _step(checkpointed)
@@ -124,3 +128,22 @@ def test_norms_of_pipeline_stages_without_the_final_norm():
         counts.append(checkpointed_parts(model))
     assert [c["norm"] for c in counts] == [2, 2, 3]  # each stage's layer's two, and the last stage's final norm
     assert [c["attention"] for c in counts] == [1, 1, 1] and [c["moe"] for c in counts] == [1, 0, 1]
+
+
+@pytest.mark.parametrize("option", ["full", ["moe"]], ids=str)
+def test_router_jitter_is_drawn_again_identically_on_recomputation(option):
+    """A block drawing router jitter noise (Mixtral's) recomputes with the generator state of its forward: the loss
+    and every gradient equal a run without checkpointing from the same seed (checkpointing saves the generator's
+    state only around regions that draw; without it the recomputed noise, hence the gradients, would differ)."""
+    plain = _model()
+    for m in plain.modules():
+        if hasattr(m, "jitter_noise"):
+            m.jitter_noise = 0.3
+    checkpointed = apply_activation_checkpointing(copy.deepcopy(plain), option)
+    torch.manual_seed(5)
+    loss, _, grads = _step(plain)
+    torch.manual_seed(5)
+    got_loss, _, got = _step(checkpointed)
+    assert torch.equal(got_loss, loss)
+    for name in grads:
+        assert torch.equal(got[name], grads[name]), name
