@@ -23,6 +23,7 @@ from mula_lightning.parallel.cuda_graphs import (
     graph_refusal,
     install_cuda_graphs,
 )
+from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.strategies import EPSOStrategy, FabricEPSOStrategy
 from mula_lightning.testing import counting_host_reads, run_pooled_test
 
@@ -191,6 +192,10 @@ def test_refusals_name_the_values():
     assert "this run is on cpu" in graph_refusal(model, torch.device("cpu"))
     reason = graph_refusal(model, cuda, SimpleNamespace(ep_size=2, tp_size=1, pp_size=4))
     assert "ep_size=2, pp_size=4" in reason
+    for name in ("etp_size", "tp_size"):
+        assert f"({name}=2: their collectives" in graph_refusal(model, cuda, SimpleNamespace(**{name: 2}))
+    topology = MoETopology(dp_size=2, ep_size=1)  # the strategy's own record: DP only
+    assert graph_refusal(model, cuda, topology) is None
     assert "capacity_factor=1.25" in graph_refusal(_meta_model(dict(capacity_factor=1.25)), cuda)
     jittery = _meta_model(dict(checkpoint="full"))
     jittery.model.layers[1].mlp.jitter_noise = 0.01

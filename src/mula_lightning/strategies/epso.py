@@ -291,8 +291,8 @@ class EPSOOptions(ShardingOptions):
             None (equal layer counts).
         cuda_graphs: replay each training micro-batch's forward and backward as two CUDA graphs, captured at the
             first training step (:mod:`mula_lightning.parallel.cuda_graphs`): for one CUDA device per model replica
-            (``ep_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not hold, one warning
-            names why and the steps run eagerly. The optimizer step stays eager.
+            (``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not
+            hold, one warning names why and the steps run eagerly. The optimizer step stays eager.
         **ddp_kwargs: only Lightning's DDP-strategy arguments that mean something here (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
             start_method); any other keyword raises a ``TypeError`` that names it.
