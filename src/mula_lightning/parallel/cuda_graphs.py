@@ -90,10 +90,12 @@ class _TrainingLoss(nn.Module):
     def __init__(self, model: MulaForCausalLM) -> None:
         super().__init__()
         self.model = model
+        #: the expert-bias routers, found once (a plain list: not submodules of this wrapper; the model is final)
+        self.routers = expert_bias_routers(model)
         self.aux_spec: list[tuple[str, ...]] = []  # per MoE layer, the MoEAux fields present (set by each run)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        routers = expert_bias_routers(self.model)
+        routers = self.routers
         for router in routers:  # this forward's load alone: the caller adds it to what the step gathered so far
             router.pending_load = None
         out = type(self.model).forward(self.model, input_ids, labels=labels, return_logits=False)
@@ -167,7 +169,7 @@ class GraphedTrainingForward:
             self.refused = f"modules with hooks cannot be captured ({', '.join(hooked[:4])})"
             _warn(self.refused)
             return
-        routers = expert_bias_routers(self.model)
+        routers = self.adapter.routers
         kept = [r.pending_load for r in routers]  # the probe's, warm-up's and capture's forwards must not count
         if input_ids.device.type == "cuda":
             self.refused = self._probe(input_ids, labels)
@@ -219,7 +221,7 @@ class GraphedTrainingForward:
         return None
 
     def _replay(self, input_ids: torch.Tensor, labels: torch.Tensor) -> MulaOutput:
-        routers = expert_bias_routers(self.model)
+        routers = self.adapter.routers
         kept = [r.pending_load for r in routers]
         # the graphs' static outputs, which the next replay overwrites: copied (the copies stay in the autograd graph)
         # so that what a caller keeps of a micro-batch (its loss, its MoE statistics) stays that micro-batch's
