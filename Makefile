@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test test-quick test-cpus gpu-check lint format clean
+.PHONY: venv demo test test-quick test-cpus fuzz gpu-check lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test-quick: venv
 # The parity and distributed tests under other CPU kernels (AVX2, no SIMD, one thread): one line per setting.
 test-cpus: venv
 	$(PY) scripts/cpu_matrix.py
+
+# The differential tester of training loops on fresh programs for MINUTES minutes; failing programs, shrunk and
+# printed as code, go to fuzz-failures/ (make test runs a fixed, seeded share of it).
+MINUTES ?= 10
+fuzz: venv
+	$(PY) scripts/fuzz_loops.py --minutes $(MINUTES) --out fuzz-failures
 
 # On a machine with one CUDA or XPU device: parity, block speed and a tiny `mula fit` on it, as one table.
 gpu-check: venv

@@ -100,6 +100,53 @@ def _ddp_save_failing_on_rank_one(rank, world_size, root, async_save):
         return str(err), time.monotonic() - start
 
 
+def _ddp_save_whose_marker_rank_zero_cannot_write(rank, world_size, root, async_save):
+    import mula_lightning.checkpoint.slots as slots
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="ddp")
+    fabric.launch()
+    model = fabric.setup(torch.nn.Linear(4, 4))
+    ckpt = DualCheckpoint(root, every_n_train_steps=1, async_save=async_save)
+    ckpt.save_fabric(fabric, {"model": model}, step=1)
+    ckpt.wait()
+    write = slots.atomic_write_text
+
+    def full_disk(path, text):
+        if rank == 0 and path.name == slots.MARKER_NAME:
+            raise OSError(28, "No space left on device")
+        return write(path, text)
+
+    slots.atomic_write_text = full_disk  # rank 0 alone fails, after every rank agreed its part was written
+    start = time.monotonic()
+    try:
+        ckpt.save_fabric(fabric, {"model": model}, step=2)
+        ckpt.wait()
+        return "nothing raised", 0.0
+    except slots.CheckpointWriteError as err:
+        return str(err), time.monotonic() - start
+    finally:
+        slots.atomic_write_text = write  # a pooled rank runs the next test unbroken
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_marker_rank_zero_cannot_write_fails_every_rank_at_once(tmp_path, async_save):
+    """Review item 10 (issue 71): Fabric DDP on 2 processes, rank 0 alone fails to write step 2's COMPLETE.json
+    (a full disk) after the ranks agreed every part was written. Every rank raises CheckpointWriteError naming the
+    marker and the cause within seconds, synchronous and asynchronous (before, rank 1 waited in the protocol's last
+    barrier until the process group's timeout and failed with a backend error), and step 1's slot stays the one to
+    resume from."""
+    from mula_lightning.checkpoint.slots import read_marker, resolve_last
+    from mula_lightning.testing import run_pooled_test
+
+    results = run_pooled_test(_ddp_save_whose_marker_rank_zero_cannot_write, 2, root=str(tmp_path),
+                              async_save=async_save, timeout=120)  # fmt: skip
+    for message, seconds in results:
+        assert "rank 0 could not write COMPLETE.json: OSError: [Errno 28] No space left on device" in message, message
+        assert seconds < 30
+    assert read_marker(resolve_last(tmp_path))["step"] == 1
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_state_one_ddp_rank_cannot_collect_fails_every_rank_at_once(tmp_path, async_save):

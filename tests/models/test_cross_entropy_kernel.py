@@ -69,6 +69,35 @@ def test_evaluation_computes_the_loss_alone():
     torch.testing.assert_close(got.double(), _plain(hidden.double(), weight.double(), labels, "mean"))
 
 
+@pytest.mark.parametrize("bad", [-1, 300], ids=["padding -1", "the vocabulary size"])
+def test_a_target_outside_the_vocabulary_never_gives_a_finite_loss(bad):
+    """Review item (issue 71): a label outside [0, V) other than -100 (``-1`` padding, a token id of a larger
+    tokenizer) made the kernel read another row's logit and give a finite wrong loss where the torch path raises.
+    Now that row's loss is NaN (the mean, and its gradient, with it) under training and evaluation; the torch path
+    raises on the same labels, and the kernel's other rows are unchanged (per-row losses against the plain path)."""
+    from mula_lightning.models.cross_entropy_kernel import cross_entropy_rows_
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 6, 16, generator=g)
+    weight = torch.randn(300, 16, generator=g)
+    labels = torch.randint(0, 300, (2, 6), generator=g)
+    labels[1, 3] = bad
+    with pytest.raises((IndexError, RuntimeError)):
+        _plain(hidden, weight, labels, "mean")
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(h, weight, labels, chunk_tokens=4, backend="triton")
+    loss.backward()
+    assert loss.isnan() and h.grad.isnan().any()
+    with torch.no_grad():
+        assert linear_cross_entropy(hidden, weight, labels, chunk_tokens=4, backend="triton").isnan()
+    logits = hidden.reshape(-1, 16) @ weight.t()
+    targets = torch.tensor([5, bad, -100, 7])
+    per_row = cross_entropy_rows_(logits[:4].contiguous(), targets, -100, None)
+    want = F.cross_entropy(logits[[0, 3]].double(), targets[[0, 3]], reduction="none")
+    assert per_row[1].isnan() and per_row[2] == 0.0
+    torch.testing.assert_close(per_row[[0, 3]].double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_kernel_compiles_for_an_h100_without_a_gpu():
     """The kernel builds for sm_90 with bf16 logits, with and without the gradient pass."""
     import triton

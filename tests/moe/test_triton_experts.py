@@ -119,6 +119,44 @@ def test_a_local_expert_range_with_dropped_pairs():
         assert 0 < plan.num_rows < indices.numel()
 
 
+def _autotuned_launch(monkeypatch, timings):
+    """Route the row kernel through Triton's own ``Autotuner`` around the interpreted kernel, over column tiles of 32
+    and 64, each benchmark run executing the kernel once and taking its time from ``timings`` (as on a GPU, where
+    every candidate runs on the real buffers before the winner's launch)."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    import mula_lightning.moe.triton_experts as triton_experts
+    from mula_lightning.moe.triton_kernels import kernels
+
+    fn = kernels(True)["rows_times_weights"]
+    configs = [triton.Config({"BN": 32, "BK": 32}), triton.Config({"BN": 64, "BK": 32})]
+    key = ["n_out", "n_red", "EPILOGUE", "ROW_WEIGHTS"]
+    tuner = Autotuner(fn, fn.arg_names, configs, key, None, None,
+                      do_bench=lambda call, quantiles: (call(), [next(timings)] * len(quantiles))[1])  # fmt: skip
+    plain = triton_experts._launch
+
+    def launch(name, device, grid, tiles, *args, **constexprs):
+        if name != "rows_times_weights":
+            return plain(name, device, grid, tiles, *args, **constexprs)
+        tuner[grid](*args, **constexprs, BM=tiles["BM"])
+
+    monkeypatch.setattr(triton_experts, "_launch", launch)
+    return tuner
+
+
+def test_router_weight_gradient_holds_when_the_autotuner_picks_a_wider_tile(monkeypatch):
+    """Review item (issue 71): the dSwiGLU epilogue's per-column-tile shares of the router weights' gradient survive
+    an autotuner whose benchmark runs write narrower tiles than the winner (BN 32 benched, BN 64 fastest, an expert
+    width of 40: two share slots, the winner's one program per row covering both). Before the fix the slot the
+    winner does not write kept the benchmark's partial dot and was summed in (off by the width's second half)."""
+    import itertools
+
+    tuner = _autotuned_launch(monkeypatch, itertools.cycle([2.0, 1.0]))
+    _check_stage(_routing(37, 5, 2), 5, 24, 40, torch.float32, weighted=True)
+    assert {config.kwargs["BN"] for config in tuner.cache.values()} == {64}  # the wider tile won every key
+
+
 def _blocks(config, dtype, backend, seed):
     torch.manual_seed(seed)
     ref = ReferenceMoEBlock(config).double()

@@ -6,6 +6,7 @@ every case a capture cannot serve is refused in one line. The capture itself nee
 runs it under CUDA's sync debug mode."""
 
 import warnings
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -83,13 +84,21 @@ class StaticOutputCapture:
     def __init__(self):
         self.static = None
         self.calls = 0
+        self.backward_pending = False  # a replay whose backward has not run (CUDA keeps one set of activations)
+        self.overwrites = 0  # replays while one was pending: on a GPU they overwrite the activations it reads
 
     def __call__(self, adapter, sample_args):
         adapter(*sample_args)  # the warm-up: its router loads must not count
 
+        def done(grads):
+            self.backward_pending = False
+
         def replay(*args):
             self.calls += 1
+            self.overwrites += self.backward_pending
+            self.backward_pending = True
             flat = adapter(*args)
+            torch.autograd.graph.register_multi_grad_hook([t for t in flat if t.requires_grad], done, mode="any")
             if self.static is None:
                 self.static = [t.detach().clone() for t in flat]
             for s, t in zip(self.static, flat):
@@ -164,6 +173,32 @@ def test_replacing_forward_matches_the_model():
     assert list(graphed.state_dict()) == keys
     wrapper.uninstall()
     assert "forward" not in graphed.__dict__
+
+
+def test_two_forwards_before_one_backward_run_the_second_eagerly():
+    """Review item 6 (issue 71): the graphs keep one set of activations, so a replay before the previous replay's
+    backward would overwrite what that backward reads (a Fabric or manual loop running two micro-batches' forwards,
+    then one backward of their sum). The second forward runs eagerly with one warning naming the pattern, no replay
+    overwrites a pending one, the gradients equal the plain model's (float64), and the forward after the backward
+    replays again; a replay's loss dropped without a backward does not keep the next forward eager."""
+    plain, graphed = _float64_model(), _float64_model()
+    capture = StaticOutputCapture()
+    wrapper = GraphedTrainingForward(graphed, capture=capture)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 96, (2, 16), generator=gen) for _ in range(3)]
+    for model in (plain, graphed):
+        expected = pytest.warns(UserWarning, match="several forwards before one backward")
+        with expected if model is graphed else nullcontext():
+            first, second = (model(ids, labels=ids, return_logits=False) for ids in batches[:2])
+        (first.loss + first.aux_loss + second.loss + second.aux_loss).backward()
+        third = model(batches[2], labels=batches[2], return_logits=False)
+        (third.loss + third.aux_loss).backward()
+    assert capture.overwrites == 0
+    assert wrapper.replays == 2 and wrapper.eager_calls == 1
+    torch.testing.assert_close(_grads(graphed), _grads(plain), rtol=0, atol=1e-12)
+    graphed(batches[0], labels=batches[0], return_logits=False)  # dropped: no backward will come
+    graphed(batches[1], labels=batches[1], return_logits=False)
+    assert wrapper.replays == 4 and capture.overwrites == 1  # replayed (the dropped one's activations are free)
 
 
 def _routers(model):

@@ -20,7 +20,9 @@ on disk:
    like any other error.
 5. Rank 0 gathers the checksums, fsyncs the slot's directories and writes the marker atomically (temporary file,
    fsync, rename, fsync of the directory). The marker holds the step, the layout, every file's size and checksum,
-   the model's signature (logical key -> shape) and the run's lineage id (:func:`slot_lineages`).
+   the model's signature (logical key -> shape) and the run's lineage id (:func:`slot_lineages`). The ranks then
+   learn whether it was written (one gather of rank 0's error, the last barrier): a marker rank 0 could not write
+   is a :class:`CheckpointWriteError` on every rank at once, the other slot staying the newest complete one.
 
 Resume (:func:`resolve_last`) checks each slot on every rank (marker readable, every listed file present with
 its size; the checksums are split over the ranks so each file is read by one rank only; the model signature, when
@@ -416,10 +418,9 @@ def write_and_mark(
         failed = "; ".join(f"rank {r}: {e}" for r, e, _ in reports if e)
         raise CheckpointWriteError(f"{slot}: checkpoint of step {step} not completed ({failed}); no marker written")
     hook("agreed")
+    marker_error = ""
     if rank == 0:
         files = {rel: info for _, _, part in reports for rel, info in part.items()}
-        for sub in sorted({(slot / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
-            fsync_dir(sub)
         marker = {
             "format_version": FORMAT_VERSION,
             "step": int(step),
@@ -430,9 +431,19 @@ def write_and_mark(
             "model": signature,
             "run_id": run_id,
         }
-        atomic_write_text(slot / MARKER_NAME, json.dumps(marker, indent=1, sort_keys=True))
-    if is_distributed():
-        dist.barrier(group=group)
+        try:  # written whole or not at all (atomic rename): on failure the other slot stays the newest complete one
+            for sub in sorted({(slot / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
+                fsync_dir(sub)
+            atomic_write_text(slot / MARKER_NAME, json.dumps(marker, indent=1, sort_keys=True))
+        except Exception as err:
+            marker_error = f"{type(err).__name__}: {err}"
+    # every rank learns whether the marker exists (this is the protocol's last barrier): a rank 0 that could not write
+    # it must not leave the others waiting for it until the process group's timeout
+    marker_error = all_gather_object(marker_error, group)[0]
+    if marker_error:
+        raise CheckpointWriteError(
+            f"{slot}: checkpoint of step {step} not completed (rank 0 could not write {MARKER_NAME}: {marker_error})"
+        )
     _remember_valid(slot, step)
     hook("done")
     return slot

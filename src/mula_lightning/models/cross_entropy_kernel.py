@@ -34,7 +34,8 @@ def cross_entropy_rows(
     WRITE_GRAD: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):  # fmt: skip
     """Row ``program_id``: ``losses = logsumexp(x) - x[target]`` (0 if ignored); with ``WRITE_GRAD``, ``x`` becomes
-    ``(softmax(x) - one_hot(target)) * scale`` (0 on an ignored row)."""
+    ``(softmax(x) - one_hot(target)) * scale`` (0 on an ignored row). A target outside ``[0, n_cols)`` other than
+    ``ignore_index`` gives a NaN loss and a NaN gradient row (never another column's logit)."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     target = tl.load(targets_ptr + row)
@@ -48,11 +49,14 @@ def cross_entropy_rows(
         running_max = new_max
     lse = running_max + tl.log(running_sum)
     valid = target != ignore_index
-    safe = tl.where(valid, target, 0)
+    out_of_range = valid & ((target < 0) | (target >= n_cols))
+    safe = tl.where(valid & (target >= 0) & (target < n_cols), target, 0)
     picked = tl.load(base + safe).to(tl.float32)
-    tl.store(losses_ptr + row, tl.where(valid, lse - picked, 0.0))
+    loss = tl.where(valid, lse - picked, 0.0)
+    tl.store(losses_ptr + row, tl.where(out_of_range, float("nan"), loss))
     if WRITE_GRAD:
         factor = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+        factor = tl.where(out_of_range, float("nan"), factor)
         for c0 in range(0, n_cols, BLOCK_COLS):
             cols = c0 + tl.arange(0, BLOCK_COLS)
             mask = cols < n_cols
@@ -76,7 +80,13 @@ def cross_entropy_rows_(
 ) -> torch.Tensor:
     """Per-row losses (float32) of ``logits`` (rows, V), contiguous rows; with ``grad_scale`` (a 0-d tensor) the
     logits are overwritten by their gradient ``(softmax - one_hot) * grad_scale`` (0 on rows whose target is
-    ``ignore_index``)."""
+    ``ignore_index``).
+
+    A target outside ``[0, V)`` that is not ``ignore_index`` (``-1`` padding, a tokenizer larger than the model's
+    vocabulary) makes its row's loss and gradient NaN, where torch's cross-entropy raises: checking on the host would
+    read the targets back every step (a device synchronisation, and impossible inside a CUDA graph), so the wrong
+    label shows as a non-finite loss, which :class:`~mula_lightning.callbacks.NaNDetector` reports, never as a
+    finite wrong one."""
     rows, cols = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("cross_entropy_rows_ needs rows of contiguous columns")

@@ -49,6 +49,8 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
 #: rows per program on a GPU (the schedule's row block; the other tile sizes are autotuned,
 #: :data:`~mula_lightning.moe.triton_kernels.ROW_TILES`)
 GPU_BLOCK_M = 64
+#: columns per slot of the router weights' gradient shares (the narrowest column tile, interpreter or GPU)
+SHARE_COLUMNS = 32
 EPILOGUE_PLAIN, EPILOGUE_SWIGLU, EPILOGUE_DSWIGLU = 0, 1, 2
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
@@ -149,8 +151,9 @@ def rows_times_weights(
     n_red = w.shape[1] if transpose_w else w.shape[2]
     expert, row = schedule
     weighted = row_weights is not None
-    # rw's gradient, one share per column tile of the widest tiling (a GPU's autotuned tiles are at least as wide)
-    shares = torch.zeros(rows if weighted and epilogue == EPILOGUE_DSWIGLU else 0, -(-n_out // min(BLOCK_N, 32)),
+    # rw's gradient, one share per SHARE_COLUMNS columns (a program of BN columns writes its share into its first
+    # slot and zeros into the others: every slot is written by each launch, whichever tile the autotuner chose)
+    shares = torch.zeros(rows if weighted and epilogue == EPILOGUE_DSWIGLU else 0, -(-n_out // SHARE_COLUMNS),
                          dtype=torch.float32, device=a.device)  # fmt: skip
     if rows:
         tiles = {"BM": row_block(a.device), "BN": BLOCK_N, "BK": BLOCK_K}

@@ -82,8 +82,16 @@ def rows_times_weights(
         sig = 1.0 / (1.0 + tl.exp(-gate))
         silu = gate * sig
         if ROW_WEIGHTS:  # acc = d(rw * h): rw's share from these columns, then dh = rw * acc
+            # shares live per 32 columns (triton_experts.SHARE_COLUMNS), whatever BN the autotuner runs: this
+            # program writes its share into the first slot of its columns and zeros into the others, so the slots
+            # hold the last launch's shares only (an autotuner's benchmark runs of narrower tiles leave nothing)
             share = tl.reduce(tl.where(mask, acc * silu * up, 0.0), 1, _SUM)
-            tl.store(row_weight_grad_ptr + rows.to(tl.int64) * stride_rwg + pid_n, share, mask=row_ok)
+            n_slots = (n_out + 31) // 32
+            for j in tl.static_range(BN // 32):
+                slot = pid_n * (BN // 32) + j
+                value = share if j == 0 else share * 0.0
+                tl.store(row_weight_grad_ptr + rows.to(tl.int64) * stride_rwg + slot, value,
+                         mask=row_ok & (slot < n_slots))  # fmt: skip
             acc = acc * tl.load(row_weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         grad_gate = acc * up * (sig + silu * (1.0 - sig))
         tl.store(out_ptr + out_rows * stride_out + cols[None, :], grad_gate.to(out_ptr.dtype.element_ty), mask=mask)

@@ -26,17 +26,22 @@ the capture happens; a step that passes the probe (one eager forward + backward 
 warm-up run) and a capture that succeeds. Data parallelism is allowed: gradients are reduced after the backward graph
 (no overlap with it). Costs: one extra copy of the parameter gradients (the graph's static outputs), and at the first
 step the probe's two runs and the capture's warm-up iterations (3 forward + backward). The graphs hold the
-parameters' storage: replacing a parameter tensor after the capture (not an in-place load) leaves them stale.
+parameters' storage: replacing a parameter tensor after the capture (not an in-place load) leaves them stale. The
+graphs hold one set of activations: a training forward while an earlier replay's backward has not run yet (two
+micro-batches' forwards, then one backward of their sum) runs eagerly, with one warning naming the pattern, since a
+replay would overwrite the activations the pending backward reads.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
 from mula_lightning.models.transformer import MulaForCausalLM, MulaOutput
 from mula_lightning.moe.balancing import expert_bias_routers
@@ -130,6 +135,9 @@ class GraphedTrainingForward:
         self.refused: str | None = None  # why the capture was given up (the model then runs eagerly)
         self.replays = 0
         self.eager_calls = 0
+        #: the losses a replay returned, while its backward has not run (weak: a loss dropped unused frees it)
+        self._pending: list[weakref.ref] = []
+        self._warned_pending = False
         model.forward = self.__call__  # instance attribute: nn.Module.__call__ finds it before the class's
 
     def uninstall(self) -> None:
@@ -158,6 +166,11 @@ class GraphedTrainingForward:
         )
         if graphable and self.graphed is None:
             self._capture_now(input_ids, labels)
+        if graphable and self.graphed is not None and self._backward_pending():
+            graphable = False  # a replay would overwrite the activations the pending backward reads
+            if not self._warned_pending:
+                self._warned_pending = True
+                _warn_once_pending()
         if not graphable or self.graphed is None or self._key(input_ids, labels) != self.key:
             self.eager_calls += 1
             return type(self.model).forward(self.model, input_ids, labels, loss_reduction, return_logits)
@@ -220,13 +233,22 @@ class GraphedTrainingForward:
             torch.cuda.set_sync_debug_mode(previous)
         return None
 
+    def _backward_pending(self) -> bool:
+        """Whether a replay's backward has not run while a loss it returned is still alive."""
+        return any(ref() is not None for ref in self._pending)
+
     def _replay(self, input_ids: torch.Tensor, labels: torch.Tensor) -> MulaOutput:
         routers = self.adapter.routers
         kept = [r.pending_load for r in routers]
         # the graphs' static outputs, which the next replay overwrites: copied (the copies stay in the autograd graph)
         # so that what a caller keeps of a micro-batch (its loss, its MoE statistics) stays that micro-batch's
-        flat = [t.clone() for t in self.graphed(input_ids, labels)]
+        raw = self.graphed(input_ids, labels)
+        flat = [t.clone() for t in raw]
         self.replays += 1
+        graph_outputs = [t for t in raw if t.requires_grad]
+        if graph_outputs:  # pending until the backward reaches the graph's outputs (or the losses are dropped)
+            self._pending = [weakref.ref(flat[0]), weakref.ref(flat[1])]
+            register_multi_grad_hook(graph_outputs, lambda grads: self._pending.clear(), mode="any")
         loss, aux_loss = flat[0], flat[1]
         moe_aux, i = [], 2
         for present in self.adapter.aux_spec:
@@ -246,6 +268,16 @@ def _cuda_capture(warmup_iters: int) -> Capture:
         )
 
     return capture
+
+
+def _warn_once_pending() -> None:
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(
+        "cuda_graphs=True: a training forward ran while the previous replay's backward had not (several forwards "
+        "before one backward): it runs eagerly, as replaying would overwrite the activations that backward reads; "
+        "run each micro-batch's backward before the next forward to replay every one"
+    )
 
 
 def _warn(reason: str) -> None:

@@ -50,9 +50,11 @@ element of the model is owned by exactly one rank.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +202,24 @@ def local_gradient(param: Any, tp_size: int, sequence_parallel: bool) -> tuple[t
     return grad.to_local(), (1.0 / grad.device_mesh.size() if replicated else 1.0)
 
 
+def on_the_optimizer_itself(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an optimizer method on the optimizer inside Lightning's and Fabric's wrappers, not on the wrapper.
+
+    Why: ``fabric.setup_optimizers`` and the Trainer wrap the optimizer in an object whose class subclasses the
+    optimizer's (for ``isinstance``), so a method the wrapper does not override (``zero_grad``, ``clip_grad_norm_``)
+    runs with the *wrapper* as ``self``: the containers it mutates are the optimizer's (read through the wrapper's
+    attribute lookup), but a flag it assigns (``self._synced = False``) lands on the wrapper, and the optimizer's own
+    stays stale. A Fabric loop's ``optimizer.zero_grad()`` after a norm query left the sync marked done: the next
+    backward's gradients were added to the dropped ones (``epso``) or never reduced (``zero_topo``).
+    """
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(unwrap_optimizer(self), *args, **kwargs)
+
+    return run
+
+
 class ShardedAdamW(torch.optim.Optimizer):
     """AdamW over flat, sharded buffers; the communication plan is in the module docstring.
 
@@ -330,7 +350,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                     params.append(current[names_by_id[id(p)]])
                 # else: a layer another pipeline stage holds, pruned from this rank's model: not this rank's to train
             groups.append({"params": params, **{k: v for k, v in g.items() if k in keep}})
-        return cls(model, topology, param_groups=groups, **kwargs)
+        sharded = cls(model, topology, param_groups=groups, **kwargs)
+        take_over(sharded, optimizer)
+        return sharded
 
     # ------------------------------------------------------------------ state
     def _init_state(self) -> None:
@@ -390,12 +412,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         reduce-scatter from the flat buffer; writing the next gradients into that buffer while it is being read, and
         counting them towards a launch that already happened, would drop every backward after the first. The banked
         owned range (one shard-sized tensor per bucket, held only in this case) is added to the final reduction in
-        :meth:`finish_grad_sync`: sum of the reductions = reduction of the sum.
+        :meth:`finish_grad_sync`: sum of the reductions = reduction of the sum. A family whose states are not sharded
+        keeps its result in the bucket itself instead (:meth:`_keep_in_bucket`): nothing is banked.
         """
         key = (fam, bucket_index)
         buf = self.buffers[fam]
         b = buf.buckets[bucket_index]
         owned = self._complete_reduction(fam, b)
+        if self.plans[fam].shard_size == 1:
+            self._keep_in_bucket(fam, b, owned)
+            self._ready.pop(key, None)
+            return
         banked = self._banked.get(key)
         if banked is None:
             self._banked[key] = owned.to(buf.grads.dtype, copy=True)  # owned may view the buffer itself
@@ -405,16 +432,35 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._written.discard(id(s.param))
         self._ready.pop(key, None)
 
+    def _keep_in_bucket(self, fam: str, b: Any, reduced: torch.Tensor) -> None:
+        """Keep a replicated bucket's reduced gradients in the bucket itself while a further backward accumulates into
+        it (mode ``none``, or experts at dp = 1): scaled by ``1 / cross_size``, so the next all-reduce, which sums the
+        ranks' equal copies, gives them back whole (exact for power-of-two groups, one rounding otherwise); a family
+        that never communicates (a group of one) keeps them as they are. No copy of the gradients, where banking
+        held a second one of every element (DDP holds none)."""
+        plan = self.plans[fam]
+        view = self.buffers[fam].grads[b.start : b.start + b.numel]
+        if reduced.data_ptr() != view.data_ptr() or reduced.dtype != view.dtype:  # a cast copy was reduced
+            view.copy_(reduced)
+        if plan.cross_size > 1 and plan.cross_group is not None:
+            view.div_(plan.cross_size)
+        # the slots keep their values: the next gradients add to them (_written stays), as micro-batches do
+
     def _reopen_after_sync(self) -> None:
-        """A gradient arrives after the reductions finished (clip_grad_norm_, global_grad_norm): bank every bucket's
-        reduced owned range (clipped, if clipping ran) and start a new round of reductions, as DDP would reduce and
-        add the new gradients."""
+        """A gradient arrives after the reductions finished (clip_grad_norm_, global_grad_norm): bank every sharded
+        bucket's reduced owned range (clipped, if clipping ran), keep a replicated one in place
+        (:meth:`_keep_in_bucket`), and start a new round of reductions, as DDP would reduce and add the new
+        gradients."""
         self._synced = False
         for fam, buf in self.buffers.items():
             for b in buf.buckets:
+                if self.plans[fam].shard_size == 1:
+                    self._keep_in_bucket(fam, b, buf.grads[b.start : b.start + b.numel])
+                    continue
                 lo, hi = b.shard_range(self.plans[fam].shard_rank)
                 self._banked[(fam, b.index)] = buf.grads[lo:hi].clone()  # holds any earlier banked result already
-        self._written.clear()
+                for s in b.slots:  # the next gradients overwrite these slots
+                    self._written.discard(id(s.param))
         self._ready.clear()
 
     def _launch(self, fam: str, bucket_index: int) -> None:
@@ -461,6 +507,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             out = None
         self._pending[key] = (None, out)
 
+    @on_the_optimizer_itself
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction so each rank holds its owned, fully reduced gradient shard."""
         if self._synced:
@@ -519,6 +566,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 out.append((seg.slot.name, base + seg.param_start, values))
         return out
 
+    @on_the_optimizer_itself
     def owned_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, every element of the model counted exactly once.
 
@@ -541,6 +589,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         return self._grad_norm
 
     # ------------------------------------------------------------------ step
+    @on_the_optimizer_itself
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the reduced gradients so their global L2 norm is at most ``max_norm``; return the norm before.
@@ -557,6 +606,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._grad_norm = None  # the gradients changed
         return norm
 
+    @on_the_optimizer_itself
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Finish reductions (unless clipping already did), update the owned shards with AdamW, all-gather."""
@@ -564,6 +614,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         with record_function("mula::gradient_sync"):  # waits for the reduce-scatters (named in profiles)
             self.finish_grad_sync()
         self._step += 1
+        mark_stepped(self)
         gathers: list[Any] = []
         for fam, buf in self.buffers.items():
             with record_function("mula::adamw_update"):
@@ -594,6 +645,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 buf.params[at : at + hi - lo].copy_(master[lo:hi])
 
     @torch.no_grad()
+    @on_the_optimizer_itself
     def write_master_weights(self) -> None:
         """Write every float32 master shard into its (half-precision) parameters and all-gather them, waiting for
         each gather: after an optimizer-state load, the model holds the loaded weights when this returns."""
@@ -622,6 +674,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
         return works
 
+    @on_the_optimizer_itself
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.keep_grads:
             return
@@ -632,6 +685,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         for buf in self.buffers.values():
             for p in _params(buf):
                 p.grad = None
+        # a skipped step (zero_grad without step after a synchronised backward): the reductions in flight still
+        # read and write the gradient buffers the next backward writes, so they finish first
+        for work, _ in self._pending.values():
+            if work is not None:
+                work.wait()
         self._ready.clear()
         self._pending.clear()
         self._copies.clear()
@@ -763,6 +821,32 @@ def _record(op: str, group: Any, size: int, tensor_in: torch.Tensor, tensor_out:
 
 def _params(buf: FlatBuffer) -> Iterable[nn.Parameter]:
     return (s.param for s in buf.slots)
+
+
+def take_over(optimizer: torch.optim.Optimizer, user_optimizer: Any) -> None:
+    """Let the user's optimizer, replaced by the sharded ``optimizer``, keep driving it.
+
+    Why: an LR scheduler (or a loop that sets ``group["lr"]``) built on the user's optimizer before the strategy
+    replaced it (Fabric's two-call set-up: ``setup_module``, a scheduler, then ``setup_optimizers``) writes into that
+    optimizer's param groups, which the sharded one never read: the scheduler drove nothing. The user's optimizer
+    now holds the sharded optimizer's param-group list itself, and each sharded ``step`` marks it stepped (torch's
+    schedulers warn "lr_scheduler.step() before optimizer.step()" otherwise), as with DDP and FSDP, which keep the
+    user's optimizer object.
+    """
+    user_optimizer = unwrap_optimizer(user_optimizer)
+    if user_optimizer is None or user_optimizer is optimizer:
+        return
+    user_optimizer.param_groups = optimizer.param_groups
+    optimizer._taken_over = weakref.ref(user_optimizer)
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record a step on the optimizer ``optimizer`` took over (see :func:`take_over`), as torch's schedulers
+    track it."""
+    ref = getattr(optimizer, "_taken_over", None)
+    user_optimizer = ref() if ref is not None else None
+    if user_optimizer is not None:
+        user_optimizer._opt_called = True
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

@@ -56,7 +56,7 @@ from mula_lightning.parallel.parallelize import (
     weights_initializer,
 )
 from mula_lightning.parallel.params import logical_name
-from mula_lightning.parallel.sharded_optimizer import unwrap_optimizer
+from mula_lightning.parallel.sharded_optimizer import take_over, unwrap_optimizer
 from mula_lightning.parallel.topology import MoETopology, build_topology
 from mula_lightning.parallel.zero import state_dict as zc
 from mula_lightning.parallel.zero.engine import HierarchicalZeroAdamW
@@ -158,7 +158,7 @@ def build_engine(
             }
             for g in optimizer.param_groups
         ]
-    return HierarchicalZeroAdamW(
+    engine = HierarchicalZeroAdamW(
         module,
         settings.layout(world_size),
         groups,
@@ -167,6 +167,8 @@ def build_engine(
         device=device,
         ep_size=settings.ep_size,
     )
+    take_over(engine, optimizer)  # a scheduler built on the user's optimizer drives the engine
+    return engine
 
 
 def check_adamw(optimizer: Any) -> None:
@@ -438,6 +440,7 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
             if inner is not self.engine:
                 check_adamw(inner)
                 self.engine.adopt_param_groups(inner.param_groups)
+                take_over(self.engine, inner)  # a scheduler built on it before this call drives the engine
             self._adopted = True
             return self.engine
         self.engine = build_engine(self._module, optimizer, self.settings, self.world_size, self._names)

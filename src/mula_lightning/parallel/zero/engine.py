@@ -38,7 +38,10 @@ sum over the edp replicas is the sum over every rank's batch: both families are 
 
 Constraints: every trainable parameter must receive a gradient in every backward (no unused parameters), so all ranks
 issue the same collectives in the same order. Frozen parameters (``requires_grad=False``) are sharded and gathered like
-the others and never updated; a unit of frozen parameters alone is gathered for its backward and freed at ``step``.
+the others and never updated; a unit holding frozen parameters stays gathered until its backward pass ends (a frozen
+weight may be needed for an input gradient after the unit's last trainable gradient arrived). A backward after the
+gradients were synchronised (``clip_grad_norm_``, ``global_grad_norm``) and before ``step`` is reduced as well and
+added to them, as under DDP.
 """
 
 from __future__ import annotations
@@ -58,7 +61,12 @@ from torch.autograd.graph import register_multi_grad_hook
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.params import is_expert_param, logical_name
-from mula_lightning.parallel.sharded_optimizer import adamw_update_, clip_coefficient
+from mula_lightning.parallel.sharded_optimizer import (
+    adamw_update_,
+    clip_coefficient,
+    mark_stepped,
+    on_the_optimizer_itself,
+)
 from mula_lightning.parallel.zero.collectives import (
     WeightGather,
     all_gather_chunks,
@@ -159,10 +167,14 @@ class _Unit:
         self._exp_avg: torch.Tensor | None = None
         self._exp_avg_sq: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
+        #: the reduced (perhaps clipped) shard of the backwards before a gradient sync that a further backward
+        #: reopened (see HierarchicalZeroAdamW._reopen_after_sync), added to the next sync's result
+        self.banked: torch.Tensor | None = None
         self.secondary: Any = None
         self.full_grad: torch.Tensor | None = None
         self.ready = 0
         self.trainable = sum(s.param.requires_grad for s in buf.slots)  # gradients a backward brings the unit
+        self.has_frozen = self.trainable < len(buf.slots)
         self.gathered = False
         self.pending: WeightGather | None = None
         buf.grads = buf.grads.new_empty(0)  # gradients go to full_grad / grad_shard, not the buffer's own
@@ -269,6 +281,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             self._build_groups()
         self._step = 0
         self._synced = False
+        self._free_when_backward_ends: set[int] = set()  # units kept gathered for their frozen weights
+        self._backward_callback_queued = False
 
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         for p in model.parameters():  # frozen parameters are sharded too, never updated (see FROZEN), also when
@@ -324,6 +338,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
         install_expert_bias_update(self, model)  # auxiliary-loss-free balancing: loads summed over every rank
 
+    @on_the_optimizer_itself
     def adopt_param_groups(self, groups: list[dict[str, Any]]) -> None:
         """Take the param groups and hyper-parameters of an optimizer built after the engine from the model's
         (materialised, sharded) parameters: Lightning's two-call set-up of a sharded strategy, ``setup_module`` then
@@ -472,6 +487,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             self._start_gather(v, "backward")
         for v in layer:
             self._finish_gather(v)
+            if v.trainable == 0:  # no gradient will release it: freed when the backward ends
+                self._free_after_use(v)
         first = layer[0].index
         prev = first - 1 if first > 0 else len(self.units) - 1  # the root's head runs first, then the last layer
         if prev > 0:
@@ -480,6 +497,8 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- gradients
     def _on_grad(self, param: nn.Parameter) -> None:
+        if self._synced:  # a backward after clip_grad_norm_ / global_grad_norm and before step: reduce it as well
+            self._reopen_after_sync()
         u = self._unit_of[id(param)]
         if u.full_grad is None:
             u.full_grad = torch.zeros(u.buf.numel, dtype=u.state_dtype, device=u.buf.device)
@@ -496,8 +515,42 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         u.grad_shard.add_(reduce_scatter_chunks(u.full_grad, group, size, positions, quant, "grads.reduce_scatter"))
         u.full_grad, u.ready = None, 0
         if u.pending is None:
-            u.free()
+            self._free_after_use(u)
 
+    def _free_after_use(self, u: _Unit) -> None:
+        """Free a unit whose trainable gradients have all arrived: now, unless it holds frozen parameters and a
+        backward is running. A frozen weight may still be needed below its unit's last trainable gradient (a frozen
+        input norm under a trainable attention computes the layer's input gradient after the attention's weight
+        gradients arrived), so such a unit is freed when the backward ends (an autograd engine callback)."""
+        if not (u.has_frozen and _in_backward()):
+            u.free()
+            return
+        self._free_when_backward_ends.add(u.index)
+        if not self._backward_callback_queued:
+            self._backward_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._free_after_backward)
+
+    def _free_after_backward(self) -> None:
+        """End of a backward: free the units kept gathered for their frozen weights (see :meth:`_free_after_use`)."""
+        self._backward_callback_queued = False
+        for index in sorted(self._free_when_backward_ends):
+            u = self.units[index]
+            if u.pending is None and u.full_grad is None:
+                u.free()
+        self._free_when_backward_ends.clear()
+
+    def _reopen_after_sync(self) -> None:
+        """A gradient arrives after the shards were reduced across nodes and divided (``clip_grad_norm_``,
+        ``global_grad_norm``) and before ``step``: keep each reduced (perhaps clipped) shard aside and start a new
+        round, as DDP reduces a further backward's gradients and adds them to the ones it holds. Without this the new
+        gradients would land in the reduced shard and ``step`` (seeing the sync done) would skip their all-reduce
+        across nodes and their division by the world size."""
+        self._synced = False
+        for u in self.units:
+            if u._grad_shard is not None:  # already holds any earlier banked shard (added at the end of the sync)
+                u.banked, u._grad_shard = u._grad_shard, None
+
+    @on_the_optimizer_itself
     def finish_grad_sync(self) -> None:
         """Reduce units still waiting, all-reduce gradient shards across nodes, divide by the world size once."""
         if self._synced:
@@ -512,11 +565,15 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             group, size, _ = self._group("grad_cross", u)
             all_reduce_(u.grad_shard, group, size, "grads.all_reduce")
             u.grad_shard.div_(self.layout.world_size)  # every rank's batch, the experts' included
+            if u.banked is not None:  # reduced before a further backward reopened the sync
+                u.grad_shard.add_(u.banked)
+                u.banked = None
 
     def _owned_grads(self, u: _Unit) -> torch.Tensor:
         return u.grad_shard[u.grad_offset : u.grad_offset + u.no]
 
     # ------------------------------------------------------------------ step
+    @on_the_optimizer_itself
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (each element counted once); runs the pending reductions first."""
@@ -527,6 +584,7 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             all_reduce_(total, None, self.layout.world_size, "grads.norm")
         return total.sqrt()
 
+    @on_the_optimizer_itself
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
@@ -536,11 +594,13 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
             u.grad_shard.mul_(scale)
         return norm
 
+    @on_the_optimizer_itself
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         self.finish_grad_sync()
         self._step += 1
+        mark_stepped(self)
         for u in self.units:
             group, size, positions = self._group("post_step", u)
             runs = [run for run in u.buf.runs if run[2] != FROZEN]  # frozen elements keep their values
@@ -555,10 +615,11 @@ class HierarchicalZeroAdamW(torch.optim.Optimizer):
         self.zero_grad()
         return loss
 
+    @on_the_optimizer_itself
     def zero_grad(self, set_to_none: bool = True) -> None:
         for u in self.units:
             u.grad_shard.zero_()
-            u.full_grad, u.ready = None, 0
+            u.full_grad, u.ready, u.banked = None, 0, None
             for p in u.params:
                 p.grad = None
         self._synced = False
@@ -656,6 +717,11 @@ def _root_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module:
         if level > depth and uses(module) == everywhere:
             best, depth = module, level
     return best
+
+
+def _in_backward() -> bool:
+    """Whether an autograd backward is running on this thread (a hook called from it)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _gcd(a: int, b: int) -> int:
