@@ -80,11 +80,22 @@ def launch_callbacks() -> list[Any]:
     return out
 
 
-#: configs are read with OmegaConf's interpolation (LightningCLI's ``parser_mode="omegaconf"``): ``${data.seq_len}``,
-#: ``${model.model}``, ``${oc.env:SLURM_JOB_ID,local}`` are resolved when the file is read, against that file's values
-#: (an override on the command line sets its key, not the references to it). jsonargparse's ``omegaconf+`` would
-#: resolve after the overrides, but with subcommands (``fit``) it resolves over keys prefixed ``fit.``
-CONFIG_PARSER_MODE = "omegaconf"
+#: configs are read with OmegaConf's interpolation (jsonargparse's ``omegaconf+`` mode): ``${data.seq_len}``,
+#: ``${model.model}``, ``${oc.env:SLURM_JOB_ID,local}`` are resolved once every source is merged, so a command-line
+#: override reaches the references to its key (``mula fit --config mula-tiny-moe.yaml --model.model
+#: mula-tiny-dense`` writes under ``checkpoints/mula-tiny-dense/``); the ``omegaconf`` mode resolved each file alone,
+#: against that file's values. Under a subcommand (``fit``) a reference is read relative to the subcommand's keys
+#: (:func:`config_parser_kwargs` sets jsonargparse's ``omegaconf_absolute_to_relative_paths``).
+CONFIG_PARSER_MODE = "omegaconf+"
+
+
+def config_parser_kwargs() -> dict[str, Any]:
+    """The parser arguments of Mula's configs (``parser_mode``, see :data:`CONFIG_PARSER_MODE`); sets jsonargparse's
+    process-wide setting that reads ``${model.model}`` under ``fit`` as the subcommand's own key."""
+    from jsonargparse import set_parsing_settings
+
+    set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    return {"parser_mode": CONFIG_PARSER_MODE}
 
 
 class MulaCLI(LightningCLI):
@@ -183,7 +194,7 @@ def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True, started: l
     # which is what Lightning's subprocess launcher re-executes: the "both args and command line" warning is noise.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     quiet_lightning_noise()
-    mode = {"parser_mode": CONFIG_PARSER_MODE}
+    mode = config_parser_kwargs()
     return MulaCLI(
         MulaLM,
         MulaDataModule,

@@ -173,52 +173,6 @@ def test_several_backwards_with_sync_on_accumulate_as_in_ddp():
                                   scale=scale + expected.abs().max().item(), msg=f"rank {rank} {mode} {n}")  # fmt: skip
 
 
-@pytest.mark.distributed
-def test_a_backward_after_clipping_is_reduced_and_added():
-    """A backward that comes after ``clip_grad_norm_`` and before ``step`` (sync on) is reduced and added to the
-    clipped gradients, as DDP's all-reduced ``.grad`` would accumulate it: the result equals one process that clips
-    the first micro-batch's mean gradient and adds the second's."""
-    results = run_pooled_test(_backward_after_clip, 4, timeout=120)
-    full = {n: nn.Parameter(t.clone()) for n, t in _full_params().items()}
-    opt = torch.optim.AdamW(list(full.values()), weight_decay=0.0, **HP)
-    for micro in range(2):
-        grads = {}
-        for n, p in full.items():
-            total = torch.zeros_like(p)
-            for rank in range(4):
-                if n in EXPERT_SHAPES:
-                    _slice(total, rank % 2, 2).add_(_grad(n, _slice(p, rank % 2, 2).shape, (0, micro), rank))
-                else:
-                    total.add_(_grad(n, p.shape, (0, micro), rank))
-            grads[n] = total / 4
-        if micro == 0:
-            for n, p in full.items():
-                p.grad = grads[n]
-            torch.nn.utils.clip_grad_norm_(list(full.values()), 0.5)
-        else:
-            for n, p in full.items():
-                p.grad = p.grad + grads[n]
-    opt.step()
-    for rank, params in enumerate(results):
-        for n, p in params.items():
-            expected = _slice(full[n].detach(), rank % 2, 2) if n in EXPERT_SHAPES else full[n].detach()
-            assert_parity(p, expected, reduction_len=64, scale=1.0, msg=f"rank {rank} {n}")
-
-
-def _backward_after_clip(rank, world_size):
-    topo = build_topology(2)
-    full = _full_params()
-    model = _Model({n: (_slice(t, topo.ep_rank, 2) if n in EXPERT_SHAPES else t) for n, t in full.items()})
-    params = dict(model.named_parameters())
-    opt = ShardedAdamW(model, topo, "ep_aware", bucket_numel=50, weight_decay=0.0, **HP)
-    for micro in range(2):
-        sum((p * _grad(n, p.shape, (0, micro), rank)).sum() for n, p in params.items()).backward()
-        if micro == 0:
-            opt.clip_grad_norm_(0.5)
-    opt.step()
-    return {n: p.detach().clone() for n, p in params.items()}
-
-
 def _bf16_accumulation(rank, world_size, micro_batches):
     topo = build_topology(1)
     model = _Model(_full_params(torch.bfloat16))

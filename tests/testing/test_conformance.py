@@ -22,7 +22,7 @@ from mula_lightning.testing.conformance import (
 )
 
 #: seeded programs per layout in ``make test`` (a few tenths of a second each on warm gloo ranks)
-PROGRAMS_PER_LAYOUT = 20
+PROGRAMS_PER_LAYOUT = 12
 
 REVIEW_PROGRAMS = {
     # zero_topo: the shards were all-reduced across nodes and divided at the norm query; the second backward landed
@@ -79,8 +79,8 @@ def test_the_review_loops_train_like_one_process(name):
 def test_seeded_loop_programs_train_like_one_process(layout):
     """A fixed, seeded set of loop programs per layout (Lightning's DDP is the control): any set-up order, frozen
     set, slow rank, accumulation with and without ``no_backward_sync``, norm queries and clips between backwards,
-    skipped steps and scheduler steps. A failure is shrunk by ``hypothesis`` to the smallest failing program and
-    printed as code."""
+    skipped steps, scheduler steps, and a save and load in place between steps. A failure is shrunk by
+    ``hypothesis`` to the smallest failing program and printed as code."""
 
     @settings(max_examples=PROGRAMS_PER_LAYOUT, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
@@ -102,6 +102,8 @@ def test_the_grammar_keeps_to_what_ddp_defines():
     assert not valid_calls(("backward_no_sync", "step"))
     assert not valid_calls(("backward", "step", "zero_grad", "step"))
     assert not valid_calls(("backward", "step", "backward"))
+    assert not valid_calls(("backward", "save_load"))  # a checkpoint holds no gradients
+    assert valid_calls(("backward", "step", "save_load", "zero_grad", "save_load", "backward"))
     rounds = [(True, [(2, ("norm", "clip")), (0, ())], True, True), (False, [(1, ())], False, False)]
     calls = calls_of_rounds(rounds)
     assert calls == ("zero_grad", "backward_no_sync", "backward_no_sync", "backward", "norm", "clip", "backward",

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mula_lightning import cli as mula_cli
-from mula_lightning.lightning_cli import CONFIG_PARSER_MODE, MulaCLI, build_cli
+from mula_lightning.lightning_cli import MulaCLI, build_cli, config_parser_kwargs
 from mula_lightning.models import MulaConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
@@ -51,7 +51,7 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
     callbacks (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
     import mula_lightning.strategies  # noqa: F401
 
-    cli = _ParseOnly(run=False, args=["--config", str(path)], parser_kwargs={"parser_mode": CONFIG_PARSER_MODE},
+    cli = _ParseOnly(run=False, args=["--config", str(path)], parser_kwargs=config_parser_kwargs(),
                      **_cli_classes())  # fmt: skip
     config = cli.config
     assert "${" not in str(config.as_dict())  # every interpolation resolved
@@ -116,9 +116,11 @@ def test_unknown_yaml_key_is_rejected_with_its_name(tiny_config, tmp_path, capsy
 
 def test_config_interpolation_resolves_and_names_a_missing_key(tmp_path, monkeypatch, capsys):
     """A config may refer to its other values (``${model.model}``, ``${trainer.max_steps}``) and to the environment
-    (``${oc.env:NAME,default}``), resolved when ``mula fit`` reads the file (LightningCLI's ``omegaconf`` mode), the
-    command line's overrides applied after; a reference to a key that does not exist stops ``mula fit`` with exit
-    code 1 and one line naming it, before anything is written. Both through the ``fit`` subcommand's parser."""
+    (``${oc.env:NAME,default}``), resolved once the command line's overrides are merged (jsonargparse's
+    ``omegaconf+`` mode): review item 9 of issue 71, an override of ``model.model`` or ``trainer.max_steps`` reaches
+    the references to it (before, they kept the file's values: a dense run wrote under the MoE's folders); a
+    reference to a key that does not exist stops ``mula fit`` with exit code 1 and one line naming it, before
+    anything is written. Both through the ``fit`` subcommand's parser."""
     config = {
         "model": {"model": "mula-tiny-moe", "warmup_steps": "${trainer.max_steps}"},
         "data": {"data_dir": str(tmp_path / "data" / "${model.model}")},
@@ -126,10 +128,13 @@ def test_config_interpolation_resolves_and_names_a_missing_key(tmp_path, monkeyp
     }
     path = _write(config, tmp_path / "interpolated.yaml")
     monkeypatch.setenv("MULA_TEST_JOB", "job42")
-    cli = build_cli(["--config", path, "--trainer.max_steps", "9"], run=False)
-    assert cli.model.hparams.warmup_steps == 7 and cli.trainer.max_steps == 9
+    cli = build_cli(["--config", path], run=False)
+    assert cli.model.hparams.warmup_steps == 7 and cli.trainer.max_steps == 7
     assert cli.datamodule.hparams.data_dir == str(tmp_path / "data" / "mula-tiny-moe")
     assert cli.trainer.default_root_dir == str(tmp_path / "runs" / "job42")
+    cli = build_cli(["--config", path, "--trainer.max_steps", "9", "--model.model", "mula-tiny-dense"], run=False)
+    assert cli.model.hparams.warmup_steps == 9 and cli.trainer.max_steps == 9
+    assert cli.datamodule.hparams.data_dir == str(tmp_path / "data" / "mula-tiny-dense")
     assert mula_cli.main(["fit", "--config", path]) == 1  # resolved, then stopped by the missing data, naming it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(tmp_path / "data" / "mula-tiny-moe" / "manifest.json") in err[0], err

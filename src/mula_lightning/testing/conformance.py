@@ -15,7 +15,8 @@ The reference's semantics are DDP's: a backward inside ``no_backward_sync`` accu
 locally; a synchronised backward adds the mean over the ranks of what each accumulated; a clip or a norm query sees
 the reduced gradients; ``zero_grad`` drops everything, reduced or not (a skipped step when no step came before it).
 :func:`valid_calls` keeps programs inside what DDP defines the same way on every rank: no clip, norm or step while a
-rank holds gradients it has not reduced (DDP would act on unreduced, per-rank gradients), no step without a
+rank holds gradients it has not reduced (DDP would act on unreduced, per-rank gradients), a save and load only
+between steps (after a step or ``zero_grad``: checkpoints hold no gradients), no step without a
 backward since the last one (torch's AdamW skips parameters without a gradient; the engines step them with zeros),
 and a ``zero_grad`` between a step and the next backward (torch's step keeps the gradients, so a backward after it
 adds the old step's gradient to the new one; the sharded engines' step clears them, as ``zero_grad`` would: a loop
@@ -36,19 +37,23 @@ __all__ = ["CALLS", "FREEZES", "LAYOUTS", "SETUPS", "LoopProgram", "check_progra
 
 #: the calls of a loop program: a forward + backward of the next micro-batch (synchronised, or inside
 #: ``no_backward_sync``), ``clip_gradients`` (returns the norm), a gradient-norm query, ``optimizer.step()``,
-#: ``optimizer.zero_grad()``, ``scheduler.step()``
-CALLS = ("backward", "backward_no_sync", "clip", "norm", "step", "zero_grad", "scheduler")
+#: ``optimizer.zero_grad()``, ``scheduler.step()``, and ``fabric.save`` of the model and optimizer then ``fabric.load``
+#: of them in place (between steps: no gradient held), which must change nothing
+CALLS = ("backward", "backward_no_sync", "clip", "norm", "step", "zero_grad", "scheduler", "save_load")
 #: how the model, optimizer and scheduler are set up: ``fabric.setup(model, optimizer, scheduler=...)`` with the
 #: scheduler built first; ``fabric.setup(model, optimizer)`` then a scheduler of the returned optimizer; Lightning's
 #: two-call set-up with the scheduler built on the user's optimizer before or after ``setup_optimizers``
 SETUPS = ("setup_with_scheduler", "setup_then_scheduler", "two_call_scheduler_before", "two_call_scheduler_after")
-#: layout name -> (world size, strategy, strategy options); every layout runs float64 on gloo
+#: layout name -> (world size, strategy, strategy options); every layout runs float64 on gloo. Pipeline parallelism
+#: is not here: its loop is ``pipeline_step``, not a forward and a backward
 LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "ddp": (2, "ddp", {}),
     "epso none": (2, "epso", dict(sharded_optimizer="none")),
     "epso dp": (2, "epso", dict(sharded_optimizer="dp")),
     "epso ep_aware": (2, "epso", dict(sharded_optimizer="ep_aware")),
     "epso ep_aware ep2": (2, "epso", dict(sharded_optimizer="ep_aware", ep_size=2)),
+    "epso ep_aware tp2": (2, "epso", dict(sharded_optimizer="ep_aware", tp_size=2)),
+    "epso dp ep2 dp2": (4, "epso", dict(sharded_optimizer="dp", ep_size=2)),
     "zero_topo zero3": (2, "zero_topo", dict(ranks_per_node=2, weight_size=2, grad_size=2)),
     "zero_topo 3-level": (4, "zero_topo", dict(ranks_per_node=2, ranks_per_gpu=2)),
 }
@@ -105,27 +110,33 @@ def valid_calls(calls: tuple[str, ...]) -> bool:
             unreduced = backward_since_step = True
         elif call == "backward":
             unreduced, backward_since_step = False, True
-        elif (call in ("clip", "norm", "step") and unreduced) or (call == "step" and not backward_since_step):
-            return False
+        else:
+            acts_on_unreduced = call in ("clip", "norm", "step") and unreduced
+            steps_nothing = call == "step" and not backward_since_step
+            saves_gradients = call == "save_load" and backward_since_step
+            if acts_on_unreduced or steps_nothing or saves_gradients:
+                return False
         if call in ("step", "zero_grad"):
             unreduced = backward_since_step = False
             stepped = call == "step"
     return True
 
 
-def calls_of_rounds(rounds: list[tuple[bool, list[tuple[int, tuple[str, ...]]], bool, bool]]) -> tuple[str, ...]:
-    """A loop's calls from its rounds: ``(zero_grad first, segments, step or skip, scheduler step)``, a segment
-    being ``(backwards inside no_backward_sync, then one synchronised backward, then these norm / clip calls)``; a
-    skipped round ends in ``zero_grad`` without a step. Every such loop satisfies :func:`valid_calls`."""
+def calls_of_rounds(rounds: list[tuple[Any, ...]]) -> tuple[str, ...]:
+    """A loop's calls from its rounds: ``(zero_grad first, segments, step or skip, scheduler step[, save and
+    load])``, a segment being ``(backwards inside no_backward_sync, then one synchronised backward, then these norm /
+    clip calls)``; a skipped round ends in ``zero_grad`` without a step. Every such loop satisfies
+    :func:`valid_calls`."""
     calls: list[str] = []
     stepped = False  # the last round ended in a step with no zero_grad after it
-    for zero_first, segments, step, scheduler in rounds:
+    for zero_first, segments, step, scheduler, *save in rounds:
         calls += ["zero_grad"] if zero_first or stepped else []
         for no_sync, extras in segments:
             calls += ["backward_no_sync"] * no_sync + ["backward", *extras]
         calls += (["step"] if zero_first else ["step", "zero_grad"]) if step else ["zero_grad"]
         stepped = step and zero_first
         calls += ["scheduler"] if scheduler else []
+        calls += ["save_load"] if save and save[0] else []
     return tuple(calls)
 
 
@@ -136,7 +147,9 @@ def loop_programs(layout: str) -> Any:
     from hypothesis import strategies as st
 
     segment = st.tuples(st.integers(0, 2), st.sampled_from([(), ("norm",), ("clip",), ("norm", "clip")]))
-    round_ = st.tuples(st.booleans(), st.lists(segment, min_size=1, max_size=3), st.booleans(), st.booleans())
+    round_ = st.tuples(
+        st.booleans(), st.lists(segment, min_size=1, max_size=3), st.booleans(), st.booleans(), st.booleans()
+    )
     return st.builds(
         lambda setup, rounds, frozen, slow: LoopProgram(layout, setup, calls_of_rounds(rounds), frozen, slow),
         st.sampled_from(SETUPS),
@@ -192,7 +205,8 @@ def _strategy(kind: str, options: dict[str, Any]) -> Any:
 
 def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, Any]:
     """Rank function of ``run_distributed_test``: run ``program`` on its layout and record what the loop sees (this
-    rank's losses, the norms returned, and after each step the learning rates and the full weights)."""
+    rank's losses, the norms returned, the learning rates the optimizer holds after each scheduler step, and after
+    each step the learning rates and the full weights)."""
     from lightning.fabric import Fabric
 
     from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
@@ -229,7 +243,7 @@ def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, A
     sampler = fabric.strategy.distributed_sampler_kwargs
     data_rank = sampler["rank"] if sampler else rank
     sharded = fabric.strategy if isinstance(fabric.strategy, ShardingStrategy) else None
-    record: dict[str, Any] = {"data_rank": data_rank, "losses": [], "norms": [], "steps": []}
+    record: dict[str, Any] = {"data_rank": data_rank, "losses": [], "norms": [], "lrs": [], "steps": []}
     micro = 0
     # a program may step its scheduler before the optimizer's first step (a skipped first step): torch says so
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
@@ -261,9 +275,29 @@ def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, A
             optimizer.zero_grad()
         elif call == "scheduler":
             scheduler.step()
+            record["lrs"].append([g["lr"] for g in optimizer.param_groups])  # what the next step will use
+        elif call == "save_load":
+            _save_and_load(fabric, model, optimizer, scheduler)
         else:
             raise ValueError(f"unknown call {call!r}; the calls are {CALLS}")
     return record
+
+
+def _save_and_load(fabric: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
+    """``fabric.save`` of the model, optimizer and scheduler state into a fresh folder, ``fabric.load`` of them in
+    place, the folder removed (every rank waits for the others at each end)."""
+    import shutil
+    import tempfile
+
+    folder = fabric.broadcast(tempfile.mkdtemp(prefix="mula-loop-") if fabric.global_rank == 0 else None)
+    path = f"{folder}/checkpoint"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler.state_dict()})
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler.state_dict()}
+    remainder = fabric.load(path, state)
+    scheduler.load_state_dict(remainder.get("scheduler", state["scheduler"]))
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def reference_run(program: LoopProgram, data_ranks: int) -> dict[str, Any]:
@@ -278,7 +312,7 @@ def reference_run(program: LoopProgram, data_ranks: int) -> dict[str, Any]:
     scheduler = _scheduler(optimizer)
     reduced = [torch.zeros_like(p) for p in params]
     local = [[torch.zeros_like(p) for p in params] for _ in range(data_ranks)]
-    record: dict[str, Any] = {"losses": [], "norms": [], "steps": []}
+    record: dict[str, Any] = {"losses": [], "norms": [], "lrs": [], "steps": []}
     micro = 0
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
     for call in program.calls:
@@ -319,6 +353,7 @@ def reference_run(program: LoopProgram, data_ranks: int) -> dict[str, Any]:
                 g.zero_()
         elif call == "scheduler":
             scheduler.step()
+            record["lrs"].append([g["lr"] for g in optimizer.param_groups])
     return record
 
 
@@ -355,6 +390,9 @@ def _first_difference(got: dict[str, Any], reference: dict[str, Any], rank: int)
     for i, (norm, want) in enumerate(zip(got["norms"], reference["norms"])):
         if not _close(norm, want, RTOL["norms"]):
             return f"rank {rank}: norm {i} (clip or norm call) is {norm!r}, one process has {want!r}"
+    for i, (lrs, want) in enumerate(zip(got["lrs"], reference["lrs"])):
+        if any(not _close(a, b, 1e-15) for a, b in zip(lrs, want, strict=True)):
+            return f"rank {rank}: learning rates after scheduler step {i} are {lrs}, one process has {want}"
     if len(got["steps"]) != len(reference["steps"]):
         return f"rank {rank}: {len(got['steps'])} steps recorded, one process {len(reference['steps'])}"
     for i, ((lrs, weights), (want_lrs, want_weights)) in enumerate(zip(got["steps"], reference["steps"])):
