@@ -150,27 +150,15 @@ def _assert_state_close(got, expected, what, steps=3):
 
 
 @pytest.mark.distributed
-def test_trainer_epso_matches_one_process_with_accumulation_and_reduces_once_per_step():
-    """4 processes (DP=2 x EP=2): 3 steps with accumulation 2, clipping and an LR schedule equal one process,
-    and gradients are reduce-scattered once per optimizer step (not once per micro-batch)."""
-    results = run_pooled_test(_fit, 4, ep=2, epochs=3, timeout=300)
-    expected = _reference(4, 3)
-    for rank, (state, reduce_scatters, steps) in enumerate(results):
-        assert steps == 3
-        _assert_state_close(state, expected, f"rank {rank}")
-        assert reduce_scatters == 3 * 2  # 3 steps x (non-expert + expert family), one bucket each
-
-
-@pytest.mark.distributed
-def test_trainer_save_resume_equals_straight_run_and_reshards(tmp_path):
-    """Save after 2 steps and resume for 1 more equals 3 straight steps; the 4-rank checkpoint loads at 2 ranks."""
+def test_trainer_checkpoint_reshards_to_another_world_size_and_mode(tmp_path):
+    """A checkpoint saved after 2 steps at 4 ranks (DP 2 x EP 2, ep_aware; accumulation 2, clipping, LR schedule)
+    loads at 2 ranks (EP 2, mode dp) with the weights of one process after 2 steps. (Accumulation, clipping, skipped
+    steps, schedulers and resumes at one layout, with one reduction per window, are the Trainer loop tester's:
+    ``tests/testing/test_trainer_conformance.py``.)"""
     path = str(tmp_path / "step2.ckpt")
-    run_pooled_test(_fit, 4, ep=2, epochs=2, save=path, timeout=300)
-    resumed = run_pooled_test(_fit, 4, ep=2, epochs=3, resume=path, timeout=300)
-    expected = _reference(4, 3)
-    for rank, (state, _, steps) in enumerate(resumed):
-        assert steps == 3
-        _assert_state_close(state, expected, f"resumed rank {rank}")
+    for rank, (state, _, steps) in enumerate(run_pooled_test(_fit, 4, ep=2, epochs=2, save=path, timeout=300)):
+        assert steps == 2
+        _assert_state_close(state, _reference(4, 2), f"saved, rank {rank}")
     at_two = run_pooled_test(_fit, 2, ep=2, epochs=2, resume=path, mode="dp", timeout=300)  # nothing left to do
     for state, _, steps in at_two:
         assert steps == 2

@@ -63,6 +63,20 @@ REVIEW_PROGRAMS = {
     "tester: zero_topo, a zero_grad through Fabric's wrapper after a norm query": LoopProgram(
         "zero_topo zero3", "setup_then_scheduler", ("backward", "norm", "zero_grad", "backward", "step")
     ),
+    # found by the tester: tensor parallelism rebuilt the q/k norms as DTensor parameters that required a gradient
+    # whatever the norm's flag was, so an optimizer built after setup_module (the Trainer's order) trained a frozen
+    # attention's norms
+    "tester: epso TP 2, a frozen attention's norms after the two-call set-up": LoopProgram(
+        "epso ep_aware tp2", "two_call_scheduler_after", ("backward", "step"), frozen=("model.layers.1.self_attn",)
+    ),
+    # found by the tester: zero_topo wrote (and on load required) Adam moments for frozen parameters, which torch's
+    # AdamW and epso never hold, so an epso checkpoint of a partly frozen model did not load into zero_topo
+    "tester: epso to zero_topo, a reload with a frozen MoE layer": LoopProgram(
+        "epso dp",
+        "setup_with_scheduler",
+        ("backward", "step", "zero_grad", "save_reload", "backward", "step"),
+        frozen=("model.layers.0.mlp",),
+    ),
 }
 
 
@@ -72,6 +86,22 @@ def test_the_review_loops_train_like_one_process(name):
     """Each loop that showed a defect of issue 71 (items 1, 3, 4, 5) or of the review before (accumulation without
     ``no_backward_sync``) now gives the losses, norms, learning rates and weights of one process."""
     check_program(REVIEW_PROGRAMS[name])
+
+
+@pytest.mark.distributed
+def test_zero_topo_shards_frozen_parameters_at_setup_module_and_never_updates_them():
+    """``zero_topo`` 3-level on 4 ranks, two-call set-up with the embedding (a root parameter) and the first layer's
+    attention (part of a layer) frozen on the meta model: no parameter holds storage after ``setup_module`` (before,
+    a frozen parameter sent the whole model to every rank), and two clipped steps give one process's weights with the
+    same parameters frozen (the frozen ones unchanged)."""
+    check_program(
+        LoopProgram(
+            "zero_topo 3-level",
+            "two_call_scheduler_after",
+            ("backward", "clip", "step", "zero_grad", "backward_no_sync", "backward", "clip", "step"),
+            frozen=("model.embed_tokens", "model.layers.0.self_attn"),
+        )
+    )
 
 
 @pytest.mark.distributed

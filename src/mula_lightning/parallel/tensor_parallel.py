@@ -92,7 +92,9 @@ class HeadShardedRMSNorm(nn.Module):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         self.eps, self.full_dim, self.group = norm.eps, norm.weight.shape[0], tp_mesh.get_group()
-        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)]))
+        self.weight = nn.Parameter(
+            distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)]), requires_grad=norm.weight.requires_grad
+        )  # a frozen norm stays frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -161,7 +163,9 @@ class PerHeadRMSNorm(nn.Module):
         from torch.distributed.tensor import Replicate, distribute_tensor
 
         self.eps = norm.eps
-        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Replicate()]))
+        self.weight = nn.Parameter(
+            distribute_tensor(norm.weight.detach(), tp_mesh, [Replicate()]), requires_grad=norm.weight.requires_grad
+        )  # a frozen norm stays frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import Partial

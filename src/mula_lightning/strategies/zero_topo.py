@@ -456,6 +456,9 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
         state = state or {}
         targets, _ = _split_state(state, self.engine, for_load=True)
         metadata = load_dcp(self.checkpoint_to_read(path), targets, strict)
+        # the fp32 masters of non-fp32 weights: the optimizer's, where it was loaded (the weights are their rounding);
+        # refreshed from the loaded weights only for a model loaded without its optimizer
+        optimizer_loaded = any(key in targets and not isinstance(value, nn.Module) for key, value in state.items())
         for key, value in state.items():
             if key not in targets:
                 if key in metadata and hasattr(value, "load_state_dict"):
@@ -463,7 +466,8 @@ class FabricZeroTopoStrategy(ZeroTopoOptions, ShardedFabricHooks, FabricDCPSaves
                 elif key in metadata:
                     state[key] = metadata.pop(key)
             elif isinstance(value, nn.Module):
-                zc.load_model_state_dict(self.engine, targets[key])
+                if not optimizer_loaded:
+                    zc.load_model_state_dict(self.engine, targets[key])
             else:
                 zc.apply_optimizer_state_dict(unwrap_optimizer(value), targets[key])
         return metadata
@@ -532,6 +536,7 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
             self._engine = None
         if initializer is not None:
             _release(initializer)
+            init_mula_buffers(self.model, self.init_weights(), self.root_device)  # the routers' selection bias
         self.setup_precision_plugin()
 
     @override
@@ -577,10 +582,10 @@ class ZeroTopoStrategy(ZeroTopoOptions, InPlaceCheckpointRestore, TrainerDCPSave
         metadata = load_dcp(self.checkpoint_to_read(checkpoint_path), targets, strict=training)
         if engine is None:
             self.model.load_state_dict(targets["state_dict"])
+        elif training:  # the optimizer's fp32 masters, not the loaded weights' rounding (see the Fabric strategy)
+            zc.apply_optimizer_state_dict(engine, targets["optimizer_0"])
         else:
             zc.load_model_state_dict(engine, targets["state_dict"])
-            if training:
-                zc.apply_optimizer_state_dict(engine, targets["optimizer_0"])
         return metadata
 
     @classmethod

@@ -32,14 +32,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["CALLS", "FREEZES", "LAYOUTS", "SETUPS", "LoopProgram", "check_program", "loop_programs", "reference_run",
-           "run_program", "valid_calls"]  # fmt: skip
+__all__ = ["CALLS", "FREEZES", "LAYOUTS", "RELOAD_INTO", "SETUPS", "LoopProgram", "batch", "check_program",
+           "first_difference", "freeze", "idle_last_expert", "loop_programs", "model_config", "param_groups",
+           "reference_run", "run_program", "valid_calls"]  # fmt: skip
 
 #: the calls of a loop program: a forward + backward of the next micro-batch (synchronised, or inside
 #: ``no_backward_sync``), ``clip_gradients`` (returns the norm), a gradient-norm query, ``optimizer.step()``,
 #: ``optimizer.zero_grad()``, ``scheduler.step()``, and ``fabric.save`` of the model and optimizer then ``fabric.load``
-#: of them in place (between steps: no gradient held), which must change nothing
-CALLS = ("backward", "backward_no_sync", "clip", "norm", "step", "zero_grad", "scheduler", "save_load")
+#: of them in place (between steps: no gradient held), which must change nothing, or ``save_reload``: the same save,
+#: then the loop goes on in a new Fabric of the layout's :data:`RELOAD_INTO` partner (another sharding, often another
+#: strategy) with a new model, optimizer and scheduler loaded from it
+CALLS = ("backward", "backward_no_sync", "clip", "norm", "step", "zero_grad", "scheduler", "save_load",
+         "save_reload")  # fmt: skip
 #: how the model, optimizer and scheduler are set up: ``fabric.setup(model, optimizer, scheduler=...)`` with the
 #: scheduler built first; ``fabric.setup(model, optimizer)`` then a scheduler of the returned optimizer; Lightning's
 #: two-call set-up with the scheduler built on the user's optimizer before or after ``setup_optimizers``
@@ -56,15 +60,33 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "epso dp ep2 dp2": (4, "epso", dict(sharded_optimizer="dp", ep_size=2)),
     "zero_topo zero3": (2, "zero_topo", dict(ranks_per_node=2, weight_size=2, grad_size=2)),
     "zero_topo 3-level": (4, "zero_topo", dict(ranks_per_node=2, ranks_per_gpu=2)),
+    "zero_topo zero3 ep2": (2, "zero_topo", dict(ranks_per_node=2, weight_size=2, grad_size=2, ep_size=2)),
+}
+#: the layout a ``save_reload`` goes on in: the same world size and the same data ranks (rank r reads what it read),
+#: another layout of the states (a checkpoint is written in single-device keys, so any layout reads it)
+RELOAD_INTO = {
+    "ddp": "ddp",
+    "epso none": "epso ep_aware ep2",
+    "epso dp": "zero_topo zero3",
+    "epso ep_aware": "epso dp",
+    "epso ep_aware ep2": "zero_topo zero3 ep2",
+    "epso ep_aware tp2": "epso ep_aware tp2",
+    "epso dp ep2 dp2": "zero_topo 3-level",
+    "zero_topo zero3": "epso none",
+    "zero_topo 3-level": "epso dp ep2 dp2",
+    "zero_topo zero3 ep2": "epso ep_aware",
 }
 #: parameter sets a program may freeze (name prefixes): none, the embedding (root unit), a layer's input norm under
-#: its trainable attention, a whole attention, a layer's router and experts, the final norm and the head
+#: its trainable attention, a whole attention, a layer's router and experts, a router alone under trainable experts,
+#: one expert matrix (every expert's down projection) beside a trainable one, the final norm and the head
 FREEZES: tuple[tuple[str, ...], ...] = (
     (),
     ("model.embed_tokens",),
     ("model.layers.0.input_layernorm",),
     ("model.layers.1.self_attn",),
     ("model.layers.0.mlp",),
+    ("model.layers.0.mlp.gate",),
+    ("model.layers.1.mlp.experts.down_proj",),
     ("model.norm", "lm_head"),
 )
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.1)  # eps large: Adam sees a gradient's scale
@@ -83,6 +105,8 @@ class LoopProgram:
         frozen: name prefixes of parameters frozen (``requires_grad_(False)``) before set-up.
         slow_rank: a rank that sleeps before each backward and ``zero_grad`` (the others run ahead into
             reductions still in flight), or None.
+        idle_expert: every router's selection bias keeps the last expert from every token (under EP its rank
+            computes, reduces and steps an expert that saw nothing: zero gradients, weight decay only).
     """
 
     layout: str
@@ -90,13 +114,14 @@ class LoopProgram:
     calls: tuple[str, ...]
     frozen: tuple[str, ...] = ()
     slow_rank: int | None = None
+    idle_expert: bool = False
 
     def to_code(self) -> str:
         """The program as a test a person can paste (the shrunk form of a failing program)."""
         return (
             "check_program(LoopProgram(\n"
             f"    layout={self.layout!r}, setup={self.setup!r}, frozen={self.frozen!r}, slow_rank={self.slow_rank!r},\n"
-            f"    calls={self.calls!r},\n))"
+            f"    idle_expert={self.idle_expert!r}, calls={self.calls!r},\n))"
         )
 
 
@@ -113,7 +138,7 @@ def valid_calls(calls: tuple[str, ...]) -> bool:
         else:
             acts_on_unreduced = call in ("clip", "norm", "step") and unreduced
             steps_nothing = call == "step" and not backward_since_step
-            saves_gradients = call == "save_load" and backward_since_step
+            saves_gradients = call.startswith("save") and backward_since_step
             if acts_on_unreduced or steps_nothing or saves_gradients:
                 return False
         if call in ("step", "zero_grad"):
@@ -123,10 +148,10 @@ def valid_calls(calls: tuple[str, ...]) -> bool:
 
 
 def calls_of_rounds(rounds: list[tuple[Any, ...]]) -> tuple[str, ...]:
-    """A loop's calls from its rounds: ``(zero_grad first, segments, step or skip, scheduler step[, save and
-    load])``, a segment being ``(backwards inside no_backward_sync, then one synchronised backward, then these norm /
-    clip calls)``; a skipped round ends in ``zero_grad`` without a step. Every such loop satisfies
-    :func:`valid_calls`."""
+    """A loop's calls from its rounds: ``(zero_grad first, segments, step or skip, scheduler step[, 0 / 1 / 2: no
+    save, a save and load in place, a save and reload into another layout])``, a segment being ``(backwards inside
+    no_backward_sync, then one synchronised backward, then these norm / clip calls)``; a skipped round ends in
+    ``zero_grad`` without a step. Every such loop satisfies :func:`valid_calls`."""
     calls: list[str] = []
     stepped = False  # the last round ended in a step with no zero_grad after it
     for zero_first, segments, step, scheduler, *save in rounds:
@@ -136,36 +161,38 @@ def calls_of_rounds(rounds: list[tuple[Any, ...]]) -> tuple[str, ...]:
         calls += (["step"] if zero_first else ["step", "zero_grad"]) if step else ["zero_grad"]
         stepped = step and zero_first
         calls += ["scheduler"] if scheduler else []
-        calls += ["save_load"] if save and save[0] else []
+        calls += [[], ["save_load"], ["save_reload"]][int(save[0])] if save else []
     return tuple(calls)
 
 
 def loop_programs(layout: str) -> Any:
     """A ``hypothesis`` strategy of loop programs on ``layout``: any set-up order, frozen set and slow rank, one to
-    three rounds of one to three segments (see :func:`calls_of_rounds`). Shrinking goes towards fewer rounds and
-    calls, no frozen parameters, no slow rank and the first set-up order."""
+    three rounds of one to three segments (see :func:`calls_of_rounds`), an idle expert or not. Shrinking goes
+    towards fewer rounds and calls, no frozen parameters, no slow rank, no idle expert and the first set-up order."""
     from hypothesis import strategies as st
 
     segment = st.tuples(st.integers(0, 2), st.sampled_from([(), ("norm",), ("clip",), ("norm", "clip")]))
     round_ = st.tuples(
-        st.booleans(), st.lists(segment, min_size=1, max_size=3), st.booleans(), st.booleans(), st.booleans()
+        st.booleans(), st.lists(segment, min_size=1, max_size=3), st.booleans(), st.booleans(), st.integers(0, 2)
     )
     return st.builds(
-        lambda setup, rounds, frozen, slow: LoopProgram(layout, setup, calls_of_rounds(rounds), frozen, slow),
+        lambda setup, rounds, *axes: LoopProgram(layout, setup, calls_of_rounds(rounds), *axes),
         st.sampled_from(SETUPS),
         st.lists(round_, min_size=1, max_size=3),
         st.sampled_from(FREEZES),
         st.sampled_from([None, 1]),
+        st.booleans(),
     )
 
 
 def model_config() -> Any:
-    """Two MoE layers of width 16, 4 experts top-2: seconds per program on gloo."""
+    """Two MoE layers of width 16, 4 experts top-2, routers with a selection bias (zero unless a program idles an
+    expert): seconds per program on gloo."""
     from mula_lightning.models import MulaConfig
 
     return MulaConfig.from_name(
         "mula-tiny-moe", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
-        intermediate_size=8, num_experts=4, top_k=2, moe_impl="fast",
+        intermediate_size=8, num_experts=4, top_k=2, moe_impl="fast", expert_bias=True,
     )  # fmt: skip
 
 
@@ -187,10 +214,19 @@ def _scheduler(optimizer: Any) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
 
 
-def _freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
+def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
+    """``requires_grad_(False)`` on the parameters whose names start with one of ``prefixes``."""
     for name, p in model.named_parameters():
         if name.startswith(prefixes):
             p.requires_grad_(False)
+
+
+def idle_last_expert(model: torch.nn.Module) -> None:
+    """Keep every router from choosing its last expert (a selection bias far below any score)."""
+    for module in model.modules():
+        if getattr(module, "has_expert_bias", False):
+            with torch.no_grad():
+                module.e_score_correction_bias[-1] = -1e4
 
 
 def _strategy(kind: str, options: dict[str, Any]) -> Any:
@@ -203,27 +239,23 @@ def _strategy(kind: str, options: dict[str, Any]) -> Any:
     return kind
 
 
-def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, Any]:
-    """Rank function of ``run_distributed_test``: run ``program`` on its layout and record what the loop sees (this
-    rank's losses, the norms returned, the learning rates the optimizer holds after each scheduler step, and after
-    each step the learning rates and the full weights)."""
+def _build(program: LoopProgram, layout: str, world_size: int) -> dict[str, Any]:
+    """A Fabric of ``layout`` and the program's model, optimizer and scheduler, set up in the program's order."""
     from lightning.fabric import Fabric
 
-    from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
     from mula_lightning.models import MulaForCausalLM, init_weights
     from mula_lightning.strategies.protocol import ShardingStrategy
 
-    _, kind, options = LAYOUTS[program.layout]
-    strategy = _strategy(kind, options)
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
-    fabric.launch()
+    _, kind, options = LAYOUTS[layout]
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(kind, options), precision="64-true")
+    fabric.launch()  # a second Fabric in the same processes (a reload) finds the process group there
     if kind == "ddp":  # materialised as the reference is, then replicated
         model = init_weights(MulaForCausalLM(model_config()), seed=0).to(torch.float64)
     else:  # the sharded strategies' documented path: built on the meta device, materialised by the strategy
         with fabric.init_module(empty_init=True):
             model = MulaForCausalLM(model_config())
-    _freeze(model, program.frozen)
-    scheduler = None
+    freeze(model, program.frozen)
+    scheduler, held_bytes = None, 0
     if program.setup.startswith("setup_"):
         optimizer = torch.optim.AdamW(param_groups(model.named_parameters()), **HP)
         if program.setup == "setup_with_scheduler":
@@ -234,25 +266,43 @@ def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, A
             scheduler = _scheduler(optimizer)
     else:
         model = fabric.setup_module(model)
+        if kind == "zero_topo":  # sharded at setup_module, frozen parameters too: no parameter holds storage now
+            held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.module.parameters()}
+            held_bytes = sum(held.values())
         optimizer = torch.optim.AdamW(param_groups(model.module.named_parameters()), **HP)
         if program.setup == "two_call_scheduler_before":
             scheduler = _scheduler(optimizer)
         optimizer = fabric.setup_optimizers(optimizer)
         if scheduler is None:
             scheduler = _scheduler(optimizer)
+    if program.idle_expert:
+        idle_last_expert(model)
     sampler = fabric.strategy.distributed_sampler_kwargs
-    data_rank = sampler["rank"] if sampler else rank
     sharded = fabric.strategy if isinstance(fabric.strategy, ShardingStrategy) else None
-    record: dict[str, Any] = {"data_rank": data_rank, "losses": [], "norms": [], "lrs": [], "steps": []}
+    return dict(fabric=fabric, model=model, optimizer=optimizer, scheduler=scheduler, sharded=sharded,
+                data_rank=sampler["rank"] if sampler else fabric.global_rank, held_bytes=held_bytes)  # fmt: skip
+
+
+def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, Any]:
+    """Rank function of ``run_distributed_test``: run ``program`` on its layout and record what the loop sees (this
+    rank's losses, the norms returned, the learning rates the optimizer holds after each scheduler step, and after
+    each step the learning rates and the full weights; under ``zero_topo``'s two-call set-up, the bytes the
+    parameters hold after ``setup_module``, which must be none: the module is sharded there, frozen parameters too)."""
+    from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
+
+    run = _build(program, program.layout, world_size)
+    record: dict[str, Any] = {"data_rank": run["data_rank"], "losses": [], "norms": [], "lrs": [], "steps": [],
+                              "held_bytes": run["held_bytes"]}  # fmt: skip
     micro = 0
     # a program may step its scheduler before the optimizer's first step (a skipped first step): torch says so
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
     for call in program.calls:
+        fabric, model, optimizer, scheduler = run["fabric"], run["model"], run["optimizer"], run["scheduler"]
         slow = program.slow_rank == rank and call in ("backward", "backward_no_sync", "zero_grad")
         if slow:
             time.sleep(0.02)
         if call in ("backward", "backward_no_sync"):
-            x = batch(micro, data_rank)
+            x = batch(micro, run["data_rank"])
             micro += 1
             with fabric.no_backward_sync(model, enabled=call == "backward_no_sync"):
                 out = model(x, labels=x)
@@ -262,8 +312,8 @@ def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, A
         elif call == "clip":
             record["norms"].append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         elif call == "norm":
-            if sharded is not None:
-                norm = sharded.global_grad_norm(optimizer)
+            if run["sharded"] is not None:
+                norm = run["sharded"].global_grad_norm(optimizer)
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             record["norms"].append(norm.item())
@@ -276,37 +326,50 @@ def run_program(rank: int, world_size: int, program: LoopProgram) -> dict[str, A
         elif call == "scheduler":
             scheduler.step()
             record["lrs"].append([g["lr"] for g in optimizer.param_groups])  # what the next step will use
-        elif call == "save_load":
-            _save_and_load(fabric, model, optimizer, scheduler)
+        elif call in ("save_load", "save_reload"):
+            run = _save_and_load(program, run, world_size, reload=call == "save_reload")
         else:
             raise ValueError(f"unknown call {call!r}; the calls are {CALLS}")
     return record
 
 
-def _save_and_load(fabric: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
-    """``fabric.save`` of the model, optimizer and scheduler state into a fresh folder, ``fabric.load`` of them in
-    place, the folder removed (every rank waits for the others at each end)."""
+def _save_and_load(program: LoopProgram, run: dict[str, Any], world_size: int, reload: bool) -> dict[str, Any]:
+    """``fabric.save`` of the model, optimizer and scheduler state into a fresh folder, then ``fabric.load`` of them
+    in place, or (``reload``) into a new Fabric of the layout's :data:`RELOAD_INTO` partner and its new objects; the
+    folder removed (every rank waits for the others at each end). Returns the objects the loop goes on with."""
     import shutil
     import tempfile
 
+    fabric = run["fabric"]
     folder = fabric.broadcast(tempfile.mkdtemp(prefix="mula-loop-") if fabric.global_rank == 0 else None)
     path = f"{folder}/checkpoint"
-    fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler.state_dict()})
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler.state_dict()}
+    fabric.save(
+        path, {"model": run["model"], "optimizer": run["optimizer"], "scheduler": run["scheduler"].state_dict()}
+    )
+    if reload:
+        into = _build(program, RELOAD_INTO[program.layout], world_size)
+        if into["data_rank"] != run["data_rank"]:
+            raise ValueError(f"{RELOAD_INTO[program.layout]!r} reads other data than {program.layout!r}")
+        run, fabric = into, into["fabric"]
+    state = {"model": run["model"], "optimizer": run["optimizer"], "scheduler": run["scheduler"].state_dict()}
     remainder = fabric.load(path, state)
-    scheduler.load_state_dict(remainder.get("scheduler", state["scheduler"]))
+    run["scheduler"].load_state_dict(remainder.get("scheduler", state["scheduler"]))
     fabric.barrier()
     if fabric.global_rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
+    return run
 
 
-def reference_run(program: LoopProgram, data_ranks: int) -> dict[str, Any]:
+def reference_run(program: LoopProgram, data_ranks: int, loss_scale: float = 1.0) -> dict[str, Any]:
     """``program`` in one process standing for ``data_ranks`` DDP ranks (float64, ``torch.optim.AdamW``): per
-    backward each rank's loss, the norms returned, and after each step the learning rates and the weights."""
+    backward each rank's loss, the norms returned, and after each step the learning rates and the weights.
+    ``loss_scale`` multiplies each loss before its backward (the Trainer divides by the accumulation)."""
     from mula_lightning.models import MulaForCausalLM, init_weights
 
     model = init_weights(MulaForCausalLM(model_config()), seed=0).to(torch.float64)
-    _freeze(model, program.frozen)
+    freeze(model, program.frozen)
+    if program.idle_expert:
+        idle_last_expert(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters()), **HP)
     scheduler = _scheduler(optimizer)
@@ -322,7 +385,7 @@ def reference_run(program: LoopProgram, data_ranks: int) -> dict[str, Any]:
                 x = batch(micro, r)
                 out = model(x, labels=x)
                 loss = out.loss + out.aux_loss
-                for acc, g in zip(local[r], torch.autograd.grad(loss, params)):
+                for acc, g in zip(local[r], torch.autograd.grad(loss * loss_scale, params)):
                     acc.add_(g)
                 losses.append(loss.item())
             micro += 1
@@ -373,7 +436,7 @@ def check_program(program: LoopProgram, timeout: float = 180) -> None:
     results = run_pooled_test(run_program, world, program=program, timeout=timeout)
     reference = reference_run(program, max(r["data_rank"] for r in results) + 1)
     for rank, got in enumerate(results):
-        problem = _first_difference(got, reference, rank)
+        problem = first_difference(got, reference, rank)
         if problem:
             raise AssertionError(f"{problem}\nthe program:\n{program.to_code()}")
 
@@ -382,7 +445,11 @@ def _close(a: float, b: float, rtol: float) -> bool:
     return abs(a - b) <= rtol * max(abs(b), 1.0)
 
 
-def _first_difference(got: dict[str, Any], reference: dict[str, Any], rank: int) -> str | None:
+def first_difference(got: dict[str, Any], reference: dict[str, Any], rank: int) -> str | None:
+    """The first quantity in which ``rank``'s record differs from the reference's, named (the call's index, the
+    tensor), or None when everything agrees (see :data:`RTOL`)."""
+    if got.get("held_bytes"):
+        return f"rank {rank}: parameters hold {got['held_bytes']} bytes after zero_topo's setup_module (not sharded)"
     for i, (loss, losses) in enumerate(zip(got["losses"], reference["losses"])):
         want = losses[got["data_rank"]]
         if not _close(loss, want, RTOL["losses"]):

@@ -54,6 +54,8 @@ def optimizer_state_dict(engine: HierarchicalZeroAdamW, for_load: bool = False) 
         vectors = _vectors(engine, u)
         writes = for_load or u.family.index < u.family.layout.optimizer_size  # the family's first optimizer group
         for slot in u.buf.slots:
+            if not slot.param.requires_grad:  # frozen: no optimizer state, as torch's AdamW and epso keep none
+                continue
             mine = [s for s in u.buf.segments if s.slot.name == slot.name] if writes else []
             for key, vec in vectors.items():
                 local = [(s.param_start, vec[s.local_start : s.local_start + s.numel]) for s in mine]
