@@ -38,6 +38,7 @@ from mula_lightning.data.datamodule import MulaDataModule
 from mula_lightning.lightning_module import warmup_cosine
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import FabricEPSOStrategy
+from mula_lightning.utils.progress import ProgressMeter
 
 
 def evaluate(fabric: Fabric, model: torch.nn.Module, loader) -> float:
@@ -105,6 +106,9 @@ def main(
     accumulate = data.train_sampler.global_batch_size // data.train_sampler.step  # micro-batches per optimizer step
     flops_per_token = config.flops_per_token(data.manifest.seq_len)
 
+    # the progress line of `mula fit` (step, loss, lr, tokens/s, memory, time left), printed by rank 0 only
+    meter = ProgressMeter(max_steps, log_every, fabric.world_size, enabled=fabric.is_global_zero,
+                          flops_per_token=flops_per_token, device=fabric.device)  # fmt: skip
     step, micro, tokens, start = 0, 0, 0, time.perf_counter()
     iterator = iter(train_loader)
     while step < max_steps:
@@ -117,6 +121,7 @@ def main(
             fabric.backward(loss / accumulate)
         data.mark_consumed(1)
         tokens += batch["input_ids"].numel() * fabric.world_size
+        meter.add_tokens(batch["input_ids"].numel() * fabric.world_size)
         if is_accumulating:
             continue
         for group in optimizer.param_groups:
@@ -140,12 +145,15 @@ def main(
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
             fabric.log_dict(metrics, step=step)
-            fabric.print(f"step {step}: loss {loss.item():.3f}, {metrics['train/items_per_sec']:.0f} tokens/s")
             tokens, start = 0, time.perf_counter()
+        meter.step(step, loss=loss.item, aux=out.aux_loss.item, lr=optimizer.param_groups[0]["lr"])  # read if due
         if step % val_every == 0 or step == max_steps:
             val_loss = evaluate(fabric, net, val_loader)
             fabric.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 50.0))}, step=step)
-            fabric.print(f"step {step}: val loss {val_loss:.3f} (perplexity {math.exp(min(val_loss, 50.0)):.1f})")
+            fabric.print(f"validation at step {step}: val/loss {val_loss:.4f} | val/perplexity "
+                         f"{math.exp(min(val_loss, 50.0)):.4f}")  # fmt: skip
+            meter.restart(step)  # the evaluation is not training time
+    meter.finish(step, loss=loss.item, aux=out.aux_loss.item, lr=optimizer.param_groups[0]["lr"])
     fabric.save(run_dir / "checkpoint", {"model": net, "optimizer": optimizer, "step": step, "data": data.state_dict()})
     fabric.logger.finalize("success")
     fabric.print(f"checkpoint: {run_dir / 'checkpoint'}; log: {run_dir / 'metrics.csv'} (plots: mula report {run_dir})")

@@ -29,9 +29,11 @@ from mula_lightning.utils.env_flags import env_flag
 #: exit code of a command that refused its input (or failed) with a one-line message
 EXIT_ERROR = 1
 #: what a bad input raises across the package (file errors, values that do not fit, unknown keywords or keys, a
-#: corrupt checkpoint: ``CheckpointIntegrityError`` / ``CheckpointWriteError``, named to keep this import-light)
+#: corrupt checkpoint: ``CheckpointIntegrityError`` / ``CheckpointWriteError``, named to keep this import-light), and
+#: what Lightning raises for a configuration it refuses (``MisconfigurationException``: options that contradict each
+#: other, such as ``enable_checkpointing: false`` beside a checkpoint callback): the user's mistake, not ours
 INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError)
-INPUT_ERROR_NAMES = {"CheckpointIntegrityError", "CheckpointWriteError"}
+INPUT_ERROR_NAMES = {"CheckpointIntegrityError", "CheckpointWriteError", "MisconfigurationException"}
 
 #: command name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

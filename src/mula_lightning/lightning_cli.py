@@ -2,9 +2,10 @@
 
 Everything comes from YAML (or flags): ``model`` (the :class:`MulaLM` arguments), ``data`` (the
 :class:`MulaDataModule` arguments), ``trainer`` (devices, strategy with its arguments, precision, steps,
-loggers, callbacks) and three always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
-(:class:`MulaThroughput`) and ``last_step`` (:class:`LastStepLogger`: the final step's metrics are logged and flushed
-whatever ``log_every_n_steps`` is). Examples are in ``examples/configs/``::
+loggers, callbacks) and four always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
+(:class:`MulaThroughput`), ``last_step`` (:class:`LastStepLogger`: the final step's metrics are logged and flushed
+whatever ``log_every_n_steps`` is) and ``progress`` (:class:`MulaProgress`: a line per logging interval on rank 0
+when the output is not a terminal, Lightning's bar when it is). Examples are in ``examples/configs/``::
 
     mula fit --config examples/configs/mula-tiny-moe.yaml
     mula fit --config examples/configs/mula-tiny-moe.yaml --trainer.max_steps 50 --model.lr 1e-3
@@ -99,15 +100,16 @@ def config_parser_kwargs() -> dict[str, Any]:
 
 
 class MulaCLI(LightningCLI):
-    """LightningCLI with the MoE statistics, throughput and last-step callbacks as configurable, always-on sections,
-    the configuration checked before launch and short argument errors."""
+    """LightningCLI with the MoE statistics, throughput, last-step and progress callbacks as configurable, always-on
+    sections, the configuration checked before launch and short argument errors."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        from mula_lightning.callbacks import LastStepLogger, MoEStats, MulaThroughput
+        from mula_lightning.callbacks import LastStepLogger, MoEStats, MulaProgress, MulaThroughput
 
         parser.add_lightning_class_args(MoEStats, "moe_stats")
         parser.add_lightning_class_args(MulaThroughput, "throughput")
         parser.add_lightning_class_args(LastStepLogger, "last_step")
+        parser.add_lightning_class_args(MulaProgress, "progress")
 
     def init_parser(self, **kwargs: Any) -> Any:
         """LightningCLI's parser, reporting an argument error without the 70-line usage (the error names the key; the
@@ -117,9 +119,13 @@ class MulaCLI(LightningCLI):
         return parser
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """LightningCLI's Trainer, plus :func:`launch_callbacks` when ``mula launch`` (or a drill) asked for them."""
+        """LightningCLI's Trainer, plus :func:`launch_callbacks` when ``mula launch`` (or a drill) asked for them,
+        without Lightning's progress bar where the progress lines replace it (off a terminal)."""
+        from mula_lightning.callbacks.progress import resolve_progress_bar
+
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.extend(launch_callbacks())
+        resolve_progress_bar(trainer)
         for logger in trainer.loggers:
             quiet_wandb_logger(logger)
         return trainer
@@ -220,7 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         build_cli(list(sys.argv[1:] if argv is None else argv), started=started)
     except Exception as err:
-        if started:
+        # Lightning refuses a configuration also once fit began (a strategy's or a loop's set-up): still the user's
+        # options, one line naming them
+        if started and type(err).__name__ != "MisconfigurationException":
             raise RunFailure(err) from err
         raise
     return 0

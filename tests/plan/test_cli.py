@@ -132,3 +132,19 @@ def test_a_fit_config_starting_from_existing_weights(tmp_path, capsys):
     assert mula(["plan", "--config", str(fit)]) == 1
     err = capsys.readouterr().err
     assert "model.init_from" in err and "gives no model config" in err and len(err.strip().splitlines()) == 1
+
+
+def test_part_of_a_node_one_gpu_included(capsys):
+    """``--devices-per-node 1``: one GPU of a DGX (a world of 1, DP 1) and one tile of an Aurora GPU (a GPU of one
+    device); 4 of 8 GPUs at DP 4; more devices than a node holds is named."""
+    result = _json(capsys, "mula-1b", "--cluster", "dgx-h100", "--nodes", "1", "--dp", "1", "--devices-per-node", "1")
+    (layout,) = result["layouts"]
+    assert (layout["dp"], result["cluster"]["devices_per_node"]) == (1, 1)
+    assert result["cluster"]["name"] == "dgx-h100 (1 of 8 devices)"
+    assert set(layout["comm_bytes"]) <= {"intra_node"}  # nothing leaves the one device's node
+    (tile,) = _json(capsys, "mula-1b", "--cluster", "aurora", "--devices-per-node", "1")["layouts"]
+    assert tile["dp"] == 1
+    (half,) = _json(capsys, "mula-1b", "--cluster", "dgx-h100", "--devices-per-node", "4")["layouts"]
+    assert half["dp"] == 4
+    assert mula(["plan", "mula-1b", "--cluster", "dgx-h100", "--devices-per-node", "9"]) == 1
+    assert "--devices-per-node (9) must be between 1 and dgx-h100's 8" in capsys.readouterr().err

@@ -24,8 +24,9 @@ EXPECTED_WARNINGS: tuple[str, ...] = ()
 @pytest.mark.slow
 def test_short_demo_end_to_end(tmp_path):
     """`python -m mula_lightning.demo` with 6 steps on 200 kB: exit code 0, the newest DualCheckpoint slot (a DCP
-    directory) and a model-only checkpoint at step 6, the CSV log, the 4 plots, an offline W&B run, and the unigram
-    entropy, validation loss and checkpoint paths printed; none of the known noise, and no warning line that is not
+    directory) and a model-only checkpoint at step 6, the CSV log, the 4 plots, an offline W&B run, a progress line
+    per step and the validation results printed once, and the unigram entropy, validation loss and checkpoint paths
+    printed; none of the known noise, and no warning line that is not
     listed as expected."""
     out = tmp_path / "demo"
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "WANDB_MODE": "offline"}
@@ -55,6 +56,14 @@ def test_short_demo_end_to_end(tmp_path):
         assert (run / "plots" / name).is_file(), name
     assert list((out / "runs" / "wandb").glob("offline-run-*"))
     assert str(ckpt) in proc.stdout and str(run / "plots" / "loss.png") in proc.stdout
+    # progress while it trains (the output is no terminal: lines), once for the 4 processes, every step (the demo
+    # logs every steps // 6 = 1), and the validation results when they come
+    lines = proc.stdout.splitlines()
+    assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == [f"step {s}/6" for s in range(1, 7)]
+    assert [line.split(":")[0] for line in lines if line.startswith("validation at")] == [
+        "validation at step 3",
+        "validation at step 6",
+    ]
     output = proc.stdout + proc.stderr
     for noise in KNOWN_NOISE:
         assert noise not in output, noise

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.distributed
 def test_fabric_example_trains_and_saves(tiny_data, tmp_path):
     """4 optimizer steps of 2 accumulated micro-batches: the log has the training and validation losses and
-    tokens/s at the expected steps, the checkpoint is a DCP directory, and `mula report` renders the loss plot."""
+    tokens/s at the expected steps, the progress lines are printed once at those steps, the checkpoint is a DCP
+    directory, and `mula report` renders the loss plot."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "fabric"
     cmd = [sys.executable, str(ROOT / "examples" / "fabric_pretrain.py"), "--data_dir", str(tiny_data)]
@@ -34,6 +35,11 @@ def test_fabric_example_trains_and_saves(tiny_data, tmp_path):
     assert train_steps == [2, 4] and val_steps == [2, 4]
     assert all(float(r["train/items_per_sec"]) > 0 for r in rows if r["train/loss"])
     assert (out / "checkpoint" / ".metadata").is_file()
+    # the progress lines of `mula fit` through ProgressMeter: steps 2 and 4 of 4, once for the 2 processes
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(("step ", "validation at"))]
+    assert [line.split(" | ")[0].split(":")[0] for line in printed] == [
+        "step 2/4", "validation at step 2", "step 4/4", "validation at step 4"]  # fmt: skip
+    assert all(" | loss " in line and " tok/s (" in line for line in printed if line.startswith("step "))
     from mula_lightning.report import render_report
 
     assert (out / "plots" / "loss.png") in render_report(out)

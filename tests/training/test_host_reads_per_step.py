@@ -8,7 +8,7 @@ import os
 import pytest
 from lightning.pytorch import Callback, Trainer
 
-from mula_lightning.callbacks import MoEStats, MulaThroughput, NaNDetector
+from mula_lightning.callbacks import MoEStats, MulaProgress, MulaThroughput, NaNDetector
 from mula_lightning.data import MulaDataModule
 from mula_lightning.lightning_module import MulaLM
 from mula_lightning.testing import HostReads, counting_host_reads
@@ -38,19 +38,25 @@ class _CountFromStep(Callback):
 
 @pytest.mark.parametrize("progress_bar", [False, True])
 def test_a_training_step_reads_the_device_once(tiny_data, tmp_path, progress_bar):
-    """A MulaLM step under the Trainer with the NaN detector, MoE statistics and throughput callbacks (steps that log
-    nothing) reads the host once: the NaN detector's flag (one ``tolist``, formerly ``nonzero`` + ``tolist``: two
-    waits on an accelerator). Lightning reads the progress bar's metrics at every step, bar or no bar: ``MulaLM``
-    puts its loss there only when a bar shows it, so a run without one pays nothing (with a bar, Lightning's reads
-    for it are its own and not counted here). The only other reads are the CPU experts' group sizes (one per MoE
-    layer, CPU only)."""
+    """A MulaLM step under the Trainer with the NaN detector, MoE statistics, throughput and progress callbacks (steps
+    that log and print nothing: the progress lines read the loss on their own steps only) reads the host once: the
+    NaN detector's flag (one ``tolist``, formerly ``nonzero`` + ``tolist``: two waits on an accelerator). Lightning
+    reads the progress bar's metrics at every step, bar or no bar: ``MulaLM`` puts its loss there only when a bar
+    shows it, so a run without one pays nothing (with a bar, Lightning's reads for it are its own and not counted
+    here). The only other reads are the CPU experts' group sizes (one per MoE layer, CPU only)."""
     counter = _CountFromStep(start=2)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=7,
         log_every_n_steps=1000,  # no logging step among them: what a step costs between logs
-        callbacks=[counter, NaNDetector(str(tmp_path / "nan")), MoEStats(), MulaThroughput(window_size=2)],
+        callbacks=[
+            counter,
+            NaNDetector(str(tmp_path / "nan")),
+            MoEStats(),
+            MulaThroughput(window_size=2),
+            MulaProgress(mode="lines"),
+        ],  # fmt: skip
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,

@@ -114,6 +114,18 @@ def test_unknown_yaml_key_is_rejected_with_its_name(tiny_config, tmp_path, capsy
     assert not (tmp_path / "runs").exists()
 
 
+def test_options_lightning_refuses_are_named_as_the_users_mistake(tiny_config, tmp_path, capsys):
+    """``enable_checkpointing: false`` beside a checkpoint callback, which Lightning refuses: exit code 1 and one line
+    naming the option, not an internal error with a request for a bug report (before: "internal error:
+    MisconfigurationException ... report the traceback")."""
+    tiny_config["trainer"]["enable_checkpointing"] = False
+    tiny_config["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}]
+    assert mula_cli.main(["fit", "--config", _write(tiny_config, tmp_path / "bad.yaml")]) == mula_cli.EXIT_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mula fit: error: "), err
+    assert "enable_checkpointing=False" in err and "internal error" not in err, err
+
+
 def test_config_interpolation_resolves_and_names_a_missing_key(tmp_path, monkeypatch, capsys):
     """A config may refer to its other values (``${model.model}``, ``${trainer.max_steps}``) and to the environment
     (``${oc.env:NAME,default}``), resolved once the command line's overrides are merged (jsonargparse's
@@ -154,11 +166,17 @@ def test_data_of_another_tokenizer_fails_before_training(tiny_config, other_toke
     assert cli.model.model is None and cli.trainer.global_step == 0
 
 
-def test_mula_fit_then_report_then_validate(tiny_config, tmp_path):
-    """`mula fit` trains and logs losses, lr, grad norm, MoE statistics and tokens/s to CSV; `mula report` turns
-    them into the 4 PNGs; `mula validate` on the saved checkpoint gives the same validation loss as the fit."""
+def test_mula_fit_then_report_then_validate(tiny_config, tmp_path, capsys):
+    """`mula fit` trains, prints a progress line per logging interval and the validation results, and logs losses,
+    lr, grad norm, MoE statistics and tokens/s to CSV; `mula report` turns them into the 4 PNGs; `mula validate` on
+    the saved checkpoint gives the same validation loss as the fit."""
     config_path = _write(tiny_config, tmp_path / "tiny.yaml")
     assert mula_cli.main(["fit", "--config", config_path]) == 0
+    # the output is no terminal: a progress line per step (log_every_n_steps 1), then the validation results
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "validation "))]
+    assert [line.split(" | ")[0] for line in printed[:4]] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]
+    assert all(" | loss " in line and " | aux " in line and " tok/s (" in line for line in printed[:4]), printed
+    assert printed[4].startswith("validation at step 4: val/loss "), printed
     run = tmp_path / "runs" / "tiny" / "version_0"
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     for key in (

@@ -1,6 +1,6 @@
 """Lightning callbacks: reliability (Aurora paper, Section 4: dual checkpoints, persistent model-only checkpoints,
 NaN detection; for ``mula launch``: heartbeats and injected faults) and monitoring (MoE statistics, throughput, the
-final step's metrics).
+final step's metrics, progress lines).
 
 The classes are imported lazily (PEP 562), so that code which only needs the checkpoint protocol
 (:mod:`mula_lightning.checkpoint.slots`, no Lightning dependency) does not pay for importing Lightning.
@@ -19,6 +19,7 @@ _EXPORTS = {
     "MoEStats": "mula_lightning.callbacks.moe_stats",
     "MulaThroughput": "mula_lightning.callbacks.throughput",
     "LastStepLogger": "mula_lightning.callbacks.last_step_logger",
+    "MulaProgress": "mula_lightning.callbacks.progress",
     "Heartbeat": "mula_lightning.callbacks.heartbeat",
     "FaultInjector": "mula_lightning.callbacks.fault_injection",
 }

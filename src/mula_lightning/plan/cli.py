@@ -6,6 +6,7 @@ fastest, and a dry run of the real set-up at the full world size.
     mula plan --config examples/configs/mula-100b-a7b.yaml --cluster aurora
     mula plan --config examples/configs/mula-100b-a7b.yaml --search
     mula plan mula-220b-a10b --nodes 1024 --ep 12 --pp 8 --trace --ranks 0,6143,-1
+    mula plan mula-1b --cluster dgx-h100 --devices-per-node 1          # one GPU of a node
 
 Prints the model's total and active parameters, then per pipeline stage one rank's bytes of weights, gradients, fp32
 master, AdamW moments (:mod:`~mula_lightning.plan.states`), activations (:mod:`~mula_lightning.plan.activations`) and
@@ -21,14 +22,16 @@ same global batch instead (:mod:`~mula_lightning.plan.search`) and prints the te
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
 from mula_lightning.parallel.pipeline import SCHEDULES
-from mula_lightning.plan.clusters import CLUSTERS, GB, load_cluster
+from mula_lightning.plan.clusters import CLUSTERS, GB, Cluster, load_cluster
 from mula_lightning.plan.comm import REDUCE_BYTES
 from mula_lightning.plan.planner import MEMORY_KINDS, Training, plan_layout
 from mula_lightning.plan.search import search
@@ -44,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="a mula fit YAML: its model, strategy, precision, batch, devices x nodes")
     parser.add_argument("--cluster", default="aurora", help=f"{', '.join(sorted(CLUSTERS))} or a YAML file")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's, else 1)")
+    parser.add_argument("--devices-per-node", type=int, default=None,
+                        help="use this many devices of each node (a part of one: 1 plans one GPU)")  # fmt: skip
     parser.add_argument("--strategy", choices=("epso", "zero_topo"), default=None)
     parser.add_argument("--dp", type=int, default=None,
                         help="replicas of an expert slice, the paper's DP of DP x EP (checked: world / (pp x ep x "
@@ -175,7 +180,7 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         raise ValueError("mula plan needs a preset (mula plan mula-7b-a1b ...) or --config FIT.yaml")
     else:
         config = MulaConfig.from_name(name, **fit.get("overrides", {})) if isinstance(name, str) else MulaConfig(**name)
-    cluster = load_cluster(args.cluster)
+    cluster = part_of_node(load_cluster(args.cluster), args.devices_per_node)
 
     def given(key: str, default: Any) -> Any:  # the flag, else the config's, else the default
         value = getattr(args, key, None)
@@ -250,11 +255,26 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     notes = []
     if fit.get("devices") not in (None, cluster.devices_per_node):
         notes.append(f"the config's trainer.devices ({fit['devices']}) is not {cluster.name}'s "
-                     f"{cluster.devices_per_node} devices per node: planned with {cluster.name}'s")  # fmt: skip
+                     f"{cluster.devices_per_node} devices per node: planned with {cluster.name}'s "
+                     f"(--devices-per-node {fit['devices']} plans the config's)")  # fmt: skip
     planned = plan_layout(config, layout, cluster, training)
     if args.trace:
         planned["traced"] = _traced(config, layout, training, planned, _parse_ranks(args.ranks), fit)
     return {"notes": notes, **head, "layouts": [planned]}
+
+
+def part_of_node(cluster: Cluster, devices: int | None) -> Cluster:
+    """``cluster`` with ``devices`` of each node's devices (None: all of them): one GPU of a DGX, 4 of 8. The
+    devices kept share their physical GPUs as far as they can (``devices_per_gpu`` their greatest common divisor:
+    one tile of an Aurora GPU is a GPU of one device)."""
+    if devices is None or devices == cluster.devices_per_node:
+        return cluster
+    if isinstance(devices, bool) or not 1 <= devices <= cluster.devices_per_node:
+        raise ValueError(f"--devices-per-node ({devices}) must be between 1 and {cluster.name}'s "
+                         f"{cluster.devices_per_node} devices per node")  # fmt: skip
+    name = f"{cluster.name} ({devices} of {cluster.devices_per_node} devices)"
+    per_gpu = math.gcd(devices, cluster.devices_per_gpu)
+    return dataclasses.replace(cluster, name=name, devices_per_node=devices, devices_per_gpu=per_gpu)
 
 
 def _parse_ranks(text: str) -> list[int]:
