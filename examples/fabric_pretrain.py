@@ -35,7 +35,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 
 from mula_lightning.data.datamodule import MulaDataModule
-from mula_lightning.lightning_module import warmup_cosine
+from mula_lightning.lr_schedule import warmup_cosine
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.utils.progress import ProgressMeter

@@ -2,10 +2,12 @@
 
 Everything comes from YAML (or flags): ``model`` (the :class:`MulaLM` arguments), ``data`` (the
 :class:`MulaDataModule` arguments), ``trainer`` (devices, strategy with its arguments, precision, steps,
-loggers, callbacks) and four always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
+loggers, callbacks) and five always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
 (:class:`MulaThroughput`), ``last_step`` (:class:`LastStepLogger`: the final step's metrics are logged and flushed
 whatever ``log_every_n_steps`` is) and ``progress`` (:class:`MulaProgress`: a line per logging interval on rank 0
-when the output is not a terminal, Lightning's bar when it is). Examples are in ``examples/configs/``::
+when the output is not a terminal, Lightning's bar when it is) and ``stop`` (:class:`GracefulStop`: SIGTERM, SIGUSR1
+or Ctrl-C saves at the next step boundary, says where a resume starts, and ``mula fit`` exits with ``128 + signal``,
+never 0). Examples are in ``examples/configs/``::
 
     mula fit --config examples/configs/mula-tiny-moe.yaml
     mula fit --config examples/configs/mula-tiny-moe.yaml --trainer.max_steps 50 --model.lr 1e-3
@@ -40,6 +42,9 @@ from typing import Any
 from lightning.pytorch.cli import LightningCLI
 
 RUNS_DIR = "runs"
+#: what a stage raises after the preflight checks for the user's options, not for a failure of the run: Lightning's
+#: refusal of a configuration (a loop's or a strategy's set-up) and a resume that changes the checkpoint's schedule
+USER_ERRORS_AFTER_START = {"MisconfigurationException", "ScheduleChangeError"}
 
 
 def wandb_offline() -> bool:
@@ -100,16 +105,17 @@ def config_parser_kwargs() -> dict[str, Any]:
 
 
 class MulaCLI(LightningCLI):
-    """LightningCLI with the MoE statistics, throughput, last-step and progress callbacks as configurable, always-on
-    sections, the configuration checked before launch and short argument errors."""
+    """LightningCLI with the MoE statistics, throughput, last-step, progress and stop callbacks as configurable,
+    always-on sections, the configuration checked before launch and short argument errors."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        from mula_lightning.callbacks import LastStepLogger, MoEStats, MulaProgress, MulaThroughput
+        from mula_lightning.callbacks import GracefulStop, LastStepLogger, MoEStats, MulaProgress, MulaThroughput
 
         parser.add_lightning_class_args(MoEStats, "moe_stats")
         parser.add_lightning_class_args(MulaThroughput, "throughput")
         parser.add_lightning_class_args(LastStepLogger, "last_step")
         parser.add_lightning_class_args(MulaProgress, "progress")
+        parser.add_lightning_class_args(GracefulStop, "stop")
 
     def init_parser(self, **kwargs: Any) -> Any:
         """LightningCLI's parser, reporting an argument error without the 70-line usage (the error names the key; the
@@ -136,9 +142,13 @@ class MulaCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def _preflight(self, stage: str) -> None:
-        from mula_lightning.preflight import check_before_launch
+        from mula_lightning.preflight import check_before_launch, check_resume
 
         check_before_launch(self.trainer, self.model, self.datamodule, stage)
+        if stage == "fit":
+            line = check_resume(self.trainer, self.config.get(f"{self.subcommand}.ckpt_path"))
+            if line and os.environ.get("RANK", "0") == "0":  # torchrun / srun start every rank with this command
+                print(f"mula fit: {line}", file=sys.stderr, flush=True)
         self.started.append(stage)
 
     def before_fit(self) -> None:
@@ -209,29 +219,46 @@ def build_cli(args: Sequence[str] | dict[str, Any], run: bool = True, started: l
         started=started,
         parser_kwargs={**mode, **{command: mode for command in ("fit", "validate", "test", "predict")}},
         save_config_kwargs={"overwrite": True},
+        # no --optimizer / --lr_scheduler: LightningCLI builds them before configure_model (the sharded strategies
+        # build the model there), so any choice failed with "an empty parameter list" or was dropped without a word;
+        # MulaLM's own options (model.lr, model.betas, model.warmup_steps, ...) set the optimizer and its schedule
+        auto_configure_optimizers=False,
         trainer_defaults={"logger": default_loggers(), "default_root_dir": RUNS_DIR},
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``mula <fit|validate|test> ...``: ``argv`` starts with the subcommand.
+    """``mula <fit|validate|test> ...``: ``argv`` starts with the subcommand. Returns the exit status: 0 when the
+    stage ran to its end, ``128 + signal`` when a signal stopped it (:class:`GracefulStop` saved the run first, or
+    Lightning's ``SIGTERMException`` ended it before the training loop: a ``SystemExit`` without a code, which
+    would read as success).
 
     Raises:
         RunFailure: wrapping what escaped the Trainer after the preflight checks passed (its traceback is
             printed by the ``mula`` console script); earlier errors (bad input) propagate unchanged.
     """
+    import signal
+
+    from mula_lightning.callbacks.graceful_stop import GracefulStop
     from mula_lightning.utils.run_failure import RunFailure
+    from mula_lightning.utils.stop_request import signal_exit_code
 
     started: list[str] = []
     try:
-        build_cli(list(sys.argv[1:] if argv is None else argv), started=started)
+        cli = build_cli(list(sys.argv[1:] if argv is None else argv), started=started)
+    except SystemExit as exit_:
+        if type(exit_).__name__ != "SIGTERMException":
+            raise
+        print(f"mula: SIGTERM received during {started[-1] if started else 'set-up'}: stopped", file=sys.stderr)
+        return signal_exit_code(signal.SIGTERM)
     except Exception as err:
-        # Lightning refuses a configuration also once fit began (a strategy's or a loop's set-up): still the user's
-        # options, one line naming them
-        if started and type(err).__name__ != "MisconfigurationException":
+        # Lightning refuses a configuration also once fit began (a strategy's or a loop's set-up), and a resume its
+        # checkpoint's schedule: still the user's options, one line naming them
+        if started and type(err).__name__ not in USER_ERRORS_AFTER_START:
             raise RunFailure(err) from err
         raise
-    return 0
+    stops = [c for c in getattr(cli.trainer, "callbacks", []) if isinstance(c, GracefulStop)]
+    return max((stop.exit_code for stop in stops), default=0)
 
 
 def fit(argv: Sequence[str]) -> int:

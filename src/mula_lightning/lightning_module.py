@@ -31,7 +31,6 @@ training samples there for exact resume.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from torchmetrics import MeanMetric
 
 from mula_lightning.checkpoint.export import CHECKPOINT_KEY
 from mula_lightning.checkpoint.init_source import InitWeights, init_source_config
+from mula_lightning.lr_schedule import WarmupCosine, WarmupCosineLR
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
@@ -67,20 +67,6 @@ def single_device_adamw(params: Any, **hyper: Any) -> torch.optim.AdamW:
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
     fused = bool(tensors) and all(t.device.type in FUSED_ADAMW_DEVICES and t.is_floating_point() for t in tensors)
     return torch.optim.AdamW(params, fused=fused or None, **hyper)
-
-
-def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, peak: float, minimum: float) -> float:
-    """Learning rate at optimizer step ``step``: linear warm-up to ``peak``, cosine decay to ``minimum``.
-
-    Step 0 uses ``peak / warmup_steps`` (never zero, so the first update is not wasted); the rate reaches ``peak``
-    at ``step == warmup_steps``, follows half a cosine to ``minimum`` at ``decay_steps`` and stays there.
-    """
-    if step < warmup_steps:
-        return peak * (step + 1) / warmup_steps
-    if step >= decay_steps:
-        return minimum
-    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-    return minimum + 0.5 * (peak - minimum) * (1.0 + math.cos(math.pi * progress))
 
 
 def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int | None = None) -> None:
@@ -153,7 +139,11 @@ class MulaLM(LightningModule):
         min_lr: final learning rate of the cosine decay.
         warmup_steps: optimizer steps of linear warm-up.
         decay_steps: optimizer step at which the cosine reaches ``min_lr``; ``None`` uses the Trainer's
-            ``max_steps`` (or its estimated total steps).
+            ``max_steps`` (or its estimated total steps). The resolved schedule is saved with the run: a resume
+            keeps it (:mod:`mula_lightning.lr_schedule`).
+        replan_schedule: on a resume, switch to this run's schedule (another ``lr``, ``min_lr``, ``warmup_steps``
+            or horizon) instead of keeping the checkpoint's; without it such a change is refused, except a horizon
+            that follows a changed ``max_steps``, which keeps the checkpoint's.
         weight_decay: AdamW weight decay (applied to all parameters, as in the paper).
         betas: AdamW betas.
         eps: AdamW epsilon.
@@ -182,6 +172,7 @@ class MulaLM(LightningModule):
         min_lr: float = 4e-5,
         warmup_steps: int = 2500,
         decay_steps: int | None = None,
+        replan_schedule: bool = False,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.99),
         eps: float = 1e-8,
@@ -390,10 +381,12 @@ class MulaLM(LightningModule):
             max_steps = self.trainer.max_steps if self._trainer is not None else -1
             decay = max_steps if max_steps and max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         decay = max(decay, hp.warmup_steps)
-        # the factor of the peak rate; lr 0 (a frozen run: weights load, nothing moves) keeps every rate at 0
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
+        # saved with the run: a resume keeps this schedule, refuses a change or re-plans it (replan_schedule)
+        scheduler = WarmupCosineLR(
             optimizer,
-            lambda step: warmup_cosine(step, hp.warmup_steps, decay, hp.lr, hp.min_lr) / hp.lr if hp.lr > 0 else 0.0,
+            WarmupCosine(hp.warmup_steps, decay, hp.lr, hp.min_lr),
+            horizon_follows_max_steps=hp.decay_steps is None,
+            replan=hp.replan_schedule,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

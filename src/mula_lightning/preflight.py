@@ -13,7 +13,11 @@ from every rank after the processes and process groups are up:
   sequence parallelism the data's ``seq_len``; ``data.global_batch_size`` is micro-batch x data-parallel ranks
   (``processes / tp_size``: the ``tp`` ranks of a group read one batch) x ``accumulate_grad_batches``;
 * the starting weights: ``model.init_from`` exists, its config is readable (at construction) and, for a model-only
-  checkpoint, every tensor has the shape of the model (file headers only).
+  checkpoint, every tensor has the shape of the model (file headers only);
+* a resume (:func:`check_resume`): the slot ``ckpt_path`` names (``last``: the newest of the ``DualCheckpoint``
+  folder) is not already at ``max_steps`` (a finished run resumed trains nothing and ends "successfully": a launch
+  drill run after the quick start in the same folder did exactly that), and the launching process says which slot and
+  step the run resumes from.
 
 The same checks run again where they always ran (``MulaLM.setup``, the strategy's setup), so a module used without
 the CLI keeps them; here they only run earlier. Everything runs in every process the Trainer starts as well, cheaply.
@@ -27,7 +31,7 @@ from mula_lightning.checkpoint.init_source import MODEL_ONLY, InitWeights
 from mula_lightning.lightning_module import MulaLM, check_layout
 from mula_lightning.strategies.protocol import strategy_pipeline, strategy_tensor_parallel
 
-__all__ = ["check_before_launch"]
+__all__ = ["check_before_launch", "check_resume"]
 
 
 def check_before_launch(trainer: Any, model: Any, datamodule: Any, stage: str = "fit") -> None:
@@ -75,3 +79,43 @@ def _check_global_batch(trainer: Any, datamodule: Any, batches: int) -> None:
             f"({datamodule.micro_batch_size}) x data-parallel ranks ({dp}) x trainer.accumulate_grad_batches "
             f"({accumulate}) = {per_step * accumulate}: {fix}"
         )
+
+
+def check_resume(trainer: Any, ckpt_path: str | None) -> str | None:
+    """The line saying what a ``fit`` resumes from (None without ``ckpt_path``); a ``ValueError`` when the checkpoint
+    is already at ``trainer.max_steps``.
+
+    ``ckpt_path="last"`` is looked up in the Trainer's ``DualCheckpoint`` folders as Lightning will (the newest marked
+    slot; none: the run starts at step 0, as Lightning does); a path to a slot is read from its marker; other paths
+    (a ``.ckpt`` file) are named without a step.
+    """
+    from pathlib import Path
+
+    from mula_lightning.callbacks.dual_checkpoint import DualCheckpoint
+    from mula_lightning.checkpoint.slots import newest_marked_slot, read_marker
+
+    if not ckpt_path:
+        return None
+    slot: Path | None = None
+    if ckpt_path == "last":
+        folders = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, DualCheckpoint)]
+        found = [s for s in (newest_marked_slot(f) for f in folders) if s is not None]
+        if not found:
+            where = ", ".join(str(f) for f in folders) or "no DualCheckpoint folder"
+            return f"--ckpt_path last: no complete checkpoint in {where}: training starts at step 0"
+        slot = found[0]
+    elif Path(ckpt_path).is_dir():
+        slot = Path(ckpt_path)
+    if slot is None:
+        return f"resuming from {ckpt_path}"
+    marker = read_marker(slot)
+    if marker is None:
+        return f"resuming from {slot}"
+    step, max_steps = int(marker["step"]), int(trainer.max_steps)
+    if 0 < max_steps <= step:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: {slot} is at step {step} and trainer.max_steps is {max_steps}: nothing to "
+            "train; raise --trainer.max_steps to continue it, or start a new run in another checkpoint folder"
+        )
+    of = f" of max_steps {max_steps}" if max_steps > 0 else ""
+    return f"resuming from {slot} (step {step}{of})"

@@ -10,8 +10,11 @@ for the keys not logged then; the plots read the columns they need and skip empt
   last quarter of the logged steps, beside the per-layer load imbalance (max / mean) over steps (from
   :class:`MoEStats`).
 
-A plot whose columns are absent (a dense model has no expert load) is skipped and reported. ``RUN_DIR`` may be
-the version folder (``runs/mula/version_3``) or any folder above it: the newest ``metrics.csv`` below is used.
+A plot whose columns are absent (a dense model has no expert load) is skipped and reported. ``RUN_DIR`` is a
+version folder (``runs/mula/version_3``: that log alone) or a run folder (``runs/mula``): its versions are joined in
+order (:func:`join_runs`), since every ``mula fit`` (a resume included) and ``mula validate`` writes a new version,
+and the plots of the newest alone showed steps 200-300 after a resume, one point after a validation. Another folder
+above logs: the newest ``metrics.csv`` below it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,33 @@ def find_metrics_csv(run_dir: str | Path) -> Path:
     if not found:
         raise FileNotFoundError(f"no metrics.csv under {run_dir}: {_what_is_there(run_dir)}")
     return found[-1]
+
+
+def find_run_logs(run_dir: str | Path) -> list[Path]:
+    """The CSV logs of the run in ``run_dir``, oldest first: a version folder's own; a run folder's versions
+    (``version_N/metrics.csv`` by N); else the newest ``metrics.csv`` below (:func:`find_metrics_csv`)."""
+    run_dir = Path(run_dir)
+    versions = [p for p in run_dir.glob("version_*/metrics.csv") if p.parent.name[8:].isdigit()]
+    if (run_dir / "metrics.csv").is_file() or not versions:
+        return [find_metrics_csv(run_dir)]
+    return sorted(versions, key=lambda p: int(p.parent.name[8:]))
+
+
+def join_runs(logs: list[dict[str, list[tuple[int, float]]]]) -> dict[str, list[tuple[int, float]]]:
+    """One run's columns from its versions' (oldest first): a resume continues the series, replacing the steps it
+    redid (a key's points from the resumed version's first step of that key on come from the resumed version); a
+    version whose training starts no later than the joined run's did is a new run from scratch in the same folder,
+    and the join starts again from it; a validation's version adds its points."""
+    joined: dict[str, list[tuple[int, float]]] = {}
+    for columns in logs:
+        train = [step for step, _ in columns.get("train/loss", [])]
+        started = [step for step, _ in joined.get("train/loss", [])]
+        if train and started and min(train) <= min(started):
+            joined = {}
+        for key, points in columns.items():
+            first = min(step for step, _ in points)
+            joined[key] = [p for p in joined.get(key, []) if p[0] < first] + list(points)
+    return joined
 
 
 def _what_is_there(run_dir: Path) -> str:
@@ -170,11 +200,12 @@ def plot_expert_load(columns: dict, out: Path) -> bool:
 
 
 def render_report(run_dir: str | Path, output: str | Path | None = None) -> list[Path]:
-    """Write the plots of the run in ``run_dir`` to ``output`` (default ``<version dir>/plots``); return them."""
-    csv_path = find_metrics_csv(run_dir)
-    out_dir = Path(output) if output is not None else csv_path.parent / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    columns = read_columns(csv_path)
+    """Write the plots of the run in ``run_dir`` (a version folder, or a run folder: its versions joined) to
+    ``output`` (default ``plots`` beside the log, or in the run folder); return them."""
+    logs = find_run_logs(run_dir)
+    csv_path = logs[-1] if len(logs) == 1 else Path(run_dir)
+    out_dir = Path(output) if output is not None else (logs[0].parent if len(logs) == 1 else Path(run_dir)) / "plots"
+    columns = join_runs([read_columns(path) for path in logs])
     if not any(key.startswith(("train/", "val/")) for key in columns):
         logged = ", ".join(sorted(columns)[:6]) or "nothing"
         raise ValueError(
@@ -182,6 +213,7 @@ def render_report(run_dir: str | Path, output: str | Path | None = None) -> list
             "logged step (trainer.log_every_n_steps larger than the steps it ran, without mula fit's last_step "
             "callback) or failed before it"
         )
+    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, plot in zip(PLOTS, (plot_loss, plot_lr, plot_throughput, plot_expert_load)):
         if plot(columns, out_dir / name):

@@ -125,7 +125,7 @@ def test_stopped_rank_is_detected_as_a_hang_within_the_timeout(launch, fake_env,
     first, second = report["attempts"]
     assert first["outcome"] == "hang" and first["failed_hosts"] == ["node1"] and "silent" in first["reason"]
     stopped_at = float((fake_env / "stopped_at").read_text())
-    detected = next(e["time"] for e in report["events"] if "failed at step" in e["text"])
+    detected = next(e["time"] for e in report["events"] if "failed after step" in e["text"])
     # silence counts from the last beat the launcher received: the stopped rank's step-2 beat may still sit in its
     # sender thread when SIGSTOP arrives, so it may be the step-1 beat, one fake step (FAKE_STEP_S) before the stop
     step_s = float(os.environ["FAKE_STEP_S"])

@@ -148,3 +148,30 @@ def test_part_of_a_node_one_gpu_included(capsys):
     assert half["dp"] == 4
     assert mula(["plan", "mula-1b", "--cluster", "dgx-h100", "--devices-per-node", "9"]) == 1
     assert "--devices-per-node (9) must be between 1 and dgx-h100's 8" in capsys.readouterr().err
+
+
+def test_a_fit_config_is_planned_at_the_global_batch_mula_fit_runs(capsys, tmp_path):
+    """The 7B recipe on 4 Aurora nodes: its ``data.global_batch_size`` 3072 over 48 ranks of one sequence is 64
+    accumulated micro-batches per step, as ``mula fit`` runs it (planned before: one, a 48-sequence step and a
+    tenth of the MFU); ``--accumulate`` still wins, and a global batch the ranks do not divide is one line."""
+    config = "examples/configs/mula-7b-a1b.yaml"
+    (layout,) = _json(capsys, "--config", config, "--nodes", "4")["layouts"]
+    (single,) = _json(capsys, "--config", config, "--nodes", "4", "--accumulate", "1")["layouts"]
+    assert layout["micro_batches"] == 64 and layout["micro_batch_size"] * 48 * 64 == 3072
+    assert single["micro_batches"] == 1 and layout["mfu"] > 5 * single["mfu"]
+    assert mula(["plan", "--config", config, "--nodes", "5"]) == 1  # 60 ranks: 3072 / 60 is not whole
+    err = capsys.readouterr().err.strip()
+    assert "global batch (3072" in err and "data-parallel batches (60)" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_search_table_sizes_multiply_to_the_world(capsys):
+    """Each row's ``DP x TP x PP`` is the world size (32 on 4 Frontier nodes), with the experts' EP beside it (was
+    ``DP x EP x PP x TP`` with DP the replicas of an expert slice: 4 x 8 x 1 x 8 on 32 ranks)."""
+    assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if "DP x TP x PP" in line)
+    rows = [line for line in out[header + 1 :] if line[:3].strip().isdigit()]
+    assert len(rows) == 10
+    for row in rows:
+        dp, tp, pp = (int(x) for x in row[22:40].replace("SP", "").split(" x "))
+        assert dp * tp * pp == 32, row

@@ -10,7 +10,7 @@ The seeded programs are the tester's fixed share of ``make test``: ``make fuzz M
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
 from mula_lightning.testing.conformance import (
     LAYOUTS,
@@ -18,6 +18,7 @@ from mula_lightning.testing.conformance import (
     calls_of_rounds,
     check_program,
     loop_programs,
+    seeded_programs,
     valid_calls,
 )
 
@@ -112,8 +113,7 @@ def test_seeded_loop_programs_train_like_one_process(layout):
     skipped steps, scheduler steps, and a save and load in place between steps. A failure is shrunk by
     ``hypothesis`` to the smallest failing program and printed as code."""
 
-    @settings(max_examples=PROGRAMS_PER_LAYOUT, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @seeded_programs(layout, PROGRAMS_PER_LAYOUT)
     @given(loop_programs(layout))
     def run(program):
         check_program(program)

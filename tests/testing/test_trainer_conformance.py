@@ -8,8 +8,9 @@ to a relative 1e-10). Lightning's DDP is the control that the translation into c
 """
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
+from mula_lightning.testing.conformance import seeded_programs
 from mula_lightning.testing.trainer_conformance import (
     TRAINER_LAYOUTS,
     TrainerProgram,
@@ -47,8 +48,7 @@ def test_seeded_trainer_programs_train_like_one_process(layout):
     or not, skipped windows, a norm hook, a resume after any window, any frozen set, a slow rank and an idle expert.
     A failure is shrunk to the smallest failing program and printed as code."""
 
-    @settings(max_examples=PROGRAMS_PER_LAYOUT, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @seeded_programs(layout, PROGRAMS_PER_LAYOUT)
     @given(trainer_programs(layout))
     def run(program):
         check_trainer_program(program)

@@ -114,6 +114,22 @@ def test_unknown_yaml_key_is_rejected_with_its_name(tiny_config, tmp_path, capsy
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("option", ["--optimizer", "--lr_scheduler"])
+def test_the_optimizer_and_scheduler_options_that_never_worked_are_not_offered(tiny_config, tmp_path, capsys, option):
+    """``--optimizer AdamW`` failed with "optimizer got an empty parameter list" (built before ``configure_model``)
+    and ``--lr_scheduler`` was dropped silently: neither is in ``mula fit --help`` now, and giving one is an argument
+    error naming it (exit code 2) before anything runs."""
+    with pytest.raises(SystemExit) as exc:
+        mula_cli.main(["fit", "--help"])
+    assert exc.value.code == 0
+    assert option not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        mula_cli.main(["fit", "--config", _write(tiny_config, tmp_path / "fit.yaml"), option, "AdamW"])
+    assert exc.value.code == 2
+    assert option in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_options_lightning_refuses_are_named_as_the_users_mistake(tiny_config, tmp_path, capsys):
     """``enable_checkpointing: false`` beside a checkpoint callback, which Lightning refuses: exit code 1 and one line
     naming the option, not an internal error with a request for a bug report (before: "internal error:

@@ -3,6 +3,9 @@ line naming the values and exit code 1, before ``Trainer.fit`` starts any proces
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 import yaml
 from lightning.pytorch import Trainer
@@ -14,6 +17,7 @@ def _run(config: dict, tmp_path, capsys, monkeypatch, *extra: str) -> str:
     """``mula fit`` on ``config``; returns the error line after checking the exit code, that ``Trainer.fit`` never
     ran (no process was started) and that the run folder was not created."""
 
+    @functools.wraps(Trainer.fit)  # LightningCLI reads fit's options (--ckpt_path) from its signature
     def no_fit(*args, **kwargs):
         raise AssertionError("Trainer.fit ran: the configuration was not checked before launch")
 
@@ -188,3 +192,37 @@ def test_debug_shows_the_traceback(tiny_config, tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(tiny_config))
     with pytest.raises(FileNotFoundError, match="never-prepared"):
         mula_cli.main(["fit", "--config", str(path), "--debug"])
+
+
+def _finished_run(tmp_path, step: int):
+    """A DualCheckpoint folder whose newest complete slot holds ``step`` (its marker: all that is read here)."""
+    slot = tmp_path / "checkpoints" / "dual" / "slot_b"
+    slot.mkdir(parents=True)
+    (slot / "COMPLETE.json").write_text(json.dumps({"step": step, "files": {}}))
+    return slot
+
+
+def test_a_resume_already_at_max_steps_is_refused_naming_the_slot_and_both_steps(
+    tiny_config, tmp_path, capsys, monkeypatch
+):
+    """``--ckpt_path last`` in the folder of a finished 6-step run with ``max_steps`` 6 (a launch drill run after the
+    quick start in its folder) trained nothing and ended "succeeded": now one line names the slot and both steps."""
+    slot = _finished_run(tmp_path, 6)
+    tiny_config["trainer"]["max_steps"] = 6
+    dual = {"dirpath": str(slot.parent), "every_n_train_steps": 2}
+    tiny_config["trainer"]["callbacks"] = [{"class_path": "mula_lightning.callbacks.DualCheckpoint", "init_args": dual}]
+    err = _run(tiny_config, tmp_path, capsys, monkeypatch, "--ckpt_path", "last")
+    assert f"{slot} is at step 6 and trainer.max_steps is 6: nothing to train" in err, err
+
+
+def test_the_launching_process_says_what_a_fit_resumes_from(tiny_config, tmp_path, capsys):
+    """The slot ``last`` resolves to and its step of ``max_steps``; with no slot yet, that training starts at 0."""
+    from mula_lightning.callbacks import DualCheckpoint
+    from mula_lightning.preflight import check_resume
+
+    trainer = Trainer(max_steps=10, callbacks=[DualCheckpoint(tmp_path / "checkpoints" / "dual", 2)], logger=False)
+    assert "training starts at step 0" in check_resume(trainer, "last")
+    slot = _finished_run(tmp_path, 6)
+    assert check_resume(trainer, "last") == f"resuming from {slot} (step 6 of max_steps 10)"
+    assert check_resume(trainer, str(slot)) == f"resuming from {slot} (step 6 of max_steps 10)"
+    assert check_resume(trainer, None) is None

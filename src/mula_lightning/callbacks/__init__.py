@@ -1,6 +1,6 @@
 """Lightning callbacks: reliability (Aurora paper, Section 4: dual checkpoints, persistent model-only checkpoints,
 NaN detection; for ``mula launch``: heartbeats and injected faults) and monitoring (MoE statistics, throughput, the
-final step's metrics, progress lines).
+final step's metrics, progress lines; a signal's stop saved at a step boundary).
 
 The classes are imported lazily (PEP 562), so that code which only needs the checkpoint protocol
 (:mod:`mula_lightning.checkpoint.slots`, no Lightning dependency) does not pay for importing Lightning.
@@ -22,6 +22,7 @@ _EXPORTS = {
     "MulaProgress": "mula_lightning.callbacks.progress",
     "Heartbeat": "mula_lightning.callbacks.heartbeat",
     "FaultInjector": "mula_lightning.callbacks.fault_injection",
+    "GracefulStop": "mula_lightning.callbacks.graceful_stop",
 }
 
 __all__ = sorted(_EXPORTS)

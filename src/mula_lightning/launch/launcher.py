@@ -484,9 +484,17 @@ class Launcher:
         out = f"; taken out: {', '.join(record.failed_hosts)}" if record.failed_hosts else ""
         sus = f"; suspect: {', '.join(record.suspect_hosts)}" if record.suspect_hosts else ""
         self.report.event(
-            f"attempt {record.attempt} failed at step {record.last_step}: {record.reason}{out}{sus}",
+            f"attempt {record.attempt} failed {_after_step(record.last_step)}: {record.reason}{out}{sus}",
             attempt=record.attempt,
             reason=record.reason,
             failed_hosts=record.failed_hosts,
             step=record.last_step,
         )
+
+
+def _after_step(step: int | None) -> str:
+    """Where an attempt failed, in the 1-based steps of ``MULA_FAULT`` and the progress lines: ranks report the steps
+    they completed, so a failure reported after step 4 happened in step 5 (a fault ``kill@step=5``), not "at step 4"."""
+    if step is None:
+        return "before its first step"
+    return f"after step {step} (in step {step + 1})"

@@ -150,11 +150,36 @@ def _from_fit_config(path: str) -> dict[str, Any]:
         ("devices", trainer, "devices"),
         ("accumulate", trainer, "accumulate_grad_batches"),
         ("micro_batch_size", data, "micro_batch_size"),
+        ("global_batch", data, "global_batch_size"),
         ("seq_len", data, "seq_len"),
     ):
         if source.get(name) is not None:
             out[key] = source[name]
     return out
+
+
+def _accumulation(args: Any, fit: dict[str, Any], micro: int, batches: int) -> int:
+    """Micro-batches accumulated per step without pipelining: ``--accumulate``, else the config's
+    ``trainer.accumulate_grad_batches``, else what the global batch (``--global-batch``, or the config's
+    ``data.global_batch_size``) needs on ``batches``
+    data-parallel batches of ``micro`` sequences (as ``mula fit`` checks it: one line when it does not divide), else 1.
+    Why: a recipe gives the global batch and lets the rank count set the accumulation; planning one micro-batch per
+    step planned another run than ``mula fit`` runs (the 7B recipe on 4 nodes: MFU 3 % planned, 38 % run)."""
+    if args.accumulate is not None:
+        return int(args.accumulate)
+    accumulate = fit.get("accumulate")
+    global_batch = args.global_batch if args.global_batch is not None else fit.get("global_batch")
+    if global_batch is None:
+        return int(accumulate or 1)
+    per_step = micro * batches
+    if global_batch % per_step or (accumulate is not None and global_batch != per_step * int(accumulate)):
+        given = f" x trainer.accumulate_grad_batches ({accumulate})" if accumulate is not None else ""
+        raise ValueError(
+            f"the global batch ({global_batch} sequences: --global-batch, or data.global_batch_size of --config) is "
+            f"not micro_batch_size ({micro}) x data-parallel batches ({batches}){given} at these nodes and devices "
+            "(mula fit refuses it too)"
+        )
+    return global_batch // per_step
 
 
 def _init_from_config(path: str, config_file: str) -> Any:
@@ -201,7 +226,13 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     sequence_parallel = tp > 1 and (args.sp == tp if args.sp is not None else bool(fit.get("sequence_parallel")))
     pp = int(given("pp", 1))
     micro = int(given("micro_batch_size", pp))  # with pipelining: one sequence per micro-batch, pp of them
-    chunks = int(given("pp_microbatches", micro)) if pp > 1 else int(given("accumulate", 1))
+    if pp > 1:
+        chunks = int(given("pp_microbatches", micro))
+    elif args.search:  # each candidate splits the global batch itself
+        chunks = int(given("accumulate", 1))
+    else:  # the config's accumulation, or what its global batch needs on these ranks (what mula fit runs)
+        batches = nodes * cluster.devices_per_node // tp
+        chunks = _accumulation(args, fit, micro, batches)
     training = Training(
         micro_batch_size=micro,
         seq_len=int(given("seq_len", 2048)),
@@ -323,14 +354,17 @@ def _search_table(result: dict[str, Any], top: int = 10) -> list[str]:
     lines = [
         f"\n--search: {len(layouts)} layouts fit, {len(rejected)} do not or cannot run; the global batch "
         f"{result['global_batch']} sequences of {result['seq_len']} tokens; the {min(top, len(layouts))} fastest:",
-        f"{'#':>3} {'strategy':<18}{'DP x EP x PP x TP':<21}{'recompute':<24}{'GB/rank':>8}{'step s':>8}{'M tok/s':>9}"
-        f"{'MFU %':>7}",
+        f"{'#':>3} {'strategy':<18}{'DP x TP x PP':<18}{'EP':<9}{'recompute':<24}{'GB/rank':>8}{'step s':>8}"
+        f"{'M tok/s':>9}{'MFU %':>7}",
     ]
     for index, p in enumerate(layouts[:top]):
         name = p["strategy"] + (f" {p['mode']}" if p["mode"] else "")
-        sizes = f"{p['dp']} x {p['ep']} x {p['pp']} x {p['tp']}" + (" SP" if p["sp"] else "")
+        # the ranks: data-parallel batches x tensor x pipeline parallel (the world size); the experts are split over
+        # EP (x ETP) of a stage's ranks, folded over the same ranks as DP x TP (MoE parallel folding)
+        sizes = f"{p['dense_dp']} x {p['tp']} x {p['pp']}" + (" SP" if p["sp"] else "")
+        experts = f"{p['ep']}" + (f" x {p['etp']}" if p["etp"] > 1 else "")
         lines.append(
-            f"{index + 1:>3} {name:<18}{sizes:<21}"
+            f"{index + 1:>3} {name:<18}{sizes:<18}{experts:<9}"
             f"{_recompute(p['activation_checkpointing']):<24}{p['memory_bytes']['total'] / GB:>8.1f}"
             f"{p['step_time_s']:>8.2f}{p['tokens_per_s'] / 1e6:>9.2f}{100 * p['mfu']:>7.1f}"
         )

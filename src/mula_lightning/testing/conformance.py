@@ -28,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import zlib
 from typing import Any
 
 import torch
 
 __all__ = ["CALLS", "FREEZES", "LAYOUTS", "RELOAD_INTO", "SETUPS", "LoopProgram", "batch", "check_program",
            "first_difference", "freeze", "idle_last_expert", "loop_programs", "model_config", "param_groups",
-           "reference_run", "run_program", "valid_calls"]  # fmt: skip
+           "reference_run", "run_program", "seeded_programs", "valid_calls"]  # fmt: skip
 
 #: the calls of a loop program: a forward + backward of the next micro-batch (synchronised, or inside
 #: ``no_backward_sync``), ``clip_gradients`` (returns the norm), a gradient-norm query, ``optimizer.step()``,
@@ -183,6 +184,25 @@ def loop_programs(layout: str) -> Any:
         st.sampled_from([None, 1]),
         st.booleans(),
     )
+
+
+def seeded_programs(layout: str, examples: int) -> Any:
+    """A decorator for a ``@given`` test of ``layout``'s programs: ``examples`` programs drawn from a seed of the
+    layout's name, no example database, no deadline (the fixed share of ``make test``; ``make fuzz`` draws fresh ones).
+
+    Why a seed per layout: ``hypothesis``'s ``derandomize`` seeds from the test's source, so every parametrised layout
+    drew the very same programs and an edit of the test's body changed which; a layout's own seed gives each layout
+    other programs (more of the grammar covered per second) and keeps them when the test is edited.
+    """
+    from hypothesis import HealthCheck, seed, settings
+
+    def decorate(test: Any) -> Any:
+        configured = settings(
+            max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )(test)
+        return seed(zlib.crc32(layout.encode()))(configured)
+
+    return decorate
 
 
 def model_config() -> Any:
