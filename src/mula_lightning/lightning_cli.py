@@ -97,11 +97,26 @@ CONFIG_PARSER_MODE = "omegaconf+"
 
 def config_parser_kwargs() -> dict[str, Any]:
     """The parser arguments of Mula's configs (``parser_mode``, see :data:`CONFIG_PARSER_MODE`); sets jsonargparse's
-    process-wide setting that reads ``${model.model}`` under ``fit`` as the subcommand's own key."""
+    process-wide setting that reads ``${model.model}`` under ``fit`` as the subcommand's own key, and registers the
+    resolver ``${mula.wandb_offline:}`` (:func:`wandb_offline`) for a config's own ``WandbLogger``."""
     from jsonargparse import set_parsing_settings
+    from omegaconf import OmegaConf
 
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    # ${mula.wandb_offline:}: a config's WandbLogger follows the same rule as the default one (offline unless an API
+    # key is configured; WANDB_MODE wins), instead of a hard-coded `offline: true` that W&B's own switch could not undo
+    # OmegaConf 2.4 renamed register_new_resolver (deprecated there) to register_resolver, which 2.3 has with the
+    # old string-argument semantics: take the new-style one of the installed version
+    register = OmegaConf.register_resolver if _omegaconf_24() else OmegaConf.register_new_resolver
+    register("mula.wandb_offline", wandb_offline, replace=True)
     return {"parser_mode": CONFIG_PARSER_MODE}
+
+
+def _omegaconf_24() -> bool:
+    import omegaconf
+
+    major, minor = (int(part) for part in omegaconf.__version__.split(".")[:2])
+    return (major, minor) >= (2, 4)
 
 
 class MulaCLI(LightningCLI):
@@ -126,12 +141,15 @@ class MulaCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """LightningCLI's Trainer, plus :func:`launch_callbacks` when ``mula launch`` (or a drill) asked for them,
-        without Lightning's progress bar where the progress lines replace it (off a terminal)."""
+        without Lightning's progress bar where the progress lines replace it (off a terminal), with a model summary
+        that counts the whole model (:class:`MulaModelSummary`)."""
+        from mula_lightning.callbacks.model_summary import replace_model_summary
         from mula_lightning.callbacks.progress import resolve_progress_bar
 
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.extend(launch_callbacks())
         resolve_progress_bar(trainer)
+        replace_model_summary(trainer)  # the whole model's parameters, not rank 0's shard
         for logger in trainer.loggers:
             quiet_wandb_logger(logger)
         return trainer

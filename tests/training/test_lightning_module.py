@@ -66,23 +66,6 @@ def test_clipping_only_after_warmup_and_lr_schedule_is_applied(tiny_data, tmp_pa
     assert last_lr == pytest.approx(warmup_cosine(6, 3, 6, 1e-3, 1e-4))
 
 
-def test_a_resume_with_a_longer_max_steps_keeps_the_schedule_it_started_with(tiny_data, tmp_path, capsys):
-    """The quick start's extension: 4 steps with ``decay_steps: null`` (horizon = max_steps = 4), resumed through
-    Lightning with ``max_steps`` 6: the rate stays at ``min_lr`` (re-resolving the horizon raised it to 5.5e-4 at
-    step 4), and one line says the checkpoint's schedule was kept."""
-    hp = dict(model="mula-tiny-moe", model_overrides=TINY, warmup_steps=2, lr=1e-3, min_lr=1e-4)
-    data = MulaDataModule(str(tiny_data), micro_batch_size=2)
-    first = _trainer(tmp_path, max_steps=4, limit_val_batches=0)
-    first.fit(MulaLM(**hp), data)
-    first.save_checkpoint(tmp_path / "four.ckpt")
-    second = _trainer(tmp_path, max_steps=6, limit_val_batches=0)
-    second.fit(MulaLM(**hp), data, ckpt_path=str(tmp_path / "four.ckpt"))
-    scheduler = second.lr_scheduler_configs[0].scheduler
-    assert scheduler.schedule.decay_steps == 4 and scheduler.get_last_lr()[0] == pytest.approx(1e-4)
-    assert warmup_cosine(4, 2, 6, 1e-3, 1e-4) == pytest.approx(5.5e-4)
-    assert "keeping the checkpoint's learning-rate schedule" in capsys.readouterr().err
-
-
 def test_validation_loss_is_the_mean_over_real_tokens(tiny_data, tmp_path):
     """Validation loss = sum of next-token NLL over the val split / its token count, padding rows excluded, and
     perplexity = exp(loss): checked against a direct computation with the same initial weights."""

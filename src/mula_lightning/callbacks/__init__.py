@@ -23,6 +23,7 @@ _EXPORTS = {
     "Heartbeat": "mula_lightning.callbacks.heartbeat",
     "FaultInjector": "mula_lightning.callbacks.fault_injection",
     "GracefulStop": "mula_lightning.callbacks.graceful_stop",
+    "MulaModelSummary": "mula_lightning.callbacks.model_summary",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,6 +16,10 @@ How long a stop takes: the rest of the optimizer step in progress (a validation 
 save. Give SLURM that much warning: ``#SBATCH --signal=USR1@120`` (or ``B:TERM@120``) sends the signal 120 s before
 the time limit; SLURM's own ``KillWait`` (30 s by default) between SIGTERM and SIGKILL is short for a large model.
 
+Under SLURM with Lightning's auto-requeue (``SLURMEnvironment(auto_requeue=True)``, its default) the requeue signal
+(SIGUSR1 unless configured) also requeues the job after the save, as Lightning's own handler does (``scontrol
+requeue``, from rank 0): the requeued job resumes with ``--ckpt_path last``.
+
 A second Ctrl-C stops at once without saving (Lightning's interrupt: exit status 1); the line then names the last
 saved step. ``mula fit`` always adds this callback (section ``stop`` of the config); a Trainer script adds it itself
 and ends with ``sys.exit(stop.exit_code)``.
@@ -86,6 +90,7 @@ class GracefulStop(Callback):
         if self.save:
             self.saved = self._save(trainer)
         trainer.should_stop = True
+        requeued = _requeue_slurm_job(trainer, signum)
         if trainer.is_global_zero:
             where = (
                 f"saved {', '.join(self.saved)} in {time.monotonic() - start:.1f} s; resume with --ckpt_path last "
@@ -94,8 +99,8 @@ class GracefulStop(Callback):
                 else "nothing saved (no checkpoint callback)"
             )
             print(
-                f"mula: {self.stopped_by} received: stopped after step {trainer.global_step}, {where}; exit code "
-                f"{self.exit_code}",
+                f"mula: {self.stopped_by} received: stopped after step {trainer.global_step}, {where}"
+                f"{f'; {requeued}' if requeued else ''}; exit code {self.exit_code}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -134,3 +139,29 @@ class GracefulStop(Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.request.restore()
+
+
+def _requeue_slurm_job(trainer: Any, signum: int) -> str | None:
+    """Requeue the SLURM job after a stop by Lightning's requeue signal, as Lightning's own handler does (rank 0
+    runs ``scontrol requeue JOB``); what was done, or None when the run is not a SLURM job with auto-requeue."""
+    import os
+    import subprocess
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+        return None
+    if signum != int(environment.requeue_signal or 0) or not trainer.is_global_zero:
+        return None
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID", "")
+    if not job:
+        return "not requeued (no SLURM_JOB_ID)"
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue {job} failed ({err})"
+    if result.returncode:
+        return f"scontrol requeue {job} failed (exit {result.returncode}: {result.stderr.strip()[:200]})"
+    return f"SLURM job {job} requeued"
