@@ -4,13 +4,13 @@ another one in one line naming both values, or re-plans it when asked."""
 import pytest
 import torch
 
-from mula_lightning.lr_schedule import ScheduleChangeError, WarmupCosine, WarmupCosineLR, warmup_cosine
+from mula_lightning.lr_schedule import LRSchedule, ScheduleChangeError, ScheduledLR, warmup_cosine, warmup_stable_decay
 
 
 def _scheduler(steps_done=0, lr=1e-3, follows=True, replan=False, **schedule):
     settings = dict(warmup_steps=2, decay_steps=6, peak=lr, minimum=1e-4) | schedule
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
-    scheduler = WarmupCosineLR(optimizer, WarmupCosine(**settings), horizon_follows_max_steps=follows, replan=replan)
+    scheduler = ScheduledLR(optimizer, LRSchedule(**settings), horizon_follows_max_steps=follows, replan=replan)
     for _ in range(steps_done):
         optimizer.step()
         scheduler.step()
@@ -86,3 +86,51 @@ def test_the_refusal_after_the_run_started_is_one_line_not_a_run_failure(monkeyp
     monkeypatch.setattr(lightning_cli, "build_cli", resumed)
     with pytest.raises(ScheduleChangeError):
         lightning_cli.main(["fit"])
+
+
+def test_wsd_warms_up_holds_the_peak_then_decays_over_its_last_fraction():
+    """Warm-up 10, horizon 100, the last 20 % decaying: the peak from step 9 to 79, then ``linear`` (half way down at
+    step 90) or ``1-sqrt`` (1 - sqrt(1/2) of the way up at step 90), ``min_lr`` from step 100; never rising after
+    the warm-up. The constant schedule keeps the peak."""
+    peak, low = 1e-3, 1e-4
+    rates = {shape: [warmup_stable_decay(s, 10, 100, peak, low, 0.2, shape) for s in range(120)] for shape in
+             ("linear", "1-sqrt")}  # fmt: skip
+    for shape, r in rates.items():
+        assert r[0] == pytest.approx(peak / 10) and r[9] == r[79] == peak and r[100] == r[119] == low, shape
+        assert all(a >= b for a, b in zip(r[9:], r[10:])), shape
+    assert rates["linear"][90] == pytest.approx(low + 0.5 * (peak - low))
+    assert rates["1-sqrt"][90] == pytest.approx(low + (1 - 0.5**0.5) * (peak - low))
+    constant = LRSchedule(10, 100, peak, low, kind="constant")
+    assert [constant.rate(s) for s in (0, 9, 100, 10_000)] == [pytest.approx(peak / 10), peak, peak, peak]
+    with pytest.raises(ValueError, match="'wsdd' is not one of"):
+        LRSchedule(10, 100, peak, low, kind="wsdd")
+    with pytest.raises(ValueError, match="decay_shape 'sqrt'"):
+        LRSchedule(10, 100, peak, low, kind="wsd", decay_shape="sqrt")
+
+
+def test_a_wsd_run_extended_while_stable_takes_the_new_horizon_and_one_in_its_decay_keeps_its_own(capsys):
+    """Saved at step 50 of a WSD horizon of 100 (``decay_steps: null``), resumed with ``max_steps`` 200: the rate at
+    step 50 is the peak under both, so the horizon moves to 200 (the decay now starts at 160); saved at step 90 (in
+    the decay), the same extension would raise the rate: the checkpoint's horizon is kept."""
+    wsd = dict(kind="wsd", warmup_steps=10, decay_steps=100, decay_fraction=0.2)
+    resumed = _scheduler(**(wsd | {"decay_steps": 200}))
+    resumed.load_state_dict(_scheduler(steps_done=50, **wsd).state_dict())
+    assert resumed.schedule.decay_steps == 200 and _lr(resumed) == pytest.approx(1e-3)
+    assert "horizon moves from step 100 to 200" in capsys.readouterr().err
+    decaying = _scheduler(**(wsd | {"decay_steps": 200}))
+    decaying.load_state_dict(_scheduler(steps_done=90, **wsd).state_dict())
+    assert decaying.schedule.decay_steps == 100 and "keeping the checkpoint's" in capsys.readouterr().err
+
+
+def test_another_shape_is_refused_and_a_checkpoint_of_the_first_format_is_a_cosine():
+    """A WSD run resumed as a cosine is named (``lr_schedule``); a state saved before the schedule had a kind (its
+    settings: warm-up, horizon, peak, minimum) resumes as the cosine it was."""
+    saved = _scheduler(steps_done=3, kind="wsd").state_dict()
+    with pytest.raises(ScheduleChangeError, match="lr_schedule 'wsd' \\(checkpoint\\) vs 'cosine' \\(now\\)"):
+        _scheduler().load_state_dict(saved)
+    first = _scheduler(steps_done=3).state_dict()
+    for key in ("kind", "decay_fraction", "decay_shape"):
+        del first["lr_lambdas"][0][key]
+    resumed = _scheduler()
+    resumed.load_state_dict(first)
+    assert resumed.schedule.kind == "cosine" and resumed.last_epoch == 3

@@ -40,7 +40,7 @@ from torchmetrics import MeanMetric
 
 from mula_lightning.checkpoint.export import CHECKPOINT_KEY
 from mula_lightning.checkpoint.init_source import InitWeights, init_source_config
-from mula_lightning.lr_schedule import WarmupCosine, WarmupCosineLR
+from mula_lightning.lr_schedule import LRSchedule, ScheduledLR
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
@@ -138,9 +138,13 @@ class MulaLM(LightningModule):
         lr: peak learning rate (after warm-up).
         min_lr: final learning rate of the cosine decay.
         warmup_steps: optimizer steps of linear warm-up.
-        decay_steps: optimizer step at which the cosine reaches ``min_lr``; ``None`` uses the Trainer's
+        decay_steps: optimizer step at which the schedule reaches ``min_lr``; ``None`` uses the Trainer's
             ``max_steps`` (or its estimated total steps). The resolved schedule is saved with the run: a resume
             keeps it (:mod:`mula_lightning.lr_schedule`).
+        lr_schedule: ``"cosine"`` (warm-up, cosine to ``min_lr`` at ``decay_steps``), ``"wsd"`` (warm-up, the peak,
+            then a decay over the last ``decay_fraction`` of ``decay_steps``) or ``"constant"`` (warm-up, the peak).
+        decay_fraction: the share of ``decay_steps`` that ``wsd`` decays over (0.2: the last fifth).
+        decay_shape: ``wsd``'s decay, ``"1-sqrt"`` or ``"linear"``.
         replan_schedule: on a resume, switch to this run's schedule (another ``lr``, ``min_lr``, ``warmup_steps``
             or horizon) instead of keeping the checkpoint's; without it such a change is refused, except a horizon
             that follows a changed ``max_steps``, which keeps the checkpoint's.
@@ -172,6 +176,9 @@ class MulaLM(LightningModule):
         min_lr: float = 4e-5,
         warmup_steps: int = 2500,
         decay_steps: int | None = None,
+        lr_schedule: str = "cosine",
+        decay_fraction: float = 0.2,
+        decay_shape: str = "1-sqrt",
         replan_schedule: bool = False,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.99),
@@ -189,6 +196,7 @@ class MulaLM(LightningModule):
             raise ValueError(f"min_lr ({min_lr}) must be in [0, lr ({lr})]")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps ({warmup_steps}) must be >= 0")
+        LRSchedule(warmup_steps, warmup_steps, lr, min_lr, lr_schedule, decay_fraction, decay_shape)  # names checked
         overrides = dict(model_overrides or {})
         overrides.setdefault("moe_impl", moe_impl)
         #: the vocabulary is the user's (kept, checked against the data) unless a preset was named without one
@@ -369,7 +377,8 @@ class MulaLM(LightningModule):
 
     # ------------------------------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW on every parameter (a sharded strategy turns it into its sharded AdamW) with warm-up + cosine."""
+        """AdamW on every parameter (a sharded strategy turns it into its sharded AdamW) with warm-up and the
+        ``lr_schedule`` (cosine, WSD or constant)."""
         hp = self.hparams
         optimizer = single_device_adamw(
             self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
@@ -382,9 +391,9 @@ class MulaLM(LightningModule):
             decay = max_steps if max_steps and max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         decay = max(decay, hp.warmup_steps)
         # saved with the run: a resume keeps this schedule, refuses a change or re-plans it (replan_schedule)
-        scheduler = WarmupCosineLR(
+        scheduler = ScheduledLR(
             optimizer,
-            WarmupCosine(hp.warmup_steps, decay, hp.lr, hp.min_lr),
+            LRSchedule(hp.warmup_steps, decay, hp.lr, hp.min_lr, hp.lr_schedule, hp.decay_fraction, hp.decay_shape),
             horizon_follows_max_steps=hp.decay_steps is None,
             replan=hp.replan_schedule,
         )

@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 
 from mula_lightning.data import MulaDataModule
 from mula_lightning.lightning_module import MulaLM
-from mula_lightning.lr_schedule import warmup_cosine
+from mula_lightning.lr_schedule import warmup_cosine, warmup_stable_decay
 from mula_lightning.models import MulaForCausalLM, init_weights
 
 TINY = dict(num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32, num_experts=4, top_k=2)
@@ -64,6 +64,25 @@ def test_clipping_only_after_warmup_and_lr_schedule_is_applied(tiny_data, tmp_pa
     assert lm.clipped_at == [3, 4, 5]
     last_lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     assert last_lr == pytest.approx(warmup_cosine(6, 3, 6, 1e-3, 1e-4))
+
+
+def test_the_module_builds_the_schedule_it_is_given():
+    """``MulaLM(lr_schedule="wsd", ...)`` drives its optimizer along :func:`warmup_stable_decay` step by step (2
+    warm-up steps, the peak, a linear decay over the last half of 10 steps, ``min_lr`` after); an unknown schedule
+    is refused at construction, naming it."""
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY, lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10,
+                lr_schedule="wsd", decay_fraction=0.5, decay_shape="linear")  # fmt: skip
+    lm.configure_model()
+    scheduler = lm.configure_optimizers()["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(12):
+        rates.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([warmup_stable_decay(s, 2, 10, 1e-3, 1e-4, 0.5, "linear") for s in range(12)])
+    assert rates[2:6] == [1e-3] * 4 and rates[10:] == pytest.approx([1e-4] * 2)
+    with pytest.raises(ValueError, match="lr_schedule 'cosin' is not one of"):
+        MulaLM(model="mula-tiny-moe", lr_schedule="cosin")
 
 
 def test_validation_loss_is_the_mean_over_real_tokens(tiny_data, tmp_path):
