@@ -28,6 +28,7 @@ and ends with ``sys.exit(stop.exit_code)``.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,8 +51,8 @@ class GracefulStop(Callback):
         signals: the signals that stop the run (names or numbers); ``[]`` leaves Lightning's handlers alone.
         save: write a resumable checkpoint at the stop (the Trainer's ``DualCheckpoint`` / ``ModelCheckpoint``).
 
-    After ``trainer.fit`` returns, :attr:`stopped_by` names the signal (None when the run was not stopped) and
-    :attr:`exit_code` is the status to exit with (0 when not stopped).
+    After ``trainer.fit`` returns, :attr:`stopped_by` names the signal (None when the run was not stopped),
+    :attr:`stopped_at_step` the last step trained and :attr:`exit_code` the status to exit with (0 when not stopped).
     """
 
     def __init__(self, signals: list[str] | None = None, save: bool = True) -> None:
@@ -66,8 +67,6 @@ class GracefulStop(Callback):
         """``128 + signal`` after a stop (what a shell reports for a process that signal ended), else 0."""
         if self.stopped_by is None:
             return 0
-        import signal
-
         return signal_exit_code(getattr(signal, self.stopped_by))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -83,8 +82,6 @@ class GracefulStop(Callback):
         signum = self.request.agreed(trainer.strategy.root_device)
         if signum is None:
             return
-        import signal
-
         self.stopped_by, self.stopped_at_step = signal.Signals(signum).name, trainer.global_step
         start = time.monotonic()
         if self.save:
