@@ -44,7 +44,8 @@ from mula_lightning.lr_schedule import LRSchedule, ScheduledLR
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
-from mula_lightning.parallel.sharded_optimizer import FUSED_ADAMW_DEVICES
+from mula_lightning.optim.adamw import FUSED_ADAMW_DEVICES
+from mula_lightning.optim.muon import MuonAdamW, muon_param_groups
 from mula_lightning.parallel.topology import check_divisible
 from mula_lightning.strategies.protocol import (
     ShardingStrategy,
@@ -52,6 +53,9 @@ from mula_lightning.strategies.protocol import (
     strategy_pipeline,
     strategy_tensor_parallel,
 )
+
+#: the optimizers ``MulaLM(optimizer=...)`` builds
+OPTIMIZERS = ("adamw", "muon")
 
 
 def single_device_adamw(params: Any, **hyper: Any) -> torch.optim.AdamW:
@@ -148,8 +152,13 @@ class MulaLM(LightningModule):
         replan_schedule: on a resume, switch to this run's schedule (another ``lr``, ``min_lr``, ``warmup_steps``
             or horizon) instead of keeping the checkpoint's; without it such a change is refused, except a horizon
             that follows a changed ``max_steps``, which keeps the checkpoint's.
-        weight_decay: AdamW weight decay (applied to all parameters, as in the paper).
-        betas: AdamW betas.
+        optimizer: ``"adamw"`` (every parameter) or ``"muon"`` (:class:`~mula_lightning.optim.muon.MuonAdamW`: Muon
+            for the matrices of the decoder layers, experts included, AdamW for embeddings, LM head, norms and
+            routers; one ``lr`` and ``weight_decay`` for both, Muon's scaled to match AdamW's update size).
+            ``epso`` shards either; ``zero_topo`` trains AdamW only.
+        muon_momentum: Muon's (Nesterov) momentum.
+        weight_decay: decoupled weight decay (applied to all parameters, as in the paper).
+        betas: AdamW betas (the AdamW half under ``"muon"``).
         eps: AdamW epsilon.
         grad_clip: clip the global gradient norm to this value (0 disables); the Trainer's
             ``gradient_clip_val``, when set, takes precedence.
@@ -180,6 +189,8 @@ class MulaLM(LightningModule):
         decay_fraction: float = 0.2,
         decay_shape: str = "1-sqrt",
         replan_schedule: bool = False,
+        optimizer: str = "adamw",
+        muon_momentum: float = 0.95,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.99),
         eps: float = 1e-8,
@@ -196,6 +207,8 @@ class MulaLM(LightningModule):
             raise ValueError(f"min_lr ({min_lr}) must be in [0, lr ({lr})]")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps ({warmup_steps}) must be >= 0")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {optimizer!r} must be one of {OPTIMIZERS}")
         LRSchedule(warmup_steps, warmup_steps, lr, min_lr, lr_schedule, decay_fraction, decay_shape)  # names checked
         overrides = dict(model_overrides or {})
         overrides.setdefault("moe_impl", moe_impl)
@@ -377,12 +390,14 @@ class MulaLM(LightningModule):
 
     # ------------------------------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW on every parameter (a sharded strategy turns it into its sharded AdamW) with warm-up and the
-        ``lr_schedule`` (cosine, WSD or constant)."""
+        """AdamW on every parameter, or Muon with its AdamW split (a sharded strategy turns either into its sharded
+        form), with warm-up and the ``lr_schedule`` (cosine, WSD or constant)."""
         hp = self.hparams
-        optimizer = single_device_adamw(
-            self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
-        )
+        hyper = dict(lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
+        if hp.get("optimizer", "adamw") == "muon":
+            optimizer = MuonAdamW(muon_param_groups(self), momentum=hp.muon_momentum, **hyper)
+        else:
+            optimizer = single_device_adamw(self.parameters(), **hyper)
         # auxiliary-loss-free balancing after each step of this optimizer (epso / zero_topo install it on theirs)
         install_expert_bias_update(optimizer, self)
         decay = hp.decay_steps

@@ -17,6 +17,7 @@ import torch
 from lightning.fabric import Fabric
 
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.optim.muon import MuonAdamW, muon_param_groups
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.testing import adamw_parameter_scale, assert_parity, run_pooled_test
 
@@ -46,7 +47,15 @@ def _batch(step, dp_rank):
     return torch.randint(0, V, (M, T), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
 
 
-def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind="moe", boundaries=None):
+def _optimizer(model, optimizer="adamw"):
+    """torch's AdamW on every parameter, or Muon on the layers' matrices with AdamW for the rest."""
+    if optimizer == "muon":
+        return MuonAdamW(muon_param_groups(model), **HP)
+    return torch.optim.AdamW(model.parameters(), **HP)
+
+
+def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind="moe", boundaries=None,
+           optimizer="adamw"):  # fmt: skip
     strategy = FabricEPSOStrategy(
         ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000,
         tp_size=tp, sequence_parallel=sp, pp_boundaries=boundaries,
@@ -56,7 +65,7 @@ def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind=
     with fabric.init_module(empty_init=True):
         model = MulaForCausalLM(_config(kind))
     # the optimizer of the whole meta model: setup keeps this rank's stages' parameters
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), **HP))
+    model, optimizer = fabric.setup(model, _optimizer(model, optimizer))
     return fabric, model, optimizer
 
 
@@ -87,8 +96,9 @@ def _local_state(model):
     }
 
 
-def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=False, kind="moe", boundaries=None):
-    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind, boundaries)
+def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=False, kind="moe", boundaries=None,
+           optimizer="adamw"):  # fmt: skip
+    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind, boundaries, optimizer)
     losses, norms = _steps(fabric, model, optimizer, range(steps))
     topo = fabric.strategy.topology
     state = _local_state(model)
@@ -97,10 +107,10 @@ def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=
     return losses, norms, state, (topo.ep_rank, topo.ep_size), fabric.strategy.distributed_sampler_kwargs, fused
 
 
-def _reference(dp, steps=STEPS, kind="moe"):
+def _reference(dp, steps=STEPS, kind="moe", optimizer="adamw"):
     """One process; ``dp`` batches per step (a list: per step, for a run resumed at another layout)."""
     model = init_weights(MulaForCausalLM(_config(kind)), seed=0).to(torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), **HP)
+    opt = _optimizer(model, optimizer)
     losses, norms = [], []
     for step in range(steps):
         per_batch = []
@@ -146,13 +156,15 @@ LAYOUTS = {
     "pp2 x ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b"),
     "pp2 x tp2 dense 1f1b": dict(world=4, pp=2, ep=1, schedule="1f1b", tp=2, kind="dense"),
     "pp2 x tp2+sp folded with ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b", tp=2, sp=True),
+    "pp2 x ep2 1f1b, Muon": dict(world=4, pp=2, ep=2, schedule="1f1b", optimizer="muon"),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_parallel_epso_matches_one_process(layout):
-    """5 clipped AdamW steps with the MoE losses on, float64: every rank's step loss, the pre-clip global norms and
+    """5 clipped AdamW steps (Muon on the layers' matrices for the Muon layout, each owned whole by one rank of its
+    stage) with the MoE losses on, float64: every rank's step loss, the pre-clip global norms and
     each parameter a rank holds equal one process; every rank of a pipeline reads the same batch and the stages
     cover the model. The last stage runs the LM head fused with the loss (the reference's plain head + loss), except
     under TP, whose vocabulary-parallel head keeps its loss over its logits."""
@@ -160,7 +172,8 @@ def test_pipeline_parallel_epso_matches_one_process(layout):
     world = spec.pop("world")
     results = run_pooled_test(_train, world, **spec, timeout=300)
     stage, tp = world // spec["pp"], spec.get("tp", 1)
-    _compare(results, _reference(stage // tp, kind=spec.get("kind", "moe")), stage, stage // tp, tp)
+    reference = _reference(stage // tp, kind=spec.get("kind", "moe"), optimizer=spec.get("optimizer", "adamw"))
+    _compare(results, reference, stage, stage // tp, tp)
     for *_, (last, fused, hidden_out) in results:  # the LM head runs fused with the loss, except TP's vocab-parallel
         assert fused == (last and tp == 1)
         assert hidden_out == [fused and i == len(hidden_out) - 1 for i in range(len(hidden_out))]

@@ -81,6 +81,31 @@ def test_every_pooled_test_starts_from_a_fresh_process_state():
     assert [pid for *_, pid in states] == dirty_pids  # the same workers ran both
 
 
+def _many_groups(rank: int, world_size: int) -> tuple[int, int]:
+    from mula_lightning.testing.pool import MAX_WORKER_THREADS
+
+    for _ in range(MAX_WORKER_THREADS // 3 + 1):  # a gloo group keeps about three threads
+        dist.new_group([0, 1])
+    return len(os.listdir("/proc/self/task")), os.getpid()
+
+
+def _threads(rank: int, world_size: int) -> tuple[int, int]:
+    return len(os.listdir("/proc/self/task")), os.getpid()
+
+
+def test_a_worker_grown_past_its_thread_limit_is_replaced():
+    """A test that leaves enough process groups behind to pass ``MAX_WORKER_THREADS`` (each gloo group keeps a TCP
+    loop waking every 10 ms: idle workers had come to spend a fifth of a core each) is followed by fresh workers with
+    few threads; the test itself succeeds."""
+    from mula_lightning.testing.pool import MAX_WORKER_THREADS
+
+    grown = run_distributed_test(_many_groups, 2, pool=True)
+    assert all(threads > MAX_WORKER_THREADS for threads, _ in grown)
+    fresh = run_distributed_test(_threads, 2, pool=True)
+    assert {pid for _, pid in fresh}.isdisjoint(pid for _, pid in grown)
+    assert all(threads < MAX_WORKER_THREADS // 2 for threads, _ in fresh)
+
+
 @pytest.mark.parametrize(
     ("fn", "expected", "match"),
     [

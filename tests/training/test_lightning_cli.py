@@ -29,7 +29,7 @@ def _write(config: dict, path: Path) -> str:
 
 def test_examples_ship_every_preset():
     """One YAML per paper preset, the CPU ones (the demo's MoE, its dense counterpart, its upcycled continuation, its
-    MoE-parallel-folding and pipeline layouts), and the upcycling recipe."""
+    MoE-parallel-folding and pipeline layouts, its Muon + WSD recipe), and the upcycling recipe."""
     names = {p.stem for p in CONFIGS}
     presets = {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
     cpu = {
@@ -38,6 +38,7 @@ def test_examples_ship_every_preset():
         "mula-tiny-moe-folded",
         "mula-tiny-moe-pipeline",
         "mula-tiny-moe-zero-topo",
+        "mula-tiny-moe-muon",
     }
     assert names == presets | cpu | {"upcycle-llama3-8b-e8t2"}
 

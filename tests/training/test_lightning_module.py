@@ -210,3 +210,27 @@ def test_single_device_adamw_takes_the_fused_kernel_and_updates_like_the_default
     lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY, decay_steps=10)
     lm.configure_model()
     assert lm.configure_optimizers()["optimizer"].defaults["fused"] is True
+
+
+def test_muon_trains_the_layers_matrices_and_adamw_the_rest(tiny_data, tmp_path):
+    """``MulaLM(optimizer="muon")`` builds one MuonAdamW (Muon: the layers' matrices, experts included; AdamW:
+    embeddings, head, norms, routers) driven by the schedule; after three Trainer steps it holds a Nesterov momentum per
+    Muon matrix and Adam moments per AdamW tensor; an unknown optimizer is refused, naming
+    it."""
+    from mula_lightning.optim.muon import MuonAdamW
+
+    lm = MulaLM(model="mula-tiny-moe", model_overrides=TINY, optimizer="muon", warmup_steps=1, lr=1e-3)
+    trainer = _trainer(tmp_path, max_steps=3, limit_val_batches=0)
+    trainer.fit(lm, MulaDataModule(str(tiny_data), micro_batch_size=2))
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, MuonAdamW)
+    names = {id(p): n for n, p in lm.named_parameters()}
+    muon, adamw = ([names[id(p)] for p in g["params"]] for g in optimizer.param_groups)
+    assert any("experts.gate_up_proj" in n for n in muon) and any("q_proj" in n for n in muon)
+    assert any("mlp.gate.weight" in n for n in adamw) and any("embed_tokens" in n for n in adamw)
+    for p in optimizer.param_groups[0]["params"]:
+        assert set(optimizer.state[p]) == {"momentum_buffer"}
+    for p in optimizer.param_groups[1]["params"]:
+        assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+    with pytest.raises(ValueError, match="optimizer 'lion' must be one of"):
+        MulaLM(model="mula-tiny-moe", optimizer="lion")

@@ -47,7 +47,9 @@ __all__ = [
     "forward_allgather",
     "forward_allgather_backward_reducescatter",
     "forward_reducescatter_backward_allgather",
+    "gather_from_owners",
     "reduce_scatter_single",
+    "reduce_to_owners",
     "reduce_scatter_tensor",
 ]
 
@@ -138,6 +140,72 @@ def reduce_scatter_single(
         return _SumOnWait(work, recv, out, size)
     _sum_chunks(recv, out, size)
     return None
+
+
+class _WaitAll:
+    """Several launched works as one: ``wait`` waits for each."""
+
+    holds_input_copy = False
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+
+def reduce_to_owners(x: torch.Tensor, sizes: list[int], group: Any, via: str = "auto") -> tuple[Any, torch.Tensor]:
+    """A reduce-scatter (SUM) of uneven chunks, launched asynchronously: rank ``r`` of ``group`` receives the sum
+    over the ranks of ``x``'s ``r``-th chunk (``sizes[r]`` elements, in rank order). Returns ``(work, out)``; ``out``
+    holds this rank's reduced chunk once ``work.wait()`` returned.
+
+    Why: an owner-aligned layout (the sharded Muon's: whole matrices per rank) cannot split into equal chunks
+    without padding the buffers up to the largest owner's share. On gloo (CPU) it goes as one uneven all-to-all and
+    a local sum, as :func:`reduce_scatter_single` does; elsewhere as one ``reduce`` to each owner of a non-empty
+    chunk (NCCL and XCCL reduce in place on the owner; ``x`` outside this rank's chunk may be overwritten). Each rank
+    sends ``(d - 1) / d`` of ``x`` either way on average, as a reduce-scatter does. ``via`` (``"all_to_all"`` or
+    ``"reduce"``) forces one of the two, so that a CPU test checks the accelerators' path.
+    """
+    if via not in ("auto", "all_to_all", "reduce"):
+        raise ValueError(f"via {via!r} must be 'auto', 'all_to_all' or 'reduce'")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(sizes) != size or sum(sizes) != x.numel():
+        raise ValueError(f"chunks {sizes} over {size} ranks do not split an input of {x.numel()} elements")
+    starts = [sum(sizes[:r]) for r in range(size + 1)]
+    gloo = x.device.type == "cpu" and backend_for_device(str(dist.get_backend(group)), "cpu") == "gloo"
+    if via == "all_to_all" or (via == "auto" and gloo):
+        recv = torch.empty(sizes[rank] * size, dtype=x.dtype, device=x.device)
+        out = torch.empty(sizes[rank], dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(
+            recv, x, output_split_sizes=[sizes[rank]] * size, input_split_sizes=sizes, group=group, async_op=True
+        )
+        return _SumOnWait(work, recv, out, size), out
+    works = [
+        dist.reduce(x[starts[r] : starts[r + 1]], dst=dist.get_global_rank(group, r), group=group, async_op=True)
+        for r in range(size)
+        if sizes[r]
+    ]
+    return _WaitAll(works), x[starts[rank] : starts[rank + 1]]
+
+
+def gather_from_owners(x: torch.Tensor, sizes: list[int], group: Any) -> Any:
+    """The all-gather of :func:`reduce_to_owners`' layout, launched asynchronously: every rank's chunk ``r`` of ``x``
+    becomes rank ``r``'s (one broadcast from each owner of a non-empty chunk). Returns the work to wait for."""
+    size = dist.get_world_size(group)
+    if len(sizes) != size or sum(sizes) != x.numel():
+        raise ValueError(f"chunks {sizes} over {size} ranks do not split an output of {x.numel()} elements")
+    starts = [sum(sizes[:r]) for r in range(size + 1)]
+    works = [
+        dist.broadcast(x[starts[r] : starts[r + 1]], src=dist.get_global_rank(group, r), group=group, async_op=True)
+        for r in range(size)
+        if sizes[r]
+    ]
+    return _WaitAll(works)
 
 
 # Dtypes NCCL, XCCL and gloo all move and reduce natively; anything else is moved as bytes and never reduced.

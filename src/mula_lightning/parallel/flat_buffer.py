@@ -53,13 +53,24 @@ class Bucket:
     numel: int  # padded
     shard_count: int
     slots: list[ParamSlot] = field(default_factory=list)
+    #: uneven shards (an owner-aligned layout): shard ``i`` is ``[start + bounds[i], start + bounds[i + 1])``
+    bounds: tuple[int, ...] | None = None
 
     @property
     def shard_numel(self) -> int:
+        """Elements of each shard (equal shards only; see :meth:`shard_sizes`)."""
+        if self.bounds is not None:
+            raise ValueError(f"bucket {self.index} has uneven shards {self.shard_sizes()}: ask shard_range")
         return self.numel // self.shard_count
+
+    def shard_sizes(self) -> list[int]:
+        """Elements of every shard, in shard order."""
+        return [hi - lo for lo, hi in (self.shard_range(i) for i in range(self.shard_count))]
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         """Buffer range owned by shard ``shard``."""
+        if self.bounds is not None:
+            return self.start + self.bounds[shard], self.start + self.bounds[shard + 1]
         lo = self.start + shard * self.shard_numel
         return lo, lo + self.shard_numel
 
@@ -104,6 +115,9 @@ class FlatBuffer:
             parameter's value exists at a time besides the buffer) and a new ``nn.Parameter`` viewing the buffer
             takes its place in the slot; :attr:`replaced` maps ``id(old)`` to it, for the owner to swap into modules
             and optimizer param groups.
+        owners: ``id(parameter) -> shard`` for an owner-aligned layout (whole parameters per shard: the sharded Muon,
+            whose Newton-Schulz iteration needs whole matrices): each bucket lists its parameters shard by shard and
+            splits into uneven shards at their boundaries (:attr:`Bucket.bounds`), without padding.
         defer_initial_values: with ``initial_value``, leave the new buffer unwritten (allocated with
             ``torch.empty``: on the host its pages are not even touched) for the owner to write only the range it
             keeps with :meth:`fill_initial`, so that a shard owner never holds a whole unit's values.
@@ -121,6 +135,7 @@ class FlatBuffer:
         device: torch.device | str | None = None,
         initial_value: Callable[[nn.Parameter], torch.Tensor] | None = None,
         defer_initial_values: bool = False,
+        owners: dict[int, int] | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatBuffer needs at least one parameter")
@@ -144,13 +159,20 @@ class FlatBuffer:
         def close_bucket() -> None:
             nonlocal offset
             start = offset
+            bounds = None
+            if owners is not None:  # shard by shard, each parameter whole in its owner's shard
+                current.sort(key=lambda item: owners[id(item[1])])  # stable: layout order within a shard
+                sizes = [0] * shard_count
+                for _, p, _ in current:
+                    sizes[owners[id(p)]] += local_tensor(p).numel()
+                bounds = tuple(sum(sizes[:i]) for i in range(shard_count + 1))
             for name, p, g in current:
                 slot = ParamSlot(name, p, g, offset, local_tensor(p).numel(), len(self.buckets))
                 self.slots.append(slot)
                 offset += slot.numel
-            multiple = shard_count * align
+            multiple = 1 if owners is not None else shard_count * align
             padded = -(-(offset - start) // multiple) * multiple
-            bucket = Bucket(len(self.buckets), start, padded, shard_count, self.slots[-len(current) :])
+            bucket = Bucket(len(self.buckets), start, padded, shard_count, self.slots[-len(current) :], bounds)
             self.buckets.append(bucket)
             offset = start + padded
             current.clear()
@@ -193,7 +215,7 @@ class FlatBuffer:
         grad_numel = self.numel if allocate_grads else 0
         self.grads = torch.zeros(grad_numel, dtype=grad_dtype or self.dtype, device=self.device)
         self.segments = self.segments_for(shard_index)
-        self.owned_numel = sum(b.shard_numel for b in self.buckets)
+        self.owned_numel = sum(hi - lo for lo, hi in self.owned_ranges())
         self.runs = self._group_runs()
 
     @torch.no_grad()

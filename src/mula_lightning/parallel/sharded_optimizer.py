@@ -51,7 +51,6 @@ element of the model is owned by exactly one rank.
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -64,7 +63,14 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from mula_lightning.moe.balancing import install_expert_bias_update
-from mula_lightning.parallel.collectives import all_gather_reads_own_chunk, all_gather_single, reduce_scatter_single
+from mula_lightning.optim.adamw import adamw_update_pieces_
+from mula_lightning.parallel.collectives import (
+    all_gather_reads_own_chunk,
+    all_gather_single,
+    gather_from_owners,
+    reduce_scatter_single,
+    reduce_to_owners,
+)
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.ledger import is_recording, record_collective, ring_bytes_sent
 from mula_lightning.parallel.params import is_dtensor, is_expert_param, is_tensor_parallel, logical_name
@@ -267,7 +273,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.reduce_dtype = reduce_dtype
         self.world_size = topology.world_size
         self.grad_divisor = topology.dense_dp_size  # distinct batches per step (W without tensor parallelism)
-        self.plans = family_plans(mode, topology)
+        self.plans = self._family_plans(mode, topology)
         self.require_grad_sync = True
         #: ``zero_grad`` does nothing while set: a Trainer step whose training_step already ran the backward (a
         #: pipeline schedule) must keep its gradients through Lightning's zero_grad before the (empty) backward
@@ -276,12 +282,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._synced = False  # reductions of this step finished (clip_grad_norm_ may run them before step)
         self._grad_norm: torch.Tensor | None = None  # of the reduced gradients, until they change (see owned_grad_norm)
 
-        by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {"non_expert": [], "tensor_parallel": [],
-                                                                     "expert": []}  # fmt: skip
+        # every rank lists its families in one order (the order of their collectives)
+        by_family: dict[str, list[tuple[str, nn.Parameter, int]]] = {fam: [] for fam in self.plans}
         for gi, group in enumerate(self.param_groups):
             for p in reversed(group["params"]):  # backward produces gradients roughly in reverse order
                 name = names[id(p)]
-                by_family[family_of(name, p)].append((name, p, gi))
+                by_family[self._family_of(name, p, group)].append((name, p, gi))
         self.buffers: dict[str, FlatBuffer] = {}
         for fam, items in by_family.items():
             if items:
@@ -289,7 +295,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                 # gradients accumulate in at least float32 (Megatron's main grad): bf16 buffers would round every
                 # micro-batch's sum and the float32-reduced shard again before the float32 master update
                 grad_dtype = at_least_float32(items[0][1].dtype)
-                self.buffers[fam] = FlatBuffer(items, plan.shard_size, plan.shard_rank, bucket_numel, grad_dtype)
+                owners = self._owners(fam, items, plan)
+                self.buffers[fam] = FlatBuffer(
+                    items, plan.shard_size, plan.shard_rank, bucket_numel, grad_dtype, owners=owners
+                )
         self.master_dtype = torch.float32  # of half-precision parameters; float32 / float64 ones are their own master
         self._init_state()
         self._pending: dict[tuple[str, int], Any] = {}
@@ -307,6 +316,26 @@ class ShardedAdamW(torch.optim.Optimizer):
         # auxiliary-loss-free balancing: the routers' loads summed over the stage (the ranks routing through them);
         # a stage of one rank (pure pipeline parallelism) has no group and nothing to sum, not the world's loads
         install_expert_bias_update(self, model, topology.stage_group, reduce=topology.stage_size > 1)
+
+    #: the single-device optimizer :meth:`from_optimizer` takes over, and the param-group keys it keeps
+    SINGLE_DEVICE: type[torch.optim.Optimizer] = torch.optim.AdamW
+    GROUP_KEYS: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+    def _family_plans(self, mode: str, topology: MoETopology) -> dict[str, FamilyPlan]:
+        """The families and their groups, in the order every rank runs their collectives."""
+        return family_plans(mode, topology)
+
+    def _family_of(self, name: str, param: Any, group: dict[str, Any]) -> str:
+        """The family a parameter of ``group`` is laid out, reduced and updated in."""
+        return family_of(name, param)
+
+    def _owners(self, fam: str, items: list[tuple[str, nn.Parameter, int]], plan: FamilyPlan) -> dict[int, int] | None:
+        """``id(parameter) -> shard`` for a family whose shards hold whole parameters (None: equal shards)."""
+        return None
+
+    def _state_keys(self, fam: str) -> tuple[str, ...]:
+        """The per-element optimizer states of a family (besides a float32 master of half-precision weights)."""
+        return ("exp_avg", "exp_avg_sq")
 
     @classmethod
     def from_optimizer(
@@ -329,17 +358,18 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         if isinstance(optimizer, cls):
             return optimizer
-        if type(optimizer) is not torch.optim.AdamW:
+        if type(optimizer) is not cls.SINGLE_DEVICE:
             raise TypeError(
-                f"the sharded optimizer implements AdamW; got {type(optimizer).__name__}. Return torch.optim.AdamW "
-                "from configure_optimizers (its param groups and hyper-parameters are kept)"
+                f"the sharded optimizer implements {cls.SINGLE_DEVICE.__name__}; got {type(optimizer).__name__}. "
+                "Return torch.optim.AdamW or mula_lightning.optim.MuonAdamW from configure_optimizers (its param "
+                "groups and hyper-parameters are kept)"
             )
         if any(g.get("amsgrad") for g in optimizer.param_groups):
             raise ValueError("amsgrad=True is not supported by the sharded AdamW")
         current = {logical_name(n): p for n, p in model.named_parameters()}
         live = {id(p) for p in current.values()}
         names_by_id = {k: logical_name(v) for k, v in (names_by_id or {}).items()}
-        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+        keep = cls.GROUP_KEYS
         groups = []
         for g in optimizer.param_groups:
             params = []
@@ -363,7 +393,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             if buf.dtype != state_dtype:  # written range by range: no concatenated copy of the owned elements
                 master = torch.empty(buf.owned_numel, dtype=state_dtype, device=buf.device)
                 buf.gather_owned_into(buf.params, master)
-            moments = ("exp_avg", "exp_avg_sq")
+            moments = self._state_keys(fam)
             eager = {"master": master} if master is not None else {}
             self.shards[fam] = ZerosOnFirstUse(moments, buf.owned_numel, state_dtype, buf.device, eager)
 
@@ -477,7 +507,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         reduce_dtype = torch.float64 if view.dtype == torch.float64 else self.reduce_dtype
         send = view if view.dtype == reduce_dtype else view.to(reduce_dtype)
         work, out = None, None
-        if plan.shard_size > 1:
+        if plan.shard_size > 1 and b.bounds is not None:  # an owner-aligned bucket: uneven shards
+            work, out = reduce_to_owners(send, b.shard_sizes(), plan.shard_group)
+            _record("reduce_scatter", plan.shard_group, plan.shard_size, send, out, fam)
+        elif plan.shard_size > 1:
             out = torch.empty(b.shard_numel, dtype=reduce_dtype, device=view.device)
             work = reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=plan.shard_group, async_op=True)
             _record("reduce_scatter", plan.shard_group, plan.shard_size, send, out, fam)
@@ -618,7 +651,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         gathers: list[Any] = []
         for fam, buf in self.buffers.items():
             with record_function("mula::adamw_update"):
-                self._adamw_update(fam, buf)
+                self._update(fam, buf)
             with record_function("mula::weight_all_gather"):
                 gathers += self._all_gather(fam, buf)  # in flight while the next family updates
         with record_function("mula::weight_all_gather"):
@@ -626,6 +659,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                 work.wait()
         self.zero_grad()
         return loss
+
+    def _update(self, fam: str, buf: FlatBuffer) -> None:
+        """The owned shard's update of a family (AdamW here)."""
+        self._adamw_update(fam, buf)
 
     def _adamw_update(self, fam: str, buf: FlatBuffer) -> None:
         """The owned shard's AdamW step in place, run by run (:meth:`FlatBuffer.owned_places`): the buffers' own
@@ -669,6 +706,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         for b in buf.buckets:
             lo, hi = b.shard_range(plan.shard_rank)
             full = buf.params[b.start : b.start + b.numel]
+            if b.bounds is not None:  # an owner-aligned bucket: each owner's whole matrices from it
+                works.append((gather_from_owners(full, b.shard_sizes(), plan.shard_group), None))
+                _record("all_gather", plan.shard_group, plan.shard_size, buf.params[lo:hi], full, fam)
+                continue
             shard = buf.params[lo:hi] if in_place else buf.params[lo:hi].clone()  # a copy is held until the wait
             works.append((all_gather_single(full, shard, group=plan.shard_group, async_op=True), shard))
             _record("all_gather", plan.shard_group, plan.shard_size, shard, full, fam)
@@ -711,105 +752,6 @@ def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 22) -
     for lo in range(0, x.numel(), chunk):
         total += x[lo : lo + chunk].to(dtype).pow(2).sum()
     return total
-
-
-#: device types whose torch build has the one-pass AdamW kernel ``torch._fused_adamw_``
-FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")
-
-
-@torch.no_grad()
-def adamw_update_(
-    params: torch.Tensor,
-    grads: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    runs: Iterable[tuple[int, int, int]],
-    param_groups: list[dict[str, Any]],
-    step: int,
-) -> None:
-    """One AdamW step (decoupled weight decay, bias correction) on flat fp32 shards, in place.
-
-    Shared by every sharded optimizer of the package (:class:`ShardedAdamW`, the hierarchical ZeRO engine), so the
-    update math exists once. ``runs`` are ``(start, end, param_group_index)`` ranges of the flat shards (see
-    :meth:`FlatBuffer._group_runs`); ``step`` counts from 1.
-
-    The update goes through torch's fused kernel (``torch._fused_adamw_``, the kernel
-    behind ``torch.optim.AdamW(fused=True)``, on CPU, CUDA, XPU and MPS): one pass over the four shards per parameter
-    group instead of the six of :func:`adamw_update_reference_`, the same formula (rounded in another order: 1 ulp);
-    a device or dtype mix the kernel does not take uses the reference.
-    """
-    pieces = [(params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], gi) for lo, hi, gi in runs]
-    adamw_update_pieces_(pieces, param_groups, step)
-
-
-#: one piece of an AdamW update: equal-length 1-D views of weights, gradients and both moments, and the index of the
-#: param group whose hyper-parameters apply
-AdamWPiece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
-
-
-@torch.no_grad()
-def adamw_update_pieces_(pieces: list[AdamWPiece], param_groups: list[dict[str, Any]], step: int) -> None:
-    """:func:`adamw_update_` on pieces that need not be one range of one tensor each (a sharded optimizer's owned
-    elements straight in its flat buffers): one fused kernel call per param group over all its pieces."""
-    pieces = [piece for piece in pieces if piece[0].numel()]
-    if not pieces:
-        return
-    device = pieces[0][0].device
-    fusable = device.type in FUSED_ADAMW_DEVICES and hasattr(torch, "_fused_adamw_")
-    fusable = fusable and all(p.dtype == g.dtype == m.dtype == v.dtype for p, g, m, v, _ in pieces)
-    if not fusable:
-        for p, g, m, v, gi in pieces:
-            adamw_update_reference_(p, g, m, v, [(0, p.numel(), gi)], param_groups, step)
-        return
-    by_group: dict[int, list[AdamWPiece]] = {}
-    for piece in pieces:
-        by_group.setdefault(piece[4], []).append(piece)
-    step_t = torch.tensor(float(step), dtype=torch.float32, device=device)
-    for gi, group in by_group.items():
-        lr, (b1, b2), eps, wd = _hyper_parameters(param_groups[gi])
-        torch._fused_adamw_(
-            [piece[0] for piece in group],
-            [piece[1] for piece in group],
-            [piece[2] for piece in group],
-            [piece[3] for piece in group],
-            [],
-            [step_t] * len(group),
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            weight_decay=wd,
-            eps=eps,
-            amsgrad=False,
-            maximize=False,
-        )
-
-
-@torch.no_grad()
-def adamw_update_reference_(
-    params: torch.Tensor,
-    grads: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    runs: Iterable[tuple[int, int, int]],
-    param_groups: list[dict[str, Any]],
-    step: int,
-) -> None:
-    """The AdamW step of :func:`adamw_update_` written out, one pass per operation: the slow, obviously right
-    reference the fused kernel is tested against, and the path for what the kernel does not take."""
-    for lo, hi, gi in runs:
-        lr, (b1, b2), eps, wd = _hyper_parameters(param_groups[gi])
-        p_s, g_s, m_s, v_s = params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
-        p_s.mul_(1 - lr * wd)
-        m_s.lerp_(g_s, 1 - b1)
-        v_s.mul_(b2).addcmul_(g_s, g_s, value=1 - b2)
-        bc1, bc2 = 1 - b1**step, 1 - b2**step
-        denom = (v_s.sqrt() / math.sqrt(bc2)).add_(eps)
-        p_s.addcdiv_(m_s, denom, value=-lr / bc1)
-
-
-def _hyper_parameters(group: dict[str, Any]) -> tuple[float, tuple[float, float], float, float]:
-    """A parameter group's ``(lr, (beta1, beta2), eps, weight_decay)`` (a tensor learning rate as a float)."""
-    return float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
 
 
 def _record(op: str, group: Any, size: int, tensor_in: torch.Tensor, tensor_out: torch.Tensor, fam: str) -> None:

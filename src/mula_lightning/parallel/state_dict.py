@@ -37,7 +37,7 @@ from mula_lightning.parallel.tensor_pieces import TensorPieces, flat_range_piece
 from mula_lightning.parallel.topology import MoETopology
 from mula_lightning.utils.dist import is_distributed
 
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "master")
 
 
 def model_state_dict(model: nn.Module, topology: MoETopology) -> dict[str, Any]:

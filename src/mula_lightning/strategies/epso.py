@@ -10,6 +10,7 @@ and delegate the work to :mod:`mula_lightning.parallel`:
 * the ``tp`` ranks of one group read the same batch: ``distributed_sampler_kwargs`` report the dense data-parallel
   group (``world / tp`` replicas);
 * the user's ``torch.optim.AdamW`` becomes a :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW`
+  (a :class:`~mula_lightning.optim.muon.MuonAdamW` a :class:`~mula_lightning.parallel.sharded_muon.ShardedMuon`)
   (``sharded_optimizer="ep_aware" | "dp" | "none"``), whose hooks reduce gradients during backward;
 * gradient clipping goes to the sharded global-norm clip (value clipping raises); gradient accumulation
   reduces once per optimizer step;
@@ -43,6 +44,7 @@ from mula_lightning.parallel.expert_parallel import expert_part
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.pipeline import prune_to_stages
+from mula_lightning.parallel.sharded_muon import shard_optimizer
 from mula_lightning.parallel.sharded_optimizer import MODES, ShardedAdamW, unwrap_optimizer
 from mula_lightning.parallel.state_dict import model_state_dict, optimizer_state_dict
 from mula_lightning.parallel.token_dispatchers import DISPATCHERS
@@ -484,7 +486,7 @@ class FabricEPSOStrategy(EPSOOptions, ShardedFabricHooks, FabricDCPSaves, Fabric
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedAdamW:
         if self._module is None:
             raise RuntimeError("set up the module before its optimizer: fabric.setup(model, optimizer)")
-        self.sharded_optimizer = ShardedAdamW.from_optimizer(
+        self.sharded_optimizer = shard_optimizer(
             self._module,
             unwrap_optimizer(optimizer),
             self.topology,
@@ -546,9 +548,7 @@ class EPSOStrategy(EPSOOptions, InPlaceCheckpointRestore, TrainerDCPSaves, Train
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             opts = [
-                ShardedAdamW.from_optimizer(
-                    self.model, unwrap_optimizer(o), self.topology, **self.settings.optimizer_kwargs()
-                )
+                shard_optimizer(self.model, unwrap_optimizer(o), self.topology, **self.settings.optimizer_kwargs())
                 for o in self.optimizers
             ]
             for config in self.lr_scheduler_configs:

@@ -174,7 +174,11 @@ def build_engine(
 def check_adamw(optimizer: Any) -> None:
     """The engine implements AdamW: refuse anything else, naming it."""
     if type(optimizer) is not torch.optim.AdamW or any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise TypeError(f"the zero_topo strategy implements AdamW (amsgrad=False); got {type(optimizer).__name__}")
+        raise TypeError(
+            f"the zero_topo strategy implements AdamW (amsgrad=False); got {type(optimizer).__name__}"
+            + (" (Muon needs whole matrices, which zero_topo's chunks split: use strategy 'epso')"
+               if type(optimizer).__name__ == "MuonAdamW" else "")
+        )  # fmt: skip
 
 
 def _materialize_whole(

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 __all__ = ["CALLS", "FREEZES", "LAYOUTS", "RELOAD_INTO", "SETUPS", "LoopProgram", "batch", "check_program",
-           "first_difference", "freeze", "idle_last_expert", "loop_programs", "model_config", "param_groups",
-           "reference_run", "run_program", "seeded_programs", "valid_calls"]  # fmt: skip
+           "first_difference", "freeze", "idle_last_expert", "loop_programs", "model_config", "optimizer_of",
+           "param_groups", "reference_run", "run_program", "seeded_programs", "valid_calls"]  # fmt: skip
 
 #: the calls of a loop program: a forward + backward of the next micro-batch (synchronised, or inside
 #: ``no_backward_sync``), ``clip_gradients`` (returns the norm), a gradient-norm query, ``optimizer.step()``,
@@ -62,6 +62,11 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "zero_topo zero3": (2, "zero_topo", dict(ranks_per_node=2, weight_size=2, grad_size=2)),
     "zero_topo 3-level": (4, "zero_topo", dict(ranks_per_node=2, ranks_per_gpu=2)),
     "zero_topo zero3 ep2": (2, "zero_topo", dict(ranks_per_node=2, weight_size=2, grad_size=2, ep_size=2)),
+    # Muon with its AdamW split (the reference: MuonAdamW on one process); ``optimizer`` is not a strategy option
+    "epso ep_aware muon": (2, "epso", dict(sharded_optimizer="ep_aware", optimizer="muon")),
+    "epso ep_aware ep2 muon": (2, "epso", dict(sharded_optimizer="ep_aware", ep_size=2, optimizer="muon")),
+    "epso dp ep2 dp2 muon": (4, "epso", dict(sharded_optimizer="dp", ep_size=2, optimizer="muon")),
+    "epso ep_aware ep2 dp2 muon": (4, "epso", dict(sharded_optimizer="ep_aware", ep_size=2, optimizer="muon")),
 }
 #: the layout a ``save_reload`` goes on in: the same world size and the same data ranks (rank r reads what it read),
 #: another layout of the states (a checkpoint is written in single-device keys, so any layout reads it)
@@ -76,6 +81,10 @@ RELOAD_INTO = {
     "zero_topo zero3": "epso none",
     "zero_topo 3-level": "epso dp ep2 dp2",
     "zero_topo zero3 ep2": "epso ep_aware",
+    "epso ep_aware muon": "epso ep_aware ep2 muon",
+    "epso ep_aware ep2 muon": "epso ep_aware muon",
+    "epso dp ep2 dp2 muon": "epso ep_aware ep2 dp2 muon",
+    "epso ep_aware ep2 dp2 muon": "epso dp ep2 dp2 muon",
 }
 #: parameter sets a program may freeze (name prefixes): none, the embedding (root unit), a layer's input norm under
 #: its trainable attention, a whole attention, a layer's router and experts, a router alone under trainable experts,
@@ -230,6 +239,21 @@ def param_groups(named: Any) -> list[dict[str, Any]]:
     ]
 
 
+def optimizer_of(layout: str, named: Any) -> torch.optim.Optimizer:
+    """The layout's single-device optimizer on ``named`` parameters: ``torch.optim.AdamW`` of :func:`param_groups`, or
+    for a Muon layout :class:`~mula_lightning.optim.muon.MuonAdamW` with Muon on the layers' matrices and the AdamW
+    half split as :func:`param_groups` splits it."""
+    if LAYOUTS[layout][2].get("optimizer") != "muon":
+        return torch.optim.AdamW(param_groups(named), **HP)
+    from mula_lightning.optim.muon import MuonAdamW, is_muon_matrix
+
+    named = [(n, p) for n, p in named if p.requires_grad]
+    muon = [(n, p) for n, p in named if is_muon_matrix(n, p)]
+    rest = [(n, p) for n, p in named if not is_muon_matrix(n, p)]
+    groups = [{"params": [p for _, p in muon], "use_muon": True}, *param_groups(rest)]
+    return MuonAdamW([g for g in groups if g["params"]], **HP)
+
+
 def _scheduler(optimizer: Any) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
 
@@ -252,6 +276,7 @@ def idle_last_expert(model: torch.nn.Module) -> None:
 def _strategy(kind: str, options: dict[str, Any]) -> Any:
     from mula_lightning.strategies import FabricEPSOStrategy, FabricZeroTopoStrategy
 
+    options = {k: v for k, v in options.items() if k != "optimizer"}
     if kind == "epso":
         return FabricEPSOStrategy(bucket_numel=700, **options)  # several buckets per family
     if kind == "zero_topo":
@@ -277,7 +302,7 @@ def _build(program: LoopProgram, layout: str, world_size: int) -> dict[str, Any]
     freeze(model, program.frozen)
     scheduler, held_bytes = None, 0
     if program.setup.startswith("setup_"):
-        optimizer = torch.optim.AdamW(param_groups(model.named_parameters()), **HP)
+        optimizer = optimizer_of(layout, model.named_parameters())
         if program.setup == "setup_with_scheduler":
             scheduler = _scheduler(optimizer)
             model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
@@ -289,7 +314,7 @@ def _build(program: LoopProgram, layout: str, world_size: int) -> dict[str, Any]
         if kind == "zero_topo":  # sharded at setup_module, frozen parameters too: no parameter holds storage now
             held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.module.parameters()}
             held_bytes = sum(held.values())
-        optimizer = torch.optim.AdamW(param_groups(model.module.named_parameters()), **HP)
+        optimizer = optimizer_of(layout, model.module.named_parameters())
         if program.setup == "two_call_scheduler_before":
             scheduler = _scheduler(optimizer)
         optimizer = fabric.setup_optimizers(optimizer)
@@ -391,7 +416,7 @@ def reference_run(program: LoopProgram, data_ranks: int, loss_scale: float = 1.0
     if program.idle_expert:
         idle_last_expert(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups(model.named_parameters()), **HP)
+    optimizer = optimizer_of(program.layout, model.named_parameters())
     scheduler = _scheduler(optimizer)
     reduced = [torch.zeros_like(p) for p in params]
     local = [[torch.zeros_like(p) for p in params] for _ in range(data_ranks)]

@@ -14,9 +14,11 @@ How it works:
   the pickled value or the traceback, exactly as a fresh rank would.
 * Between tests each worker puts back what a fresh process would have: the environment, the working directory, the
   default dtype, grad mode, one CPU thread and torch's default seed (so ranks start with equal RNG states), and
-  checks that its process group still works (a barrier). A test that raised, hung, died or broke its group stops
-  the whole group (its peers may be stuck in a collective); the next test starts a fresh one. The failure itself is
-  reported like :func:`run_distributed_test` reports it: the rank, its traceback or exit code, or the time-out.
+  checks that its process group still works (a barrier). A test that raised, hung, died or broke its group stops the
+  whole group (its peers may be stuck in a collective); the next test starts a fresh one. So does a worker whose
+  threads grew past :data:`MAX_WORKER_THREADS` (the process groups tests leave behind: see :func:`_thread_count`).
+  The failure itself is reported like :func:`run_distributed_test` reports it: the rank, its traceback or exit code,
+  or the time-out.
 
 What may not use the pool: tests that kill or stop their ranks, that need variables set before the process starts,
 that create their own default process group (a Lightning strategy started in a fresh process does), that start
@@ -67,6 +69,25 @@ def _reset_process(env: dict[str, str], cwd: str) -> None:
     torch.manual_seed(_TORCH_DEFAULT_SEED)
 
 
+#: a worker holding more threads than this after a test is replaced by a fresh one (see :func:`_thread_count`)
+MAX_WORKER_THREADS = 150
+
+
+def _thread_count() -> int:
+    """This process's threads (0 where ``/proc`` does not list them).
+
+    Why: every process group a test creates stays alive in a worker (destroying them is not safe: DTensor's
+    sharding caches keep meshes equal to the next test's, whose groups would be the destroyed ones), and each gloo
+    group keeps a TCP loop thread that wakes every 10 ms. A worker that had run the loop tester's programs held 322
+    such loops (966 threads) and spent a fifth of a core idle: every pooled group slowed the rest of the suite, more
+    with every test. Past :data:`MAX_WORKER_THREADS` the group is stopped and the next test starts a fresh one.
+    """
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def _worker_main(rank: int, world_size: int, env: dict[str, str], timeout: float, conn: Connection) -> None:
     """One pooled rank: initialise the group once, then run ``("run", sys.path, payload)`` messages until told to
     stop (or the parent goes away)."""
@@ -99,7 +120,7 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], timeout: float
         except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
             reply = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time())
         conn.send(reply)  # first the result: a peer that hangs must not delay it
-        healthy = reply[0] == "ok" and dist.is_initialized()
+        healthy = reply[0] == "ok" and dist.is_initialized() and _thread_count() <= MAX_WORKER_THREADS
         if healthy:
             try:
                 dist.barrier()  # the group still works: the next test can use it

@@ -28,7 +28,6 @@ import torch
 
 from mula_lightning.testing.conformance import (
     FREEZES,
-    HP,
     LAYOUTS,
     MAX_NORM,
     LoopProgram,
@@ -37,7 +36,7 @@ from mula_lightning.testing.conformance import (
     freeze,
     idle_last_expert,
     model_config,
-    param_groups,
+    optimizer_of,
     reference_run,
 )
 
@@ -53,6 +52,7 @@ TRAINER_LAYOUTS = (
     "zero_topo zero3",
     "zero_topo 3-level",
     "zero_topo zero3 ep2",
+    "epso ep_aware ep2 muon",
 )
 
 
@@ -184,7 +184,7 @@ def _module_class() -> type:
             )
 
         def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.AdamW(param_groups(self.model.named_parameters()), **HP)
+            optimizer = optimizer_of(self.program.layout, self.model.named_parameters())
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
             return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
@@ -194,6 +194,7 @@ def _module_class() -> type:
 def _trainer_strategy(kind: str, options: dict[str, Any]) -> Any:
     from mula_lightning.strategies import EPSOStrategy, ZeroTopoStrategy
 
+    options = {k: v for k, v in options.items() if k != "optimizer"}
     if kind == "epso":
         return EPSOStrategy(bucket_numel=700, **options)
     if kind == "zero_topo":

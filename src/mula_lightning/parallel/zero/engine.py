@@ -59,10 +59,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from mula_lightning.moe.balancing import install_expert_bias_update
+from mula_lightning.optim.adamw import adamw_update_
 from mula_lightning.parallel.flat_buffer import FlatBuffer
 from mula_lightning.parallel.params import is_expert_param, logical_name
 from mula_lightning.parallel.sharded_optimizer import (
-    adamw_update_,
     clip_coefficient,
     mark_stepped,
     on_the_optimizer_itself,
