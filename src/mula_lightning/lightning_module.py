@@ -42,6 +42,7 @@ from mula_lightning.checkpoint.export import CHECKPOINT_KEY
 from mula_lightning.checkpoint.init_source import InitWeights, init_source_config
 from mula_lightning.lr_schedule import LRSchedule, ScheduledLR
 from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
+from mula_lightning.moe.balance_scope import enable_global_batch_balance, reset_balance_window
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
 from mula_lightning.optim.adamw import FUSED_ADAMW_DEVICES
@@ -335,6 +336,24 @@ class MulaLM(LightningModule):
     def _pipeline(self) -> Any:
         """The strategy's pipeline (``epso`` with ``pp_size > 1``), else None."""
         return getattr(self._strategy(), "pipeline", None)
+
+    def on_train_start(self) -> None:
+        """Routers at ``"global_batch"`` balance scope sum their expert counts over the ranks that hold the step's
+        other tokens: the strategy's distinct-batch group (``epso``: data x expert parallel ranks of a stage, not the
+        tensor-parallel peers that read the same batch), every rank otherwise."""
+        strategy = self._strategy()
+        topology = getattr(strategy, "topology", None)
+        if topology is not None and hasattr(topology, "dense_dp_group"):
+            group = topology.dense_dp_group if topology.dense_dp_size > 1 else None
+        else:
+            group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        enable_global_batch_balance(self.model, group)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """A new accumulation window starts a new step's running count of the experts' tokens (global-batch
+        balancing; a skipped step's counts go too)."""
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            reset_balance_window(self.model)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         input_ids = batch["input_ids"]

@@ -160,3 +160,26 @@ def test_refusals_name_the_offending_values():
         MuonAdamW([torch.nn.Parameter(torch.zeros(2, 2))], adjust_lr_fn="rms")
     with pytest.raises(ValueError, match=r"momentum \(1.0\)"):
         MuonAdamW([torch.nn.Parameter(torch.zeros(2, 2))], momentum=1.0)
+
+
+def _sharded_matrix(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))
+    try:
+        MuonAdamW([{"params": [weight], "use_muon": True}])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.distributed
+def test_a_matrix_sharded_over_ranks_is_refused():
+    """A DTensor matrix sharded over 2 ranks (what FSDP2 or tensor parallelism hand the optimizer) is refused in one
+    line naming its shape and placement: Newton-Schulz of a shard is not the shard of Newton-Schulz."""
+    from mula_lightning.testing import run_pooled_test
+
+    for message in run_pooled_test(_sharded_matrix, 2):
+        assert message is not None and "shape (4, 4) is sharded over ranks (placements (Shard(dim=0),)" in message

@@ -220,7 +220,8 @@ def test_capture_refused_with_hooks():
 
 
 def test_refusals_name_the_values():
-    """Each layout a capture cannot serve is named in one line; a dropless single-replica layout on CUDA is not."""
+    """Each layout a capture cannot serve is named in one line (global-batch balancing too); a dropless
+    single-replica layout on CUDA is not."""
     model = _meta_model({})
     cuda = torch.device("cuda", 0)
     assert graph_refusal(model, cuda, SimpleNamespace(ep_size=1, tp_size=1, pp_size=1)) is None
@@ -232,6 +233,7 @@ def test_refusals_name_the_values():
     topology = MoETopology(dp_size=2, ep_size=1)  # the strategy's own record: DP only
     assert graph_refusal(model, cuda, topology) is None
     assert "capacity_factor=1.25" in graph_refusal(_meta_model(dict(capacity_factor=1.25)), cuda)
+    assert "balance_scope 'global_batch'" in graph_refusal(_meta_model(dict(balance_scope="global_batch")), cuda)
     jittery = _meta_model(dict(checkpoint="full"))
     jittery.model.layers[1].mlp.jitter_noise = 0.01
     assert "model.layers.1.mlp draws router jitter noise (0.01)" in graph_refusal(jittery, cuda)

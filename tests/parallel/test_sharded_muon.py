@@ -92,3 +92,53 @@ def test_tensor_parallelism_and_zero_topo_refuse_muon_in_one_line():
             ShardedMuon(model, topology)
     with pytest.raises(TypeError, match="Muon needs whole matrices.*use strategy 'epso'"):
         check_adamw(MuonAdamW([model.weight]))
+
+
+def _muon_run(rank, world_size, path, save):
+    """Fabric ``epso`` with EP = the world size, Muon; saves after two steps (``save``) or loads that checkpoint,
+    then takes one more step over both data ranks' batches (one process accumulates the two)."""
+    from lightning.fabric import Fabric
+
+    from mula_lightning.callbacks.model_only_checkpoint import full_state_dict
+    from mula_lightning.models import MulaForCausalLM
+    from mula_lightning.strategies import FabricEPSOStrategy
+    from mula_lightning.testing.conformance import batch, model_config, optimizer_of
+
+    strategy = FabricEPSOStrategy(ep_size=world_size, bucket_numel=700)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MulaForCausalLM(model_config())
+    model, optimizer = fabric.setup(model, optimizer_of("epso ep_aware muon", model.named_parameters()))
+
+    def step(micro):
+        ranks = [0, 1] if world_size == 1 else [fabric.global_rank]
+        for i, r in enumerate(ranks):
+            x = batch(micro, r)
+            with fabric.no_backward_sync(model, enabled=i < len(ranks) - 1):
+                out = model(x, labels=x)
+                fabric.backward((out.loss + out.aux_loss) / len(ranks))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if save:
+        step(0)
+        step(1)
+        fabric.save(path, {"model": model, "optimizer": optimizer})
+    else:
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+    step(2)
+    return {k: v.detach().clone() for k, v in full_state_dict(model, fabric.strategy).items()}
+
+
+@pytest.mark.distributed
+def test_a_muon_checkpoint_of_two_ranks_resumes_in_one_process_with_the_same_next_step(tmp_path):
+    """Saved by 2 ranks at EP 2 (attention matrices owned by one rank or the other, expert tensors by each EP rank)
+    after two steps, loaded by one process (every matrix its own): the momentum under single-device keys gives the
+    third step's weights of the 2-rank run, to 1e-12 (float64)."""
+    path = str(tmp_path / "muon")
+    two = run_pooled_test(_muon_run, 2, path=path, save=True, timeout=180)[0]
+    one = run_pooled_test(_muon_run, 1, path=path, save=False, timeout=180)[0]
+    assert set(one) == set(two)
+    for name, value in two.items():
+        torch.testing.assert_close(one[name], value, rtol=1e-12, atol=1e-14, msg=name)

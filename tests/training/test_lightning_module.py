@@ -234,3 +234,43 @@ def test_muon_trains_the_layers_matrices_and_adamw_the_rest(tiny_data, tmp_path)
         assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
     with pytest.raises(ValueError, match="optimizer 'lion' must be one of"):
         MulaLM(model="mula-tiny-moe", optimizer="lion")
+
+
+def _balance_windows(rank, world_size, data):
+    """Fit two steps of two accumulated micro-batches at global-batch scope; per step, the token counts every router
+    holds when the optimizer steps."""
+    from lightning.pytorch.callbacks import Callback
+
+    from mula_lightning.data import MulaDataModule
+    from mula_lightning.moe.router import Router
+    from mula_lightning.strategies import EPSOStrategy
+
+    class Probe(Callback):
+        def __init__(self):
+            self.tokens = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            routers = [m for m in pl_module.modules() if isinstance(m, Router)]
+            self.tokens.append(sorted({int(r.balance_window[-1]) for r in routers}))
+
+    probe = Probe()
+    lm = MulaLM(model="mula-tiny-moe", model_overrides={**TINY, "balance_scope": "global_batch"}, warmup_steps=1)
+    strategy = EPSOStrategy(ep_size=2) if world_size > 1 else "auto"
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy, accumulate_grad_batches=2,
+                      max_steps=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])  # fmt: skip
+    trainer.fit(lm, MulaDataModule(data, micro_batch_size=2))
+    return probe.tokens
+
+
+@pytest.mark.distributed
+def test_global_batch_balance_counts_every_rank_and_restarts_each_window(tiny_data):
+    """``balance_scope="global_batch"`` under the Trainer: when the optimizer steps, every router's running count
+    holds the window's two micro-batches of 2 x 32 tokens on this rank alone (one device), and on both expert-parallel
+    ranks under ``epso`` EP 2 (each reads its own batch): the group is the strategy's, the count restarts with each
+    accumulation window."""
+    from mula_lightning.testing import run_pooled_test
+
+    assert _balance_windows(0, 1, str(tiny_data)) == [[2 * 2 * 32]] * 2
+    for tokens in run_pooled_test(_balance_windows, 2, data=str(tiny_data), timeout=300):
+        assert tokens == [[2 * 2 * 2 * 32]] * 2

@@ -51,6 +51,8 @@ class MulaConfig:
         aux_loss_coef: weight of the Switch/OLMoE load-balancing loss.
         z_loss_coef: weight of the router z-loss.
         seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss (0: not computed).
+        balance_scope: the tokens the load-balancing loss counts expert frequencies over, ``"micro_batch"``,
+            ``"sequence"`` or ``"global_batch"`` (see :class:`~mula_lightning.moe.config.MoEConfig`).
         forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks and
             scaling studies; the router stays in the graph).
         score_function, n_group, topk_group, routed_scaling_factor: the router's scores (``"softmax"`` or
@@ -102,6 +104,7 @@ class MulaConfig:
     z_loss_coef: float = 0.001
     forced_uniform_routing: bool = False
     seq_aux_loss_coef: float = 0.0
+    balance_scope: str = "micro_batch"
     score_function: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -214,6 +217,7 @@ class MulaConfig:
             z_loss_coef=self.z_loss_coef,
             forced_uniform_routing=self.forced_uniform_routing,
             seq_aux_loss_coef=self.seq_aux_loss_coef,
+            balance_scope=self.balance_scope,
             score_function=self.score_function,
             n_group=self.n_group,
             topk_group=self.topk_group,

@@ -31,6 +31,8 @@ ScoreFunction = Literal["softmax", "sigmoid"]
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ExpertsBackend = Literal["auto", "grouped_mm", "triton"]
 EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton")
+#: the tokens the load-balancing loss counts expert frequencies over (:mod:`~mula_lightning.moe.balance_scope`)
+BALANCE_SCOPES = ("micro_batch", "sequence", "global_batch")
 
 
 def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -54,6 +56,10 @@ class MoEConfig:
             dropless.
         aux_loss_coef: weight of the Switch / OLMoE load-balancing loss.
         z_loss_coef: weight of the router z-loss.
+        balance_scope: the tokens the load-balancing loss counts expert frequencies over: ``"micro_batch"`` (this
+            rank's micro-batch), ``"sequence"`` (each sequence alone, averaged) or ``"global_batch"`` (every rank's
+            tokens of the step's micro-batches so far, Qwen's global-batch balancing;
+            :mod:`~mula_lightning.moe.balance_scope`).
         seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss (per sequence ``sum_e f_e P_e``,
             averaged over the sequences; :func:`~mula_lightning.moe.router.sequence_balance_loss`); 0 skips it.
         forced_uniform_routing: route tokens to experts in a fixed uniform pattern (benchmarks, scaling studies).
@@ -91,6 +97,7 @@ class MoEConfig:
     z_loss_coef: float = 0.001
     forced_uniform_routing: bool = False
     seq_aux_loss_coef: float = 0.0
+    balance_scope: str = "micro_batch"
     score_function: ScoreFunction = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -132,6 +139,8 @@ class MoEConfig:
         coef = self.seq_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
             raise ValueError(f"seq_aux_loss_coef ({coef!r}) must be a finite number >= 0 (0 skips the loss)")
+        if self.balance_scope not in BALANCE_SCOPES:
+            raise ValueError(f"balance_scope ({self.balance_scope!r}) must be one of {BALANCE_SCOPES}")
         check_shared_experts(self.shared_experts, self.shared_expert_intermediate_size, self.shared_expert_gate)
         check_routing(
             self.num_experts, self.top_k, self.router_kind, self.score_function, self.n_group, self.topk_group,

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mula_lightning.moe.balance_scope import scoped_balance_loss
 from mula_lightning.moe.config import ROUTER_KINDS, MoEConfig, capacity, check_routing
 from mula_lightning.utils.precision import upcast
 
@@ -213,6 +214,16 @@ class RoutingReplay:
     decisions: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     replaying: bool = False
     position: int = 0
+    #: the expert frequencies each router of the forward used at ``"global_batch"`` balance scope (recorded by the
+    #: first run: a recomputation neither counts its tokens again nor communicates)
+    frequencies: list[torch.Tensor] = field(default_factory=list)
+    frequency_position: int = 0
+
+    def take_frequencies(self) -> torch.Tensor:
+        if self.frequency_position >= len(self.frequencies):
+            raise RuntimeError("a recomputation asked for more balance frequencies than the forward it repeats used")
+        self.frequency_position += 1
+        return self.frequencies[self.frequency_position - 1]
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.position >= len(self.decisions):
@@ -244,7 +255,7 @@ def paused_load_counting() -> Iterator[None]:
 def routing_replay(replay: RoutingReplay) -> Iterator[RoutingReplay]:
     """Run a forward whose routers record into ``replay`` (first run) or take from it (every later run)."""
     previous = getattr(_ACTIVE, "replay", None)
-    replay.position = 0
+    replay.position = replay.frequency_position = 0
     _ACTIVE.replay = replay
     try:
         yield replay
@@ -331,6 +342,11 @@ class Router(nn.Module):
         self.pending_load: torch.Tensor | None = None
         # a sum over the ranks that hold the other parts of this rank's sequences (sequence parallelism), or None
         self.sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        #: the tokens the load-balancing loss counts its frequencies over (:mod:`~mula_lightning.moe.balance_scope`)
+        self.balance_scope = "micro_batch"
+        #: at ``"global_batch"`` scope: the ranks holding the step's other tokens, and this step's counts so far
+        self.balance_group: Any = None
+        self.balance_window: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: MoEConfig, device: torch.device | str | None = None) -> Router:
@@ -352,6 +368,7 @@ class Router(nn.Module):
             bias_update_rate=config.bias_update_rate,
         )
         router.sequence_aux_loss = config.seq_aux_loss_coef > 0
+        router.balance_scope = config.balance_scope
         return router
 
     def extra_repr(self) -> str:
@@ -434,7 +451,11 @@ class Router(nn.Module):
         if self.sequence_reduce is not None:
             lb_loss, z_loss = sequence_parallel_router_losses(logits_SE, probs_SE, indices_SK, self.sequence_reduce)
         else:
-            lb_loss = load_balancing_loss(probs_SE, indices_SK, chosen_E)
+            if self.balance_scope == "micro_batch":
+                lb_loss = load_balancing_loss(probs_SE, indices_SK, chosen_E)
+            else:
+                training = self.training and torch.is_grad_enabled() and not getattr(_COUNTING, "paused", False)
+                lb_loss = scoped_balance_loss(self, probs_SE, chosen_E, indices_SK, num_sequences, replay, training)
             z_loss = router_z_loss(logits_SE)
         seq_loss = None
         if self.sequence_aux_loss:

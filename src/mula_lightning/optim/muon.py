@@ -155,6 +155,11 @@ def muon_update_(
             offset += count
 
 
+def _is_sharded(param: Any) -> bool:
+    """A DTensor sharded over its mesh (FSDP2's and tensor parallelism's parameters)."""
+    return hasattr(param, "placements") and any(p.is_shard() for p in param.placements)
+
+
 def is_muon_matrix(name: str, param: torch.Tensor, routers: set[int] | None = None) -> bool:
     """Whether Muon trains ``param`` (see the module docstring): a matrix (or a batch of expert matrices) of a decoder
     layer with both sides longer than 1, not a router's weight (``routers``: ids of router parameters; without it,
@@ -236,6 +241,13 @@ class MuonAdamW(torch.optim.Optimizer):
             if flat:
                 raise ValueError(
                     f"Muon trains matrices: a group with use_muon=True holds a tensor of shape {tuple(flat[0].shape)}"
+                )
+            sharded = [p for p in group["params"] if group["use_muon"] and _is_sharded(p)]
+            if sharded:
+                raise ValueError(
+                    f"Muon needs whole matrices: a matrix of shape {tuple(sharded[0].shape)} is sharded over ranks "
+                    f"(placements {tuple(sharded[0].placements)}: FSDP or tensor parallelism); use strategy 'epso', "
+                    "which gives each matrix to one rank whole"
                 )
 
     @torch.no_grad()

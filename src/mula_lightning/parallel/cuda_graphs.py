@@ -20,7 +20,8 @@ post-accumulate hooks (its gradient buckets and their reductions) run as before,
 Limits (each refused with one warning, the run continuing eagerly): a CUDA device; one model-parallel rank
 (``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1: expert parallelism exchanges token counts through the
 host, expert tensor, tensor and pipeline parallelism run collectives inside the forward); dropless routing (a capacity
-factor makes the number of routed rows depend on the data); no router jitter noise under activation checkpointing
+factor makes the number of routed rows depend on the data); no global-batch balancing (its running count of the
+step's tokens lives outside a capture); no router jitter noise under activation checkpointing
 (its recomputation would need the generator's state, which a capture cannot read); no module hooks on the model when
 the capture happens; a step that passes the probe (one eager forward + backward under CUDA's sync debug mode, after a
 warm-up run) and a capture that succeeds. Data parallelism is allowed: gradients are reduced after the backward graph
@@ -72,6 +73,8 @@ def graph_refusal(model: nn.Module, device: torch.device, topology: Any = None) 
         factor = m.config.capacity_factor
         if factor is not None and m.config.num_experts > 0:
             return f"dropless routing is needed (capacity_factor={factor}: the routed rows depend on the data)"
+        if m.config.num_experts > 0 and m.config.balance_scope == "global_batch":
+            return "balance_scope 'global_batch' keeps a running count of the step's tokens on the host's routers"
     checkpointed = any(m.__dict__.get("_mula_checkpointed") for m in model.modules())
     for name, module in model.named_modules():
         jitter = float(getattr(module, "jitter_noise", 0.0) or 0.0)

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from mula_lightning.moe.balance_scope import enable_global_batch_balance, install_balance_window_reset
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.optim.adamw import adamw_update_pieces_
 from mula_lightning.parallel.collectives import (
@@ -316,6 +317,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         # auxiliary-loss-free balancing: the routers' loads summed over the stage (the ranks routing through them);
         # a stage of one rank (pure pipeline parallelism) has no group and nothing to sum, not the world's loads
         install_expert_bias_update(self, model, topology.stage_group, reduce=topology.stage_size > 1)
+        # global-batch balancing: the routers count over the stage's distinct batches, afresh after each step
+        enable_global_batch_balance(model, topology.dense_dp_group if topology.dense_dp_size > 1 else None)
+        install_balance_window_reset(self, model)
 
     #: the single-device optimizer :meth:`from_optimizer` takes over, and the param-group keys it keeps
     SINGLE_DEVICE: type[torch.optim.Optimizer] = torch.optim.AdamW

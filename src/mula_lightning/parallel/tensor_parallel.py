@@ -275,6 +275,11 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
         reduce = partial(all_reduce, group=tp_mesh.get_group(), tag="tp.sp.router")
         for module in model.modules():
             if isinstance(module, Router):
+                if module.balance_scope != "micro_batch":
+                    raise ValueError(
+                        f"balance_scope {module.balance_scope!r} does not run with sequence parallelism (each rank "
+                        "holds a part of every sequence): use balance_scope 'micro_batch' or sequence_parallel=False"
+                    )
                 module.sequence_reduce = reduce
     plan = {k: v for k, v in plan.items() if _held(model, k)}
     if plan:
