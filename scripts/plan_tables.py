@@ -6,7 +6,7 @@
 One row per shipped recipe (``examples/configs/mula-{20b-a2b,100b-a7b,220b-a10b}.yaml``) planned on the cluster and
 node count its YAML states (Aurora, 256 nodes): the layout, the worst pipeline stage's memory per rank by kind,
 whether it fits, the predicted step time, tokens/s and MFU; then, per recipe, the three fastest layouts
-``mula plan --search`` finds at the same global batch.
+``mula plan --search`` finds at the same global batch; then each recipe with ``--optimizer muon``.
 """
 
 from __future__ import annotations
@@ -48,10 +48,18 @@ def tables() -> str:
         "| step s | M tokens/s | MFU |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|",
     ]
-    searched = []
+    searched, muon = [], []
     for recipe in RECIPES:
         config = str(ROOT / "examples" / "configs" / f"{recipe}.yaml")
         (p,) = plan(["--config", config])["layouts"]
+        (q,) = plan(["--config", config, "--optimizer", "muon"])["layouts"]
+        n = q["muon"]
+        muon.append(
+            f"| {recipe} | {_gb(p['memory_bytes']['master'] + p['memory_bytes']['moments'])} | "
+            f"{_gb(q['memory_bytes']['master'] + q['memory_bytes']['moments'])} | {_gb(q['memory_bytes']['total'])} | "
+            f"{max(n['elements']) / 1e6:.0f} | {max(n['newton_schulz_flops']) / 1e12:.1f} | "
+            f"{q['time']['optimizer_s']:.3f} | {p['step_time_s']:.2f} | {q['step_time_s']:.2f} |"
+        )
         m = p["memory_bytes"]
         layout = f"{p['strategy']} {p['mode'] or ''} {_sizes(p)}".replace("  ", " ")
         lines.append(
@@ -77,6 +85,14 @@ def tables() -> str:
         "| recipe | # | layout | recompute | total GB | step s | MFU |",
         "|---|--:|---|---|--:|--:|--:|",
         *searched,
+        "",
+        "The same recipes with `--optimizer muon` (Muon on the layers' matrices, each owned whole by one rank: the "
+        "busiest owner's momentum and master, its Newton-Schulz FLOPs in the step time at the same matmul rate):",
+        "",
+        "| recipe | AdamW master + moments GB | Muon master + moments GB | Muon total GB | busiest owner's M "
+        "elements | its Newton-Schulz TFLOP | its Newton-Schulz s | AdamW step s | Muon step s |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        *muon,
     ]
     return "\n".join(lines)
 

@@ -45,6 +45,7 @@ from mula_lightning.models import MulaConfig, MulaForCausalLM, init_weights
 from mula_lightning.moe.balance_scope import enable_global_batch_balance, reset_balance_window
 from mula_lightning.moe.balancing import install_expert_bias_update
 from mula_lightning.moe.reference import MoEAux
+from mula_lightning.optim import OPTIMIZERS
 from mula_lightning.optim.adamw import FUSED_ADAMW_DEVICES
 from mula_lightning.optim.muon import MuonAdamW, muon_param_groups
 from mula_lightning.parallel.topology import check_divisible
@@ -54,9 +55,6 @@ from mula_lightning.strategies.protocol import (
     strategy_pipeline,
     strategy_tensor_parallel,
 )
-
-#: the optimizers ``MulaLM(optimizer=...)`` builds
-OPTIMIZERS = ("adamw", "muon")
 
 
 def single_device_adamw(params: Any, **hyper: Any) -> torch.optim.AdamW:

@@ -3,6 +3,7 @@ whole matrices per owner, the uneven reductions it runs on, and what it refuses.
 (every layout, every loop) is the loop tester's Muon layouts (``tests/testing/test_conformance.py``,
 ``tests/testing/test_trainer_conformance.py``) and the pipeline test's Muon layout."""
 
+import random
 import types
 
 import pytest
@@ -24,6 +25,15 @@ def test_owners_balance_newton_schulz_cost_in_layout_order():
     owners = assign_owners(costs, 2)
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
     assert max(loads) <= sum(costs) / 2 + max(costs)  # the greedy bound
+    rng = random.Random(0)
+    for ranks in (1, 3, 8, 1000):  # the heap against the rule spelled out (repeated costs: ties)
+        costs = [rng.choice([1.0, 2.0, 3.5, rng.random()]) for _ in range(200)]
+        loads, expected = [0.0] * ranks, []
+        for cost in costs:
+            rank = min(range(ranks), key=lambda r: (loads[r], r))
+            loads[rank] += cost
+            expected.append(rank)
+        assert assign_owners(costs, ranks) == expected
 
 
 def test_an_owner_aligned_buffer_gives_each_shard_whole_parameters_without_padding():

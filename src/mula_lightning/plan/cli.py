@@ -7,16 +7,19 @@ fastest, and a dry run of the real set-up at the full world size.
     mula plan --config examples/configs/mula-100b-a7b.yaml --search
     mula plan mula-220b-a10b --nodes 1024 --ep 12 --pp 8 --trace --ranks 0,6143,-1
     mula plan mula-1b --cluster dgx-h100 --devices-per-node 1          # one GPU of a node
+    mula plan mula-20b-a2b --nodes 64 --ep 12 --optimizer muon         # Muon's owners, momentum, Newton-Schulz
 
 Prints the model's total and active parameters, then per pipeline stage one rank's bytes of weights, gradients, fp32
-master, AdamW moments (:mod:`~mula_lightning.plan.states`), activations (:mod:`~mula_lightning.plan.activations`) and
-communication buffers, whether the worst stage fits the device (less its reserved memory), and the bytes each
-collective of one optimizer step sends, per link level (:mod:`~mula_lightning.plan.comm`). Layout options, batch and
-recomputation come from the flags or from a ``mula fit`` YAML (``--config``); a flag overrides the file. Then the
-predicted step time, tokens/s and MFU (:mod:`~mula_lightning.plan.step_time`). ``--search`` plans every layout at the
-same global batch instead (:mod:`~mula_lightning.plan.search`) and prints the ten fastest that fit. ``--trace --ranks
-0,-1`` runs the real set-up of those ranks at the full world size under torch's fake process group
-(:mod:`~mula_lightning.plan.trace`) and exits 1 where it disagrees with the plan.
+master, optimizer moments (AdamW's two; Muon's one on the matrices it owns with ``--optimizer muon``:
+:mod:`~mula_lightning.plan.states`, :mod:`~mula_lightning.plan.muon`), activations
+(:mod:`~mula_lightning.plan.activations`) and communication buffers, whether the worst stage fits the device (less
+its reserved memory), and the bytes each collective of one optimizer step sends, per link level
+(:mod:`~mula_lightning.plan.comm`). Layout options, batch and recomputation come from the flags or from a ``mula fit``
+YAML (``--config``); a flag overrides the file. Then the predicted step time, tokens/s and MFU
+(:mod:`~mula_lightning.plan.step_time`). ``--search`` plans every layout at the same global batch instead
+(:mod:`~mula_lightning.plan.search`) and prints the ten fastest that fit. ``--trace --ranks 0,-1`` runs the real
+set-up of those ranks at the full world size under torch's fake process group (:mod:`~mula_lightning.plan.trace`) and
+exits 1 where it disagrees with the plan.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mula_lightning.optim import OPTIMIZERS
 from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
 from mula_lightning.parallel.pipeline import SCHEDULES
 from mula_lightning.plan.clusters import CLUSTERS, GB, Cluster, load_cluster
@@ -68,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp-virtual-stages", type=int, default=None, help="stages per rank (interleaved_1f1b)")
     parser.add_argument("--mode", choices=EPSO_MODES, default=None, help="epso's sharded_optimizer")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None)
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="adamw, or muon (Muon on the layers' matrices, each owned whole by one rank)",
+    )
     for size in ZERO_SIZES:
         parser.add_argument(
             f"--{size.replace('_', '-')}", type=int, default=None, help=f"zero_topo's {size} (0: default)"
@@ -123,6 +133,8 @@ def _from_fit_config(path: str) -> dict[str, Any]:
         | (model.get("model_overrides") or {}),
         "strategy": "zero_topo" if "ZeroTopo" in class_path or class_path == "zero_topo" else "epso",
     }
+    if model.get("optimizer") is not None:
+        out["optimizer"] = model["optimizer"]
     renames = {
         "ep_size": "ep",
         "pp_size": "pp",
@@ -257,7 +269,7 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
     }
     if args.search:
         found = search(config, cluster, nodes, given("global_batch", None), training.seq_len,
-                       given("precision", "bf16-true"), training)  # fmt: skip
+                       given("precision", "bf16-true"), training, given("optimizer", "adamw"))  # fmt: skip
         return {"notes": [], **head, "search": True, **found}
     layout = Layout(
         world_size=nodes * cluster.devices_per_node,
@@ -275,6 +287,7 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         tp=tp,
         etp=int(given("etp", 1)),
         sp=sequence_parallel,
+        optimizer=given("optimizer", "adamw"),
         extra={**fit.get("extra", {}), **{k: True for k in ("quantize_weights", "quantize_grads") if getattr(args, k)}},
     )
     layout.check(config)
@@ -332,7 +345,7 @@ def _traced(config: Any, layout: Layout, training: Training, planned: dict[str, 
     spec = {
         "config": dataclasses.asdict(config), "world_size": layout.world_size, "strategy": layout.strategy,
         "ep": layout.ep, "pp": layout.pp, "tp": layout.tp, "etp": layout.etp, "sp": layout.sp, "mode": layout.mode,
-        "precision": layout.precision,
+        "precision": layout.precision, "optimizer": layout.optimizer,
         "zero_sizes": layout.zero_sizes, "ranks_per_node": layout.ranks_per_node, "ranks_per_gpu": layout.ranks_per_gpu,
         "dispatcher": training.dispatcher, "checkpointing": training.checkpointing, "schedule": training.schedule,
         "micro_batches": training.micro_batches, "virtual": training.virtual, "reduce_dtype": training.reduce_dtype,
@@ -340,7 +353,7 @@ def _traced(config: Any, layout: Layout, training: Training, planned: dict[str, 
     }  # fmt: skip
     out = []
     for traced in trace(spec, ranks):
-        check_trace(traced, planned, layout)
+        check_trace(traced, planned, layout, config)
         out.append(traced)
     return out
 
@@ -353,7 +366,9 @@ def _search_table(result: dict[str, Any], top: int = 10) -> list[str]:
     layouts, rejected = result["layouts"], result["rejected"]
     lines = [
         f"\n--search: {len(layouts)} layouts fit, {len(rejected)} do not or cannot run; the global batch "
-        f"{result['global_batch']} sequences of {result['seq_len']} tokens; the {min(top, len(layouts))} fastest:",
+        f"{result['global_batch']} sequences of {result['seq_len']} tokens"
+        + (", optimizer muon" if result.get("optimizer") == "muon" else "")
+        + f"; the {min(top, len(layouts))} fastest:",
         f"{'#':>3} {'strategy':<18}{'DP x TP x PP':<18}{'EP':<9}{'recompute':<24}{'GB/rank':>8}{'step s':>8}"
         f"{'M tok/s':>9}{'MFU %':>7}",
     ]
@@ -390,12 +405,13 @@ def _table(result: dict[str, Any]) -> str:
         ckpt = layout["activation_checkpointing"] or "no"
         ckpt = "+".join(ckpt) if isinstance(ckpt, list) else ckpt
         etp = f" x ETP {layout['etp']}" if layout["etp"] > 1 else ""
+        muon = ", muon" if layout["muon"] else ""
         dense = ""
         if layout["tp"] > 1:
             dense = f" (dense layers: DP {layout['dense_dp']} x TP {layout['tp']}{' with SP' if layout['sp'] else ''})"
         lines.append(
-            f"\n{layout['strategy']}{mode}, {layout['precision']}: DP {layout['dp']} x EP {layout['ep']}{etp} x PP "
-            f"{layout['pp']}{dense}; {layout['micro_batches']} micro-batches of "
+            f"\n{layout['strategy']}{mode}, {layout['precision']}{muon}: DP {layout['dp']} x EP {layout['ep']}{etp} "
+            f"x PP {layout['pp']}{dense}; {layout['micro_batches']} micro-batches of "
             f"{layout['sequences_per_micro_batch']} x "
             f"{layout['seq_len']} tokens, {ckpt} recomputation, {layout['dispatcher']} dispatch at "
             f"{layout['imbalance']:g}x routing headroom"
@@ -416,9 +432,19 @@ def _table(result: dict[str, Any]) -> str:
         for traced in layout.get("traced", []):
             lines.append(_traced_lines(traced, layout))
         t = layout["time"]
+        if layout["muon"]:
+            worst = max(range(len(layout["stages"])), key=lambda i: layout["muon"]["newton_schulz_flops"][i])
+            lines.append(
+                f"\nmuon: the busiest owner (stage {worst}) orthogonalises "
+                f"{layout['muon']['elements'][worst] / 1e6:.1f} M matrix elements at most, "
+                f"{layout['muon']['newton_schulz_flops'][worst] / 1e12:.2f} TFLOP of Newton-Schulz per step: "
+                f"{t['optimizer_s']:.3f} s of the step"
+            )
         lines.append(
             f"\npredicted step: {t['step_time_s']:.2f} s = compute {t['compute_s']:.2f} + bubble {t['bubble_s']:.2f} + "
-            f"exposed communication {t['exposed_comm_s']:.2f}; {t['tokens_per_step'] / 1e6:.2f} M tokens per step, "
+            f"exposed communication {t['exposed_comm_s']:.2f}"
+            + (f" + Newton-Schulz {t['optimizer_s']:.2f}" if layout["muon"] else "")
+            + f"; {t['tokens_per_step'] / 1e6:.2f} M tokens per step, "
             f"{t['tokens_per_s'] / 1e6:.2f} M tokens/s, MFU {100 * t['mfu']:.1f}% (assumptions: mula_lightning.plan."
             "step_time)"
         )

@@ -32,6 +32,7 @@ from mula_lightning.parallel.sharded_optimizer import COPIES_IN_FLIGHT
 from mula_lightning.plan.activations import rank_layers, stage_activation_bytes
 from mula_lightning.plan.clusters import GB, Cluster
 from mula_lightning.plan.comm import REDUCE_BYTES, Batch, bytes_per_link, comm_bytes
+from mula_lightning.plan.muon import stage_muon
 from mula_lightning.plan.states import PRECISIONS, Layout, epso_families, layer_counts, stage_params, state_bytes
 from mula_lightning.plan.step_time import predict_step
 
@@ -98,12 +99,12 @@ def _largest_parameter(config: MulaConfig, layout: Layout, stage: int) -> int:
 
 
 def _buffers(config: MulaConfig, layout: Layout, cluster: Cluster, states: dict[str, int], stage: Any, index: int,
-             training: Training) -> int:  # fmt: skip
+             training: Training, muon_elements: int = 0) -> int:  # fmt: skip
     param_bytes = PRECISIONS[layout.precision]
     largest = _largest_parameter(config, layout, index) * param_bytes
     if layout.strategy == "epso":
         reduce = REDUCE_BYTES[training.reduce_dtype]
-        owned = states["moments"] // 8
+        owned = (states["moments"] - 4 * muon_elements) // 8 + muon_elements  # Muon's momentum: 4 bytes an element
         local = round(sum(epso_families(stage, layout).values()))
         copies = min(local, COPIES_IN_FLIGHT * training.bucket_numel) if training.bucket_numel else local
         backward = owned * reduce + (copies * reduce if reduce != 4 else 0) + largest
@@ -141,18 +142,24 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         layout.tp, layout.sp, layout.etp,
     )  # fmt: skip
     comms = comm_bytes(config, layout, batch, hw, training.dispatcher, training.reduce_dtype, training.checkpointing)
+    muon = None
+    if layout.optimizer == "muon":  # the busiest owner of each stage: its Muon elements and Newton-Schulz FLOPs
+        shares = stage_muon(config, layout.pp, layout.stage_size, layout.ep, layout.mode)
+        worst = [share.worst(layout.stage_size) for share in shares]
+        muon = {"elements": [w[0] for w in worst], "newton_schulz_flops": [w[1] for w in worst]}
     stages = []
     for state, act, stage in zip(states, activations, stage_params(config, layout.pp)):
         row = {k: state[k] for k in ("weights", "gradients", "master", "moments")}
         row["activations"] = act["activations"]
-        row["buffers"] = _buffers(config, layout, cluster, state, stage, len(stages), training)
+        row["buffers"] = _buffers(config, layout, cluster, state, stage, len(stages), training,
+                                  muon["elements"][len(stages)] if muon else 0)  # fmt: skip
         row["total"] = sum(row.values())
         stages.append(row)
     layers = [rank_layers(config, layout.pp, training.virtual, rank) for rank in range(layout.pp)]
     batches = layout.world_size // (layout.pp * layout.tp)  # every dense_dp rank reads its own batch (EP ranks too)
     time = predict_step(config, cluster, layout.world_size, layout.pp, batches, batch, layers, comms,
-                        training.checkpointing, training.imbalance, training.virtual, layout.tp,
-                        layout.sp)  # fmt: skip
+                        training.checkpointing, training.imbalance, training.virtual, layout.tp, layout.sp,
+                        max(muon["newton_schulz_flops"]) if muon else 0.0)  # fmt: skip
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
     usable = cluster.memory_bytes - cluster.reserved_bytes
     fits = stages[worst]["total"] <= usable
@@ -166,6 +173,7 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         "dp": layout.dp, "ep": layout.ep, "etp": layout.etp, "tp": layout.tp, "pp": layout.pp,
         "sp": layout.sp, "dense_dp": layout.dense_dp,
         "strategy": layout.strategy, "mode": layout.mode if layout.strategy == "epso" else None,
+        "optimizer": layout.optimizer, "muon": muon,
         "precision": layout.precision, "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,
         "sequences_per_micro_batch": batch.micro_batch_size,
         "micro_batches": training.micro_batches, "activation_checkpointing": training.checkpointing,

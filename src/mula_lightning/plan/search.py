@@ -10,6 +10,7 @@ The candidates (all at the same global batch, so that their step times compare):
   ``1 / tp`` of the norms' and MoE blocks' for the same bytes on the links), folded over the same ranks as ``ep``;
   and ``zero_topo`` (its default 3-level sizes from the node) without
   pipelining, where ``ep`` divides a node;
+* with ``optimizer="muon"``: ``epso`` without tensor parallelism only (what Muon runs under);
 * recomputation: none, the FFN blocks (``moe`` or ``mlp``), norms + attention + FFN (the paper's 220B choice), whole
   layers; without pipelining one sequence per forward, the rest accumulated.
 
@@ -42,18 +43,19 @@ def recomputation_choices(config: MulaConfig) -> list[Any]:
 
 
 def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str = "bf16-true",
-               max_pp: int = 16, seq_len: int | None = None) -> Iterator[Layout]:  # fmt: skip
+               max_pp: int = 16, seq_len: int | None = None, optimizer: str = "adamw") -> Iterator[Layout]:  # fmt: skip
     """Every (strategy, mode, pp, ep, tp) layout of ``nodes`` nodes (see the module docstring); ``seq_len``: only the
     ``tp`` degrees sequence parallelism can split it over."""
     world = nodes * cluster.devices_per_node
     common = dict(
         world_size=world,
         precision=precision,
+        optimizer=optimizer,
         ranks_per_node=cluster.devices_per_node,
         ranks_per_gpu=cluster.devices_per_gpu,
     )
     tensor_parallel = []
-    for tp in _divisors(cluster.devices_per_node)[1:]:
+    for tp in _divisors(cluster.devices_per_node)[1:] if optimizer == "adamw" else []:
         try:
             check_tensor_parallel(config, tp)
         except ValueError:
@@ -71,24 +73,26 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
             for tp in tensor_parallel:
                 if (world // pp) % tp == 0:
                     yield Layout(strategy="epso", ep=ep, pp=pp, tp=tp, sp=True, **common)
-            if pp == 1 and cluster.devices_per_node % ep == 0:
+            if pp == 1 and cluster.devices_per_node % ep == 0 and optimizer == "adamw":
                 yield Layout(strategy="zero_topo", ep=ep, **common)
 
 
 def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int | None = None, seq_len: int = 2048,
-           precision: str = "bf16-true", training: Training | None = None) -> dict[str, Any]:  # fmt: skip
+           precision: str = "bf16-true", training: Training | None = None,
+           optimizer: str = "adamw") -> dict[str, Any]:  # fmt: skip
     """Plan every candidate; ``{"layouts": fitting ones by step time, "rejected": [{..., "reason"}]}``.
 
     Args:
         global_batch: sequences per optimizer step (default: one per rank, the Aurora recipes' 3072 on 256 nodes).
         training: dispatcher, gradient reduction dtype and routing headroom (its batch fields are set per layout).
+        optimizer: ``"adamw"`` or ``"muon"`` (the layouts it runs under).
     """
     world = nodes * cluster.devices_per_node
     global_batch = global_batch or world
     base = training or Training()
     fitting, rejected = [], []
     hw = HardwareTopology.uniform(world, cluster.devices_per_node, cluster.devices_per_gpu)
-    for layout in candidates(config, cluster, nodes, precision, seq_len=seq_len):
+    for layout in candidates(config, cluster, nodes, precision, seq_len=seq_len, optimizer=optimizer):
         batches = world // (layout.pp * layout.tp)
         for checkpointing in recomputation_choices(config):
             summary = {
@@ -129,4 +133,5 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
             else:
                 rejected.append({**summary, "reason": planned["reason"]})
     fitting.sort(key=lambda p: p["step_time_s"])
-    return {"layouts": fitting, "rejected": rejected, "global_batch": global_batch, "seq_len": seq_len}
+    return {"layouts": fitting, "rejected": rejected, "global_batch": global_batch, "seq_len": seq_len,
+            "optimizer": optimizer}  # fmt: skip

@@ -25,6 +25,11 @@ experts, per-head q/k norms); with expert tensor parallelism (``etp``) each expe
 ``epso`` then holds ``P_rep + P_tp / tp + P_e / (EP x ETP)`` elements, and ``ep_aware`` owns ``1 / W`` of every
 element (each family sharded over exactly its replicas: ``W``, ``W / tp``, ``W / (EP x ETP)`` ranks).
 ``zero_topo`` has no tensor parallelism.
+
+With ``optimizer="muon"`` (``epso`` without tensor parallelism) the decoder layers' matrices have one float32 state
+(Muon's momentum: 4 bytes, not AdamW's 8) and are owned whole by one rank each (:mod:`~mula_lightning.plan.muon`): a
+stage's ranks then differ, and a stage's row is its busiest rank's (the most Muon elements); the other elements keep
+the closed forms above.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mula_lightning.models.config import MulaConfig
+from mula_lightning.optim import OPTIMIZERS
 from mula_lightning.parallel.pipeline import stage_layer_ranges
 from mula_lightning.parallel.tensor_parallel import check_tensor_parallel
 from mula_lightning.parallel.zero.layout import ZeroTopoLayout, expert_layout
@@ -58,6 +64,8 @@ class Layout:
         zero_sizes: ``zero_topo``'s ``weight_size``, ``grad_size``, ``optimizer_size``, ``secondary_size`` (0: its
             defaults from the node).
         ranks_per_node / ranks_per_gpu: the node's shape (``zero_topo``'s defaults, the EP group's node).
+        optimizer: ``"adamw"`` or ``"muon"`` (:class:`~mula_lightning.optim.muon.MuonAdamW`: Muon on the layers'
+            matrices, AdamW on the rest).
     """
 
     world_size: int
@@ -72,6 +80,7 @@ class Layout:
     tp: int = 1
     etp: int = 1
     sp: bool = False
+    optimizer: str = "adamw"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -110,6 +119,7 @@ class Layout:
         if self.world_size % (self.pp * self.tp):
             raise ValueError(f"pp ({self.pp}) x tp ({self.tp}) must divide the world size ({self.world_size})")
         self._check_tensor_parallel(config)
+        self._check_optimizer()
         if self.ep > 1 and not config.is_moe:
             raise ValueError(f"ep ({self.ep}) > 1 needs an MoE model; {config.name} is dense")
         if self.ep > 1 and config.num_experts % self.ep:
@@ -141,6 +151,22 @@ class Layout:
             raise ValueError(
                 f"epso's sharded_optimizer='dp' does not run with tp ({self.tp}) or etp ({self.etp}) > 1: use "
                 "'ep_aware' or 'none'"
+            )
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer ({self.optimizer!r}) must be one of {OPTIMIZERS}")
+        if self.optimizer != "muon":
+            return
+        if self.strategy != "epso":
+            raise ValueError(
+                f"optimizer 'muon' runs under epso, not {self.strategy}: Newton-Schulz needs whole matrices and "
+                "zero_topo shards every element"
+            )
+        if self.tp > 1 or self.etp > 1:
+            raise ValueError(
+                f"optimizer 'muon' with tp ({self.tp}) or etp ({self.etp}) > 1 is not supported: each rank holds a "
+                "slice of a matrix and Newton-Schulz needs the whole one (torchtitan refuses it too)"
             )
 
     def zero_layout(self) -> ZeroTopoLayout:
@@ -264,23 +290,38 @@ def epso_families(stage: StageParams, layout: Layout) -> dict[str, float]:
     }
 
 
-def state_bytes(config: MulaConfig, layout: Layout) -> list[dict[str, int]]:
+def state_bytes(config: MulaConfig, layout: Layout, rank: int | None = None) -> list[dict[str, int]]:
     """Per pipeline stage, one rank's bytes of ``weights``, ``gradients``, ``master``, ``moments`` and their
-    ``total`` (model states only: no activations or buffers yet)."""
+    ``total`` (model states only: no activations or buffers yet): of stage rank ``rank`` (its index in the stage),
+    or of the rank with the most (None; every rank holds the same but Muon's owners)."""
     layout.check(config)
     param_bytes = PRECISIONS[layout.precision]
     master_bytes = 4 if param_bytes != 4 else 0
+    muon = None
+    if layout.optimizer == "muon":
+        from mula_lightning.plan.muon import stage_muon
+
+        muon = stage_muon(config, layout.pp, layout.stage_size, layout.ep, layout.mode)
     out = []
-    for stage in stage_params(config, layout.pp):
+    for index, stage in enumerate(stage_params(config, layout.pp)):
+        moment_bytes = 0.0
         if layout.strategy == "epso":
             local = sum(epso_families(stage, layout).values())
+            weights, gradients = local * param_bytes, local * 4
+            muon_owned = 0
+            if muon is not None:  # AdamW's closed forms over the other elements; Muon's by owner
+                share = muon[index]
+                local -= share.non_expert + share.expert / layout.ep
+                stage = StageParams(stage.non_expert - share.non_expert, stage.expert - share.expert)
+                muon_owned = share.worst(layout.stage_size)[0] if rank is None else share.rank_elements(rank)
             ranks = layout.stage_size
             owned = {
                 "none": local,
                 "dp": stage.non_expert / layout.dp + stage.expert / ranks,
                 "ep_aware": (stage.non_expert + stage.expert) / ranks,
             }[layout.mode]
-            weights, gradients = local * param_bytes, local * 4
+            moment_bytes = owned * 8 + muon_owned * 4
+            owned += muon_owned
         else:
             dense, experts = layout.zero_layout(), expert_layout(layout.zero_layout(), layout.ep)
             slices = ((stage.non_expert, dense), (stage.expert / layout.ep, experts))
@@ -288,11 +329,12 @@ def state_bytes(config: MulaConfig, layout: Layout) -> list[dict[str, int]]:
             weights += sum(_secondary_bytes(n, lay, layout, param_bytes) for n, lay in slices)
             gradients = sum(n / lay.grad_size * 4 for n, lay in slices)
             owned = sum(n / lay.optimizer_size for n, lay in slices)
+            moment_bytes = owned * 8
         row = {
             "weights": round(weights),
             "gradients": round(gradients),
             "master": round(owned * master_bytes),
-            "moments": round(owned * 8),
+            "moments": round(moment_bytes),
         }
         row["total"] = sum(row.values())
         out.append(row)

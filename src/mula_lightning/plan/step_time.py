@@ -17,6 +17,9 @@ A prediction with stated assumptions, not a measurement (``benchmarks/`` measure
   every MoE layer), tensor parallelism's activation collectives (between every two of its matmuls), the weights'
   all-gather after the update, ``zero_topo``'s cross-node all-reduce and post-step
   gather, the gradient norm, and the pipeline's sends.
+* **Optimizer step.** Muon's Newton-Schulz iteration on the busiest owner (:mod:`~mula_lightning.plan.muon`), at the
+  same matmul rate, between the gradient reduction and the weights' gather: not overlapped. AdamW's element-wise
+  update (memory-bound, a few milliseconds) is not counted.
 * **MFU** = model FLOPs of the step (no recomputation) / (step time x ranks x peak).
 """
 
@@ -95,7 +98,7 @@ def flops_per_token(config: MulaConfig, seq_len: int) -> float:
 def predict_step(config: MulaConfig, cluster: Cluster, world_size: int, pp: int, batches: int, batch: Batch,
                  stage_layers: list[list[int]], collectives: list[list[Collective]], checkpointing: Any,
                  imbalance: float, virtual: int = 1, tp: int = 1,
-                 sequence_parallel: bool = False) -> dict[str, Any]:  # fmt: skip
+                 sequence_parallel: bool = False, optimizer_flops: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """Step time, its parts, tokens/s and MFU (see the module docstring).
 
     Args:
@@ -106,6 +109,7 @@ def predict_step(config: MulaConfig, cluster: Cluster, world_size: int, pp: int,
             included, reads its own, the ``tp`` ranks of a group the same): the global batch is ``batches`` x the
             rank's.
         tp / sequence_parallel: the tensor-parallel degree and whether the sequence is split over it.
+        optimizer_flops: the optimizer step's matmul FLOPs on its busiest rank (Muon's Newton-Schulz; 0: AdamW).
     """
     rate = cluster.peak_flops * cluster.matmul_efficiency
     per_stage = [
@@ -125,7 +129,8 @@ def predict_step(config: MulaConfig, cluster: Cluster, world_size: int, pp: int,
         hidden_last = max(0.0, seconds["last"] - 2 / 3 * micro)
         exposed.append(seconds["exposed"] + hidden_last + max(0.0, seconds["every"] - (compute - bubble)))
     comm = max(exposed)
-    step = compute + comm
+    optimizer = optimizer_flops / rate
+    step = compute + comm + optimizer
     tokens = batches * batch.micro_batches * batch.tokens
     model_flops = flops_per_token(config, batch.seq_len) * tokens
     return {
@@ -133,6 +138,7 @@ def predict_step(config: MulaConfig, cluster: Cluster, world_size: int, pp: int,
         "compute_s": compute - bubble,
         "bubble_s": bubble,
         "exposed_comm_s": comm,
+        "optimizer_s": optimizer,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step,
         "mfu": model_flops / (step * world_size * cluster.peak_flops),

@@ -74,8 +74,9 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from mula_lightning.checkpoint.sharded import sharded_checkpoint_parts
+    from mula_lightning.optim.muon import MuonAdamW, muon_param_groups
     from mula_lightning.parallel.params import is_tensor_parallel, local_tensor
-    from mula_lightning.parallel.sharded_optimizer import ShardedAdamW
+    from mula_lightning.parallel.sharded_muon import shard_optimizer
     from mula_lightning.parallel.topology import build_topology
     from mula_lightning.strategies.epso import EPSOSettings, setup_epso_module
 
@@ -88,11 +89,14 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
         reduce_dtype=getattr(torch, spec["reduce_dtype"]), bucket_numel=spec["bucket_numel"],
     )  # fmt: skip
     names = {id(p): n for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # the mesh is built from real tensors (DeviceMesh reads its rank grid); everything after it is on meta
     topology = build_topology(settings.ep_size, tp, sp, etp, settings.pp_size)
     setup_epso_module(model, settings, torch.device("meta"), topology)
-    sharded = ShardedAdamW.from_optimizer(model, optimizer, topology, names, **settings.optimizer_kwargs())
+    if spec.get("optimizer", "adamw") == "muon":  # the stage's own parameters, as MulaLM builds it after set-up
+        optimizer = MuonAdamW(muon_param_groups(model), lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sharded = shard_optimizer(model, optimizer, topology, names, **settings.optimizer_kwargs())
     padding = sum(b.numel - sum(s.numel for s in b.slots) for buf in sharded.buffers.values() for b in buf.buckets)
     grad_bytes = sum(buf.grads.numel() * buf.grads.element_size() for buf in sharded.buffers.values())
     grad_elem = max((buf.grads.element_size() for buf in sharded.buffers.values()), default=4)
@@ -124,7 +128,8 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     shards = {f"model.{name}" for name, p in model.named_parameters() if is_tensor_parallel(p)}
     dense_dp = groups.get("dense_dp", stage)
     files = _checkpoint_writes(tensors, planner, rank, dist.get_world_size(), groups["edp"], stage, shards, dense_dp)
-    return {"measured": measured, "padding_elements": padding, "groups": groups, **files}
+    return {"measured": measured, "padding_elements": padding, "groups": groups, "stage_rank": topology.stage_rank,
+            **files}  # fmt: skip
 
 
 def _checkpoint_writes(tensors: dict[str, Any], planner: Any, rank: int, world: int, replicas: list[int],
@@ -316,25 +321,31 @@ def _element_bytes(kind: str, param_bytes: int) -> int:
     return {"weights": param_bytes, "gradients": 4, "master": 4, "moments": 8}[kind]
 
 
-def check_trace(traced: dict[str, Any], planned: dict[str, Any], layout: Any) -> None:
+def check_trace(traced: dict[str, Any], planned: dict[str, Any], layout: Any, config: Any = None) -> None:
     """Compare one traced rank with the plan, in place adding ``stage`` and ``memory_bytes`` (the measured bytes) to
     ``traced``; raise where they disagree.
 
     ``memory_bytes`` has the plan's keys; activations and buffers are not measured under the fake process group
     (None), nor their total. Bytes per kind must equal the plan's up to the flat buffers' padding
     (``padding_elements`` x the kind's element bytes: the plan counts each family or unit unpadded); every group
-    must contain the rank, hold only ranks of the world, and have the size the layout implies.
+    must contain the rank, hold only ranks of the world, and have the size the layout implies. Under Muon a stage's
+    ranks hold different states (whole matrices per owner): the traced rank is compared with the plan of its own
+    stage rank (:func:`~mula_lightning.plan.states.state_bytes` with ``rank``; ``config`` is the model's).
 
     Raises:
         ValueError: naming the rank, the kind or group, and both values.
     """
-    from mula_lightning.plan.states import PRECISIONS
+    from mula_lightning.plan.states import PRECISIONS, state_bytes
 
     rank, world = traced["rank"], layout.world_size
     stage = rank // (world // layout.pp)
     traced["stage"] = stage
     traced["memory_bytes"] = {**traced.pop("measured"), "activations": None, "buffers": None, "total": None}
     expected = planned["stages"][stage]
+    if getattr(layout, "optimizer", "adamw") == "muon":
+        if config is None:
+            raise ValueError("check_trace of a Muon layout needs the model's config (its owners differ per rank)")
+        expected = state_bytes(config, layout, rank=traced["stage_rank"])[stage]
     for kind in TRACED_KINDS:
         got, want = traced["memory_bytes"][kind], expected[kind]
         slack = traced["padding_elements"] * _element_bytes(kind, PRECISIONS[layout.precision])
