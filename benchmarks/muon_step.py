@@ -3,7 +3,7 @@ Newton-Schulz share of a whole training step.
 
 Run: ``.venv/bin/python benchmarks/muon_step.py`` (CPU; ``--hidden 2048 --intermediate 1024 --experts 64`` are
 Mula-7B-A1B's layers, minutes per step on a CPU; the default is 4 of them at a quarter of their width: H 512, I 256,
-E 64, 8 heads; owners balance over every matrix of the layers, an expert tensor being one).
+E 64, 8 heads; owners balance over every matrix of the layers, each expert's included).
 
 What is timed (best of ``--repeats``, one process; the ranks' work is computed, not communicated):
 
@@ -12,8 +12,9 @@ What is timed (best of ``--repeats``, one process; the ranks' work is computed, 
 * **Muon** with its AdamW split (:func:`~mula_lightning.optim.muon.muon_update_`: momentum, the Newton-Schulz
   iteration in bfloat16 batched per shape, decoupled weight decay) on the layer's matrices (q, k, v, o and each
   expert's two matrices), at DP 1 and on the most loaded rank's matrices when
-  :func:`~mula_lightning.parallel.sharded_muon.assign_owners` spreads them over DP ranks, as
-  :class:`~mula_lightning.parallel.sharded_muon.ShardedMuon` does; the norms and the router take AdamW, counted;
+  :func:`~mula_lightning.parallel.sharded_muon.partition_matrices` cuts them into DP ranges, as
+  :class:`~mula_lightning.parallel.sharded_muon.ShardedMuon` does (an expert tensor cut between experts); the norms
+  and the router take AdamW, counted;
 * **the training step** of the layer (forward + backward of ``--tokens`` tokens through the attention projections as
   matrix products and :class:`~mula_lightning.moe.block.FastSparseMoEBlock`), to put the Newton-Schulz time in
   proportion.
@@ -32,7 +33,20 @@ import torch
 
 from mula_lightning.optim.adamw import adamw_update_pieces_
 from mula_lightning.optim.muon import MUON_DEFAULTS, muon_update_, newton_schulz_flops
-from mula_lightning.parallel.sharded_muon import assign_owners
+from mula_lightning.parallel.sharded_muon import partition_matrices
+
+
+def owned_shapes(shapes: list[tuple[int, ...]], lo: int, hi: int) -> list[tuple[int, ...]]:
+    """The matrices (an expert tensor's owned experts as one batch) of elements ``[lo, hi)`` of ``shapes``'
+    concatenation: what the owner of that range iterates."""
+    out, at = [], 0
+    for shape in shapes:
+        *batch, rows, cols = shape
+        start, end = max(lo, at), min(hi, at + torch.Size(shape).numel())
+        if start < end:
+            out.append(((end - start) // (rows * cols), rows, cols) if batch else shape)
+        at += torch.Size(shape).numel()
+    return out
 
 
 def layer_matrices(hidden: int, intermediate: int, experts: int, heads: int) -> list[tuple[int, ...]]:
@@ -123,9 +137,9 @@ def main() -> None:
     print("| DP | AdamW ms (rank) | Muon ms (busiest rank) | Muon / AdamW | Newton-Schulz share of a step |")
     print("|---:|---:|---:|---:|---:|")
     for dp in args.dp:
-        owners = assign_owners(costs, dp)
-        busiest = max(range(dp), key=lambda r: sum(c for c, o in zip(costs, owners) if o == r))
-        mine = [s for s, o in zip(shapes, owners) if o == busiest]
+        cuts, loads = partition_matrices(shapes, dp)
+        busiest = max(range(dp), key=lambda r: loads[r])
+        mine = owned_shapes(shapes, cuts[busiest], cuts[busiest + 1])
         adamw = adamw_time(-(-(muon_numel + rest) // dp), args.repeats)
         muon = muon_time(mine, args.repeats) + adamw_time(-(-rest // dp), args.repeats)
         print(f"| {dp} | {adamw * 1e3:.2f} | {muon * 1e3:.1f} | {muon / adamw:.1f}x | {muon / (muon + step):.2f} |")

@@ -53,7 +53,7 @@ class Bucket:
     numel: int  # padded
     shard_count: int
     slots: list[ParamSlot] = field(default_factory=list)
-    #: uneven shards (an owner-aligned layout): shard ``i`` is ``[start + bounds[i], start + bounds[i + 1])``
+    #: uneven shards (cut at the caller's ``cuts``): shard ``i`` is ``[start + bounds[i], start + bounds[i + 1])``
     bounds: tuple[int, ...] | None = None
 
     @property
@@ -115,9 +115,10 @@ class FlatBuffer:
             parameter's value exists at a time besides the buffer) and a new ``nn.Parameter`` viewing the buffer
             takes its place in the slot; :attr:`replaced` maps ``id(old)`` to it, for the owner to swap into modules
             and optimizer param groups.
-        owners: ``id(parameter) -> shard`` for an owner-aligned layout (whole parameters per shard: the sharded Muon,
-            whose Newton-Schulz iteration needs whole matrices): each bucket lists its parameters shard by shard and
-            splits into uneven shards at their boundaries (:attr:`Bucket.bounds`), without padding.
+        cuts: ``shard_count + 1`` non-decreasing element offsets into the parameters' concatenation (layout
+            order): shard ``i`` holds ``[cuts[i], cuts[i + 1])`` of it, each bucket its part of that range
+            (:attr:`Bucket.bounds`, uneven, possibly empty), nothing padded. The sharded Muon cuts at matrix
+            boundaries, its Newton-Schulz iteration needing whole matrices.
         defer_initial_values: with ``initial_value``, leave the new buffer unwritten (allocated with
             ``torch.empty``: on the host its pages are not even touched) for the owner to write only the range it
             keeps with :meth:`fill_initial`, so that a shard owner never holds a whole unit's values.
@@ -135,7 +136,7 @@ class FlatBuffer:
         device: torch.device | str | None = None,
         initial_value: Callable[[nn.Parameter], torch.Tensor] | None = None,
         defer_initial_values: bool = False,
-        owners: dict[int, int] | None = None,
+        cuts: list[int] | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatBuffer needs at least one parameter")
@@ -159,24 +160,27 @@ class FlatBuffer:
         def close_bucket() -> None:
             nonlocal offset
             start = offset
-            bounds = None
-            if owners is not None:  # shard by shard, each parameter whole in its owner's shard
-                current.sort(key=lambda item: owners[id(item[1])])  # stable: layout order within a shard
-                sizes = [0] * shard_count
-                for _, p, _ in current:
-                    sizes[owners[id(p)]] += local_tensor(p).numel()
-                bounds = tuple(sum(sizes[:i]) for i in range(shard_count + 1))
             for name, p, g in current:
                 slot = ParamSlot(name, p, g, offset, local_tensor(p).numel(), len(self.buckets))
                 self.slots.append(slot)
                 offset += slot.numel
-            multiple = 1 if owners is not None else shard_count * align
+            bounds = None
+            if cuts is not None:  # unpadded: buffer offsets are the concatenation's
+                bounds = tuple(min(max(c, start), offset) - start for c in cuts)
+            multiple = 1 if cuts is not None else shard_count * align
             padded = -(-(offset - start) // multiple) * multiple
             bucket = Bucket(len(self.buckets), start, padded, shard_count, self.slots[-len(current) :], bounds)
             self.buckets.append(bucket)
             offset = start + padded
             current.clear()
 
+        if cuts is not None:
+            total = sum(local_tensor(p).numel() for _, p, _ in ordered)
+            if len(cuts) != shard_count + 1 or cuts[0] != 0 or cuts[-1] != total or list(cuts) != sorted(cuts):
+                raise ValueError(
+                    f"cuts {list(cuts)[:8]} must be {shard_count + 1} non-decreasing offsets from 0 to the "
+                    f"{total} elements"
+                )
         running = 0
         for item in ordered:
             current.append(item)

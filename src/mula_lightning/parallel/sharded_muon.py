@@ -10,15 +10,22 @@ reduce-scatter's and an all-gather's, as for AdamW.
 Layout (:class:`~mula_lightning.optim.muon.MuonAdamW`'s ``use_muon`` groups; the others stay ShardedAdamW's
 families): the Muon matrices form their own families, ``muon_non_expert`` and ``muon_expert``, sharded over the same
 groups as their AdamW counterparts (``ep_aware``: the stage for non-expert matrices, ``dp`` for expert tensors; the
-``mode`` table of :mod:`~mula_lightning.parallel.sharded_optimizer` holds). Owners are assigned family by family in
-layout order to the least-loaded rank so far, the load being Newton-Schulz FLOPs (a greedy balance, as Megatron's
-layer-wise rule balances parameters); each bucket of the flat buffer lists its matrices owner by owner, so rank ``r``'s
-shard is its whole matrices (:class:`~mula_lightning.parallel.flat_buffer.Bucket` with uneven ``bounds``, no
+``mode`` table of :mod:`~mula_lightning.parallel.sharded_optimizer` holds). A family's matrices, in its flat buffer's
+layout order, are cut into one contiguous range per rank of its group (:func:`partition_matrices`), each range of
+about an equal share of the Newton-Schulz FLOPs, every cut at a matrix boundary: between two parameters, or between
+two experts of an expert tensor ``(E_local, A, B)``, each expert's ``A x B`` matrix being a matrix of its own (as
+torchtitan's and Megatron's distributed Muon treat experts). So an expert tensor spreads over several owners where
+its layer's experts outweigh a share, and the busiest owner carries at most its share plus one matrix. The flat
+buffer's shards end at those cuts (:class:`~mula_lightning.parallel.flat_buffer.Bucket` with uneven ``bounds``, no
 padding). Gradients are reduced to the owners (:func:`~mula_lightning.parallel.collectives.reduce_to_owners`), the
 owner updates the momentum (float32: one state per element, half of AdamW's) and the weights, the weights go back
-from the owners (:func:`~mula_lightning.parallel.collectives.gather_from_owners`). An expert tensor
-``(E_local, A, B)`` is owned whole: its owner iterates its E matrices in one batched product, together with every
-other owned matrix of the same shape.
+from the owners (:func:`~mula_lightning.parallel.collectives.gather_from_owners`). An owner iterates all its
+matrices of one shape, its experts included, in one batched product.
+
+Contiguous ranges, not a greedy choice per matrix (this module's first form, and Megatron's layer-wise rule): a
+parameter viewing the flat buffer must stay contiguous in it, so only a contiguous layout can hand the experts of one
+tensor to several owners. The price: one bucket's reduction goes to the few owners of its range, where a per-matrix
+greedy spread it over the group (the bytes are the same).
 
 Everything else (hooks, micro-batch accumulation, several synchronised backwards, clipping by the global norm with
 each element counted once, skipped steps, checkpoints under logical keys with ``momentum_buffer`` in the parameter's
@@ -30,7 +37,9 @@ it for the iteration is not done here, and torchtitan refuses the same), and the
 
 from __future__ import annotations
 
-import heapq
+import bisect
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,24 +57,37 @@ from mula_lightning.parallel.sharded_optimizer import (
 )
 from mula_lightning.parallel.topology import MoETopology
 
-__all__ = ["ShardedMuon", "assign_owners", "shard_optimizer"]
+__all__ = ["ShardedMuon", "partition_matrices", "shard_optimizer"]
 
 #: the families whose matrices Muon trains, after ShardedAdamW's
 MUON_FAMILIES = {"muon_non_expert": "non_expert", "muon_expert": "expert"}
 
 
-def assign_owners(costs: list[float], ranks: int) -> list[int]:
-    """The owner of each item (in the given order) among ``ranks``: the least-loaded rank so far, by cost (ties to
-    the lowest rank). In layout order, not sorted by cost, so that consecutive matrices (one bucket's) go to
-    different ranks and a bucket's reduction spreads over its group. A heap of ``(load, rank)``: ``mula plan`` runs
-    it for thousands of ranks per layout."""
-    loads = [(0.0, r) for r in range(ranks)]  # sorted: already a heap
-    owners = []
-    for cost in costs:
-        load, rank = loads[0]
-        heapq.heapreplace(loads, (load + cost, rank))
-        owners.append(rank)
-    return owners
+def partition_matrices(shapes: Sequence[Sequence[int]], ranks: int, steps: int = 5) -> tuple[list[int], list[float]]:
+    """Cut the concatenation of ``shapes`` (each ``(A, B)`` or ``(E, A, B)``: E matrices of ``A x B``) into ``ranks``
+    contiguous ranges of balanced Newton-Schulz cost (:func:`~mula_lightning.optim.muon.newton_schulz_flops` of
+    ``steps``), every cut at a matrix boundary: cut ``r`` is the boundary nearest to ``r / ranks`` of the total cost
+    (ties to the earlier one). Each range's cost is then within one matrix's cost of its share.
+
+    Returns:
+        The ``ranks + 1`` element offsets where the ranges begin (and the last ends), and each range's cost.
+    """
+    ends, costs = [0], [0.0]  # after each matrix: elements and cost so far
+    for shape in shapes:
+        *batch, rows, cols = shape
+        cost = float(newton_schulz_flops((rows, cols), steps))
+        for _ in range(math.prod(batch)):
+            ends.append(ends[-1] + rows * cols)
+            costs.append(costs[-1] + cost)
+    marks = [0]  # the boundary (matrix count) each range starts at
+    for r in range(1, ranks):
+        share = costs[-1] * r / ranks
+        j = bisect.bisect_left(costs, share)  # costs[j - 1] < share <= costs[j]
+        if j == len(costs) or (j > 0 and share - costs[j - 1] <= costs[j] - share):
+            j -= 1
+        marks.append(max(j, marks[-1]))
+    marks.append(len(costs) - 1)
+    return [ends[m] for m in marks], [costs[b] - costs[a] for a, b in zip(marks, marks[1:])]
 
 
 class ShardedMuon(ShardedAdamW):
@@ -113,13 +135,12 @@ class ShardedMuon(ShardedAdamW):
         base = family_of(name, param)
         return f"muon_{base}" if group.get("use_muon") else base
 
-    def _owners(self, fam: str, items: list[tuple[str, nn.Parameter, int]], plan: FamilyPlan) -> dict[int, int] | None:
+    def _cuts(self, fam: str, items: list[tuple[str, nn.Parameter, int]], plan: FamilyPlan) -> list[int] | None:
         if fam not in MUON_FAMILIES or plan.shard_size == 1:
             return None
         ordered = sorted(items, key=lambda item: item[2])  # the buffer's layout order (param group, then given)
-        steps = [self.param_groups[g]["ns_steps"] for _, _, g in ordered]
-        costs = [newton_schulz_flops(local_tensor(p).shape, s) for (_, p, _), s in zip(ordered, steps)]
-        return {id(p): r for (_, p, _), r in zip(ordered, assign_owners(costs, plan.shard_size))}
+        steps = max(self.param_groups[g]["ns_steps"] for _, _, g in ordered)  # the cost model (balance only)
+        return partition_matrices([local_tensor(p).shape for _, p, _ in ordered], plan.shard_size, steps)[0]
 
     def _state_keys(self, fam: str) -> tuple[str, ...]:
         return ("momentum_buffer",) if fam in MUON_FAMILIES else super()._state_keys(fam)
@@ -130,9 +151,12 @@ class ShardedMuon(ShardedAdamW):
         state = self.shards[fam]
         master, momentum = state.get("master"), state["momentum_buffer"]
         by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
-        for seg in buf.segments:  # whole parameters: the layout gives each owner whole matrices
+        for seg in buf.segments:  # whole matrices: a parameter, or some experts of an expert tensor
             shape = local_tensor(seg.slot.param).shape
-            assert seg.numel == seg.slot.numel, f"{seg.slot.name}: a Muon matrix split between ranks"
+            matrix = shape[-2] * shape[-1]
+            assert seg.param_start % matrix == 0 and seg.numel % matrix == 0, f"{seg.slot.name}: a matrix cut"
+            if seg.numel != seg.slot.numel:
+                shape = torch.Size((seg.numel // matrix, *shape[-2:]))
             lo, hi = seg.local_start, seg.local_start + seg.numel
             weights = master[lo:hi] if master is not None else buf.params[seg.buffer_start : seg.buffer_end]
             params, grads, momenta = by_group.setdefault(seg.slot.group_index, ([], [], []))

@@ -296,9 +296,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                 # gradients accumulate in at least float32 (Megatron's main grad): bf16 buffers would round every
                 # micro-batch's sum and the float32-reduced shard again before the float32 master update
                 grad_dtype = at_least_float32(items[0][1].dtype)
-                owners = self._owners(fam, items, plan)
+                cuts = self._cuts(fam, items, plan)
                 self.buffers[fam] = FlatBuffer(
-                    items, plan.shard_size, plan.shard_rank, bucket_numel, grad_dtype, owners=owners
+                    items, plan.shard_size, plan.shard_rank, bucket_numel, grad_dtype, cuts=cuts
                 )
         self.master_dtype = torch.float32  # of half-precision parameters; float32 / float64 ones are their own master
         self._init_state()
@@ -333,8 +333,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         """The family a parameter of ``group`` is laid out, reduced and updated in."""
         return family_of(name, param)
 
-    def _owners(self, fam: str, items: list[tuple[str, nn.Parameter, int]], plan: FamilyPlan) -> dict[int, int] | None:
-        """``id(parameter) -> shard`` for a family whose shards hold whole parameters (None: equal shards)."""
+    def _cuts(self, fam: str, items: list[tuple[str, nn.Parameter, int]], plan: FamilyPlan) -> list[int] | None:
+        """Where each shard of a family begins in its buffer (``shard_size + 1`` offsets; shards cut at chosen
+        places, e.g. matrix boundaries), or None: equal, padded shards of every bucket."""
         return None
 
     def _state_keys(self, fam: str) -> tuple[str, ...]:

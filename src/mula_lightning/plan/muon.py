@@ -2,8 +2,8 @@
 and computes.
 
 Why a module of its own: AdamW's states are even over a family's ranks (a closed form per element); Muon's are not.
-:class:`~mula_lightning.parallel.sharded_muon.ShardedMuon` gives each matrix (an expert tensor as one) whole to one rank
-of its family's group, so a rank's momentum bytes and Newton-Schulz FLOPs depend on which matrices it drew, and the
+:class:`~mula_lightning.parallel.sharded_muon.ShardedMuon` gives each matrix (each expert's too) whole to one rank of
+its family's group, so a rank's momentum bytes and Newton-Schulz FLOPs depend on which matrices it drew, and the
 busiest rank, not the average, sets the memory and the step. This module runs the same assignment on shapes alone:
 
 * the matrices: the model built once per config on the meta device (no memory), split by
@@ -11,9 +11,9 @@ busiest rank, not the average, sets the memory and the step. This module runs th
   routers, embeddings, head and norms stay AdamW's);
 * the order: a stage's matrices as ShardedMuon lays them out, its parameters reversed (as backward produces their
   gradients), family by family;
-* the owners: :func:`~mula_lightning.parallel.sharded_muon.assign_owners` over Newton-Schulz FLOPs
-  (:func:`~mula_lightning.optim.muon.newton_schulz_flops`, ``ns_steps`` of
-  :data:`~mula_lightning.optim.muon.MUON_DEFAULTS`), in each family's group
+* the owners: :func:`~mula_lightning.parallel.sharded_muon.partition_matrices`, contiguous ranges of balanced
+  Newton-Schulz FLOPs (``ns_steps`` of :data:`~mula_lightning.optim.muon.MUON_DEFAULTS`) cut at matrix boundaries (an
+  expert tensor between two experts), one per rank of the family's group
   (:func:`~mula_lightning.parallel.sharded_optimizer.family_plans`): ``muon_non_expert`` over the stage
   (``ep_aware``: shard rank = stage rank), over ``dp`` (``dp``: shard rank = ``stage_rank // ep``) or not sharded
   (``none``: every rank updates every matrix); ``muon_expert``, tensors of ``E / ep`` experts, over ``dp`` (``dp``
@@ -32,10 +32,10 @@ import math
 from dataclasses import dataclass
 
 from mula_lightning.models.config import MulaConfig
-from mula_lightning.optim.muon import MUON_DEFAULTS, newton_schulz_flops
+from mula_lightning.optim.muon import MUON_DEFAULTS
 from mula_lightning.parallel.params import is_expert_param
 from mula_lightning.parallel.pipeline import stage_layer_ranges
-from mula_lightning.parallel.sharded_muon import assign_owners
+from mula_lightning.parallel.sharded_muon import partition_matrices
 
 FAMILIES = ("muon_non_expert", "muon_expert")
 
@@ -143,12 +143,8 @@ def stage_muon(config: MulaConfig, pp: int, stage_size: int, ep: int, mode: str)
                 for m in reversed(mine)
                 if m.expert == (family == "muon_expert")
             ]
-            costs = [float(newton_schulz_flops(s, steps)) for s in shapes]
-            ranks = sizes[shard_by[family]]
-            elements[family], flops[family] = [0] * ranks, [0.0] * ranks
-            for shape, cost, owner in zip(shapes, costs, assign_owners(costs, ranks)):
-                elements[family][owner] += math.prod(shape)
-                flops[family][owner] += cost
+            cuts, flops[family] = partition_matrices(shapes, sizes[shard_by[family]], steps)
+            elements[family] = [b - a for a, b in zip(cuts, cuts[1:])]
         out.append(
             StageMuon(
                 non_expert=sum(math.prod(m.shape) for m in mine if not m.expert),
