@@ -4,7 +4,7 @@ A Trainer program (accumulation, ``gradient_clip_val``, skipped steps through an
 step-interval scheduler, a norm-logging hook, a resume mid-run by a second Trainer) runs on every rank of a real
 strategy (gloo, float64) and, written as the Fabric calls the Trainer makes, in one process with DDP's semantics;
 every loss, hook norm, learning rate and every rank's full weights after every step must agree (norms and weights
-to a relative 1e-10). Lightning's DDP is the control that the translation into calls is Lightning's loop.
+to a relative 1e-12). Lightning's DDP is the control that the translation into calls is Lightning's loop.
 """
 
 import pytest
