@@ -107,6 +107,18 @@ def test_zero_topo_shards_frozen_parameters_at_setup_module_and_never_updates_th
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.endswith("muon")])
+def test_five_clipped_accumulated_muon_steps_equal_one_process(layout):
+    """Issue 72's parity program on every Muon layout (DP 2, EP 2, DP 2 x EP 2 in both modes): five steps of two
+    accumulated micro-batches (``no_backward_sync``, then a synchronised backward), each clipped, give one process's
+    losses, norms and weights to a relative 1e-12 (:data:`~mula_lightning.testing.conformance.RTOL`); one process is
+    ``MuonAdamW``, itself ``torch.optim.Muon`` per matrix and per expert matrix and AdamW for the rest
+    (``tests/optim/test_muon.py``)."""
+    calls = ("backward_no_sync", "backward", "clip", "step", "zero_grad") * 5
+    check_program(LoopProgram(layout, "setup_with_scheduler", calls))
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_seeded_loop_programs_train_like_one_process(layout):
     """A fixed, seeded set of loop programs per layout (Lightning's DDP is the control): any set-up order, frozen
