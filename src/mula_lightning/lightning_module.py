@@ -51,6 +51,7 @@ from mula_lightning.optim.muon import MuonAdamW, muon_param_groups
 from mula_lightning.parallel.topology import check_divisible
 from mula_lightning.strategies.protocol import (
     ShardingStrategy,
+    strategy_cp_size,
     strategy_ep_size,
     strategy_pipeline,
     strategy_tensor_parallel,
@@ -76,9 +77,13 @@ def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int
     """Raise a ``ValueError`` naming the values when the strategy's layout does not fit the model or the processes:
     ``ep_size`` (an MoE model, dividing its experts and the processes), ``tp_size`` (dividing the processes, the
     attention and key/value heads, a dense MLP's intermediate size and the vocabulary; an untied LM head), both
-    folded over the same ranks, under sequence parallelism the data's sequence length, and ``pp_size`` (dividing the
-    processes, its stages x virtual stages the layers; untied embeddings)."""
+    folded over the same ranks, under sequence parallelism the data's sequence length, ``pp_size`` (dividing the
+    processes, its stages x virtual stages the layers; untied embeddings) and ``cp_size`` (dividing the processes
+    beside ``tp_size``, its ``2 x cp_size`` chunks the data's sequence length; routers balancing per micro-batch)."""
     ep_size = strategy_ep_size(strategy)
+    cp_size = strategy_cp_size(strategy)
+    if cp_size > 1:
+        _check_context_parallel(config, strategy, processes, cp_size, seq_len)
     tp_size, sequence_parallel, etp_size = strategy_tensor_parallel(strategy)
     pipeline = strategy_pipeline(strategy)
     pp_size = pipeline["pp_size"]
@@ -124,6 +129,21 @@ def check_layout(config: MulaConfig, strategy: Any, processes: int, seq_len: int
                 f"sequence_parallel splits each sequence over tp_size ({tp_size}) ranks: the data's seq_len "
                 f"({seq_len}) must be divisible by it"
             )
+
+
+def _check_context_parallel(config: MulaConfig, strategy: Any, processes: int, cp: int, seq_len: int | None) -> None:
+    from mula_lightning.parallel.context_parallel import check_sequence_length
+    from mula_lightning.parallel.mesh import ParallelDims
+
+    tp_size, _, etp_size = strategy_tensor_parallel(strategy)
+    ParallelDims(processes, tp=tp_size, cp=cp, ep=strategy_ep_size(strategy), etp=etp_size)  # sizes that divide
+    if seq_len is not None:
+        check_sequence_length(seq_len, cp)
+    if config.is_moe and config.balance_scope != "micro_batch":
+        raise ValueError(
+            f"cp_size ({cp}) > 1 cuts every sequence over ranks: balance_scope {config.balance_scope!r} would "
+            "count each rank's chunks only; use balance_scope 'micro_batch'"
+        )
 
 
 class MulaLM(LightningModule):

@@ -73,11 +73,11 @@ class _TinyLM(LightningModule):
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
 
-def _trainer(world_size, ep, mode="ep_aware", tp=1, **kwargs):
+def _trainer(world_size, ep, mode="ep_aware", tp=1, cp=1, sampled=False, **kwargs):
     return Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=EPSOStrategy(ep_size=ep, sharded_optimizer=mode, tp_size=tp, sequence_parallel=tp > 1),
+        strategy=EPSOStrategy(ep_size=ep, sharded_optimizer=mode, tp_size=tp, sequence_parallel=tp > 1, cp_size=cp),
         precision="64-true",
         accumulate_grad_batches=ACCUM,
         gradient_clip_val=CLIP,
@@ -85,16 +85,17 @@ def _trainer(world_size, ep, mode="ep_aware", tp=1, **kwargs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=tp > 1,  # with TP, Lightning's sampler over the dense data-parallel ranks
+        use_distributed_sampler=sampled,  # Lightning's sampler over the strategy's distinct batches
         **kwargs,
     )
 
 
-def _loader(world_size, rank, tp=1):
+def _loader(world_size, rank, replicas=None):
     """Rank r reads samples r, r + W, ... (explicitly, so the test does not depend on Lightning's sampler); with
-    TP, Lightning's (shuffling) DistributedSampler over the W / tp dense data-parallel ranks decides."""
-    if tp > 1:
-        return DataLoader(_samples(world_size // tp), batch_size=MICRO, shuffle=False)
+    ``replicas`` (TP or CP: fewer distinct batches than ranks), Lightning's (shuffling) DistributedSampler over the
+    strategy's ``replicas`` distinct batches decides."""
+    if replicas is not None:
+        return DataLoader(_samples(replicas), batch_size=MICRO, shuffle=False)
     return DataLoader(_samples(world_size)[rank::world_size], batch_size=MICRO, shuffle=False)
 
 
@@ -107,11 +108,13 @@ def _full_state(module, trainer):
     return {k: v.clone() for k, v in state.items()}
 
 
-def _fit(rank, world_size, ep, epochs, save=None, resume=None, mode="ep_aware", tp=1):
+def _fit(rank, world_size, ep, epochs, save=None, resume=None, mode="ep_aware", tp=1, cp=1, replicas=None):
+    """``replicas``: the distinct batches when Lightning's sampler hands them out (TP, CP, or a resume at another
+    layout that reads what the saved one read)."""
     module = _TinyLM()
-    trainer = _trainer(world_size, ep, mode, tp, max_epochs=epochs)
+    trainer = _trainer(world_size, ep, mode, tp, cp, sampled=replicas is not None, max_epochs=epochs)
     with CommLedger() as ledger:
-        trainer.fit(module, _loader(world_size, rank, tp), ckpt_path=resume)
+        trainer.fit(module, _loader(world_size, rank, replicas), ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
     reduce_scatters = len([r for r in ledger.records if r.op == "reduce_scatter" and r.tag.startswith("optimizer.")])
@@ -171,10 +174,30 @@ def test_trainer_tensor_parallel_folded_with_ep_resumes_to_the_straight_run(tmp_
     data-parallel ranks: save after 2 steps (accumulation 2, clipping, LR schedule), resume for 1 more, and the
     weights equal one process running the 2 data-parallel batches for 3 steps."""
     path = str(tmp_path / "step2.ckpt")
-    run_pooled_test(_fit, 4, ep=2, tp=2, epochs=2, save=path, timeout=300)
-    for rank, (state, _, steps) in enumerate(run_pooled_test(_fit, 4, ep=2, tp=2, epochs=3, resume=path, timeout=300)):
+    run_pooled_test(_fit, 4, ep=2, tp=2, replicas=2, epochs=2, save=path, timeout=300)
+    resumed = run_pooled_test(_fit, 4, ep=2, tp=2, replicas=2, epochs=3, resume=path, timeout=300)
+    for rank, (state, _, steps) in enumerate(resumed):
         assert steps == 3
         _assert_state_close(state, _reference(2, 3, shuffled=True), f"tp2 x ep2 resumed, rank {rank}")
+
+
+@pytest.mark.distributed
+def test_trainer_context_parallel_saves_at_cp2_and_resumes_at_cp1_to_the_straight_run(tmp_path):
+    """4 processes, CP 2 folded with EP 2 beside DP 2 (each sequence's chunks over a pair of ranks, Lightning's
+    sampler over the 2 distinct batches): save after 2 steps (accumulation 2, clipping, LR schedule), resume at
+    CP 1 on 2 processes (EP 2, the same 2 batches per step) at step 2 for 1 more, and the weights equal one process
+    running the 2 batches' whole sequences for 3 steps."""
+    path = str(tmp_path / "step2.ckpt")
+    for rank, (state, _, steps) in enumerate(
+        run_pooled_test(_fit, 4, ep=2, cp=2, replicas=2, epochs=2, save=path, timeout=300)
+    ):
+        assert steps == 2
+        _assert_state_close(state, _reference(2, 2, shuffled=True), f"cp2 x ep2 saved, rank {rank}")
+    for rank, (state, _, steps) in enumerate(
+        run_pooled_test(_fit, 2, ep=2, replicas=2, epochs=3, resume=path, timeout=300)
+    ):
+        assert steps == 3
+        _assert_state_close(state, _reference(2, 3, shuffled=True), f"resumed at cp1, rank {rank}")
 
 
 def _bad(rank, world_size, case):

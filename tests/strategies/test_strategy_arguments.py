@@ -25,14 +25,14 @@ STRATEGIES = [FabricEPSOStrategy, EPSOStrategy, FabricZeroTopoStrategy, ZeroTopo
 MISSPELLED = {FabricEPSOStrategy: "ep_szie", EPSOStrategy: "ep_szie", FabricZeroTopoStrategy: "weigth_size"}
 MISSPELLED[ZeroTopoStrategy] = "weigth_size"
 # a parallelism the strategy does not have (yet): epso has tensor and pipeline parallelism, not context parallelism
-UNSUPPORTED = {FabricEPSOStrategy: "cp_size", EPSOStrategy: "cp_size", FabricZeroTopoStrategy: "tp_size"}
+UNSUPPORTED = {FabricEPSOStrategy: "grad_size", EPSOStrategy: "grad_size", FabricZeroTopoStrategy: "tp_size"}
 UNSUPPORTED[ZeroTopoStrategy] = "tp_size"
 
 
 @pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("keyword", ["misspelled", "unsupported", "find_unused_parameters", "static_graph"])
 def test_unknown_keywords_are_refused_and_named(cls, keyword):
-    """A misspelled option, a parallelism this strategy does not have (``cp_size`` on epso, ``tp_size`` on
+    """A misspelled option, a sharding this strategy does not have (``grad_size``, zero_topo's, on epso, ``tp_size`` on
     zero_topo) and DDP-wrapper arguments that mean nothing without a wrapper all raise a TypeError naming the keyword
     and the arguments that do exist."""
     name = {"misspelled": MISSPELLED, "unsupported": UNSUPPORTED}.get(keyword, {cls: keyword})[cls]

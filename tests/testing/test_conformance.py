@@ -24,7 +24,7 @@ from mula_lightning.testing.conformance import (
 
 #: seeded programs per layout in ``make test`` (a few tenths of a second each on warm gloo ranks); half of it for the
 #: Muon layouts, whose engine is the AdamW one's but for the layout and the update
-PROGRAMS_PER_LAYOUT = 12
+PROGRAMS_PER_LAYOUT = 8
 
 REVIEW_PROGRAMS = {
     # zero_topo: the shards were all-reduced across nodes and divided at the norm query; the second backward landed
@@ -106,14 +106,21 @@ def test_zero_topo_shards_frozen_parameters_at_setup_module_and_never_updates_th
     )
 
 
+def _halved(layout: str) -> bool:
+    """Layouts whose seeded share is halved: Muon's (the AdamW engine but for the layout and the update) and context
+    parallelism's (the engine unchanged but for the reduction's divisor; its model path has tests of its own)."""
+    return layout.endswith("muon") or " cp" in layout
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.endswith("muon")])
-def test_five_clipped_accumulated_muon_steps_equal_one_process(layout):
-    """Issue 72's parity program on every Muon layout (DP 2, EP 2, DP 2 x EP 2 in both modes): five steps of two
-    accumulated micro-batches (``no_backward_sync``, then a synchronised backward), each clipped, give one process's
-    losses, norms and weights to a relative 1e-12 (:data:`~mula_lightning.testing.conformance.RTOL`); one process is
-    ``MuonAdamW``, itself ``torch.optim.Muon`` per matrix and per expert matrix and AdamW for the rest
-    (``tests/optim/test_muon.py``)."""
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if _halved(name)])
+def test_five_clipped_accumulated_steps_equal_one_process(layout):
+    """Issue 72's and 73's parity program on every Muon layout (DP 2, EP 2, DP 2 x EP 2 in both modes) and every
+    context-parallel one (CP 2, CP 4, CP 2 folded with EP 2, CP 2 x EP 2 beside DP 2): five steps of two accumulated
+    micro-batches (``no_backward_sync``, then a synchronised backward), each clipped, give one process's losses,
+    norms and weights to a relative 1e-12 (:data:`~mula_lightning.testing.conformance.RTOL`); one process is
+    ``MuonAdamW`` for Muon, itself ``torch.optim.Muon`` per matrix and per expert matrix and AdamW for the rest
+    (``tests/optim/test_muon.py``), and sees each batch's whole sequences where the CP ranks hold two chunks each."""
     calls = ("backward_no_sync", "backward", "clip", "step", "zero_grad") * 5
     check_program(LoopProgram(layout, "setup_with_scheduler", calls))
 
@@ -126,7 +133,7 @@ def test_seeded_loop_programs_train_like_one_process(layout):
     skipped steps, scheduler steps, and a save and load in place between steps. A failure is shrunk by
     ``hypothesis`` to the smallest failing program and printed as code."""
 
-    @seeded_programs(layout, PROGRAMS_PER_LAYOUT // 2 if layout.endswith("muon") else PROGRAMS_PER_LAYOUT)
+    @seeded_programs(layout, PROGRAMS_PER_LAYOUT // 2 if _halved(layout) else PROGRAMS_PER_LAYOUT)
     @given(loop_programs(layout))
     def run(program):
         check_program(program)

@@ -29,7 +29,8 @@ def _write(config: dict, path: Path) -> str:
 
 def test_examples_ship_every_preset():
     """One YAML per paper preset, the CPU ones (the demo's MoE, its dense counterpart, its upcycled continuation, its
-    MoE-parallel-folding and pipeline layouts, its Muon + WSD recipe), and the upcycling recipe."""
+    MoE-parallel-folding, pipeline and long-sequence (context-parallel) layouts, its Muon + WSD recipe), and the
+    upcycling recipe."""
     names = {p.stem for p in CONFIGS}
     presets = {"mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "mula-tiny-moe"}
     cpu = {
@@ -39,6 +40,7 @@ def test_examples_ship_every_preset():
         "mula-tiny-moe-pipeline",
         "mula-tiny-moe-zero-topo",
         "mula-tiny-moe-muon",
+        "mula-tiny-moe-long",
     }
     assert names == presets | cpu | {"upcycle-llama3-8b-e8t2"}
 
@@ -48,7 +50,8 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
     """jsonargparse accepts every key of the YAML; its ep_size divides the preset's experts and devices x nodes, its
     tp_size the processes and the model's heads and vocabulary, the paper presets keep context 2048 and a 6.3M-token
     global batch (micro-batch x data-parallel ranks of a stage x accumulation), its pp_size x virtual stages divide
-    the layers and the processes, and every recipe (the CPU ones included) trains with the paper's reliability
+    the layers and the processes, its cp_size the processes beside tp_size and 2 x cp_size its sequence length, and
+    every recipe (the CPU ones included) trains with the paper's reliability
     callbacks (DualCheckpoint, ModelOnlyCheckpoint, NaNDetector)."""
     import mula_lightning.strategies  # noqa: F401
 
@@ -78,8 +81,15 @@ def test_shipped_yaml_parses_and_fits_its_model(path):
         ParallelDims(world, pp=pp_size, tp=tp_size, ep=ep_size)
         stage_layer_ranges(model.num_layers, pp_size * strategy.init_args.get("pp_virtual_stages", 1))
         assert config.data.micro_batch_size % (strategy.init_args.get("pp_microbatches") or 1) == 0
+    cp_size = strategy.init_args.get("cp_size", 1)
+    if cp_size > 1:  # its ranks beside tp in a stage, and 2 x cp chunks of the data's sequences
+        from mula_lightning.parallel.context_parallel import check_sequence_length
+        from mula_lightning.parallel.mesh import ParallelDims
+
+        ParallelDims(world, pp=pp_size, tp=tp_size, cp=cp_size, ep=ep_size)
+        check_sequence_length(config.data.seq_len, cp_size)
     if config.data.global_batch_size:
-        distinct = world // (pp_size * tp_size)  # batches per step: the pp and tp ranks of a group read one
+        distinct = world // (pp_size * tp_size * cp_size)  # batches per step: the pp, tp and cp ranks read one
         accumulate = config.trainer.accumulate_grad_batches or 1
         assert config.data.micro_batch_size * distinct * accumulate == config.data.global_batch_size
     if path.stem.startswith("upcycle"):  # the Llama-3 upcycling recipe: CF 4, 3e-5 -> 3e-7, 100 warm-up steps

@@ -274,3 +274,24 @@ def test_global_batch_balance_counts_every_rank_and_restarts_each_window(tiny_da
     assert _balance_windows(0, 1, str(tiny_data)) == [[2 * 2 * 32]] * 2
     for tokens in run_pooled_test(_balance_windows, 2, data=str(tiny_data), timeout=300):
         assert tokens == [[2 * 2 * 2 * 32]] * 2
+
+
+@pytest.mark.parametrize(
+    "processes, seq_len, overrides, fragment",
+    [
+        (4, 30, {}, r"2 x cp = 4 equal chunks; the sequence length 30"),
+        (3, 32, {}, r"cp x tp \(2 x 1 = 2\) must divide the ranks of a pipeline stage \(3"),
+        (4, 32, {"balance_scope": "global_batch"}, r"balance_scope 'global_batch' would count each rank's chunks"),
+    ],
+    ids=["length", "processes", "scope"],
+)
+def test_a_context_parallel_layout_that_does_not_fit_is_named_before_building(processes, seq_len, overrides, fragment):
+    """``mula fit``'s layout check names a sequence length that does not split into 2 x cp chunks, processes that
+    cp does not divide and a balance scope that would count a rank's chunks only, before any process starts."""
+    from mula_lightning.lightning_module import check_layout
+    from mula_lightning.models import MulaConfig
+    from mula_lightning.strategies import EPSOStrategy
+
+    config = MulaConfig.from_name("mula-tiny-moe", **overrides)
+    with pytest.raises(ValueError, match=fragment):
+        check_layout(config, EPSOStrategy(cp_size=2, ep_size=1), processes, seq_len)

@@ -184,8 +184,9 @@ def linear_cross_entropy(
     reduction: str = "mean",
     chunk_tokens: int | None = None,
     backend: str = "auto",
+    shifted: bool = False,
 ) -> torch.Tensor:
-    """``causal_lm_loss(hidden @ weight.T, labels, reduction)`` without the whole logits tensor.
+    """``causal_lm_loss(hidden @ weight.T, labels, reduction, shifted)`` without the whole logits tensor.
 
     Args:
         hidden: (..., T, H) final hidden states (after the last norm).
@@ -194,6 +195,7 @@ def linear_cross_entropy(
         reduction: ``"mean"`` over the real tokens (0, with zero gradients, when every label is ignored) or ``"sum"``.
         chunk_tokens: rows of logits computed at once (default: :func:`default_chunk_tokens`).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:func:`resolve_loss_backend`).
+        shifted: ``labels`` are the positions' targets already (context parallelism's ``shift_labels``).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -203,7 +205,7 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
     with record_function(PROFILER_RANGE):  # a profile can tell the fused head + loss (and its GEMMs) apart
-        targets = next_token_targets(labels).reshape(-1)
+        targets = (labels if shifted else next_token_targets(labels)).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
             with torch.no_grad():

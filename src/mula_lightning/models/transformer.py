@@ -74,10 +74,16 @@ def rope_inv_freq(config: MulaConfig, device: torch.device | None = None) -> tor
     return inv_freq
 
 
-def rotary_cos_sin(config: MulaConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
-    """cos and sin tables of shape (T, hd), computed in fp32 then cast (as transformers does)."""
+def rotary_cos_sin(
+    config: MulaConfig, seq_len: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None = None
+):
+    """cos and sin tables of shape (T, hd) for positions ``0..T-1`` (or the given ``positions``, (T,): context
+    parallelism's chunks), computed in fp32 then cast (as transformers does)."""
     inv_freq = rope_inv_freq(config, device=device)
-    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    if positions is None:
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    else:
+        pos = positions.to(device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -96,6 +102,9 @@ class MulaAttention(nn.Module):
         self.o_proj = nn.Linear(config.q_dim, h, bias=False)
         # heads this module computes: all of them, or this rank's share under tensor parallelism (set by the plan)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        #: ``(q, k, v, enable_gqa) -> out`` in place of causal SDPA when the sequence is cut over ranks (set by the
+        #: context-parallel plan, :mod:`mula_lightning.parallel.context_parallel`); None: the whole sequence is here
+        self.context_parallel: Any = None
         if config.qk_norm:  # over the full width (OLMoE) or each head on its own (Qwen3)
             per_head = config.qk_norm_per_head
             self.q_norm = RMSNorm(config.head_dim if per_head else config.q_dim, config.rms_norm_eps)
@@ -114,7 +123,11 @@ class MulaAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(b, t, self.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
+        gqa = c.num_heads != c.num_kv_heads
+        if self.context_parallel is not None:
+            out = self.context_parallel(q, k, v, gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * c.head_dim))
 
 
@@ -162,9 +175,11 @@ class MulaModel(nn.Module):
         self.layers = nn.ModuleList(MulaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[MoEAux]]:
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        cos, sin = rotary_cos_sin(self.config, input_ids.shape[1], x.device, x.dtype)
+        cos, sin = rotary_cos_sin(self.config, input_ids.shape[1], x.device, x.dtype, position_ids)
         moe_aux: list[MoEAux] = []
         for layer in self.layers:
             x, aux = layer(x, cos, sin)
@@ -192,20 +207,23 @@ class MulaOutput:
     moe_aux: list[MoEAux] = field(default_factory=list)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored (transformers' rule).
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", shifted: bool = False
+) -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored (transformers' rule);
+    ``shifted``: ``labels`` are the targets of the positions already (``shift_labels``).
 
     The mean is over the real tokens; when every label is ignored (a prompt-only sample, a padding row) it is 0 with
     zero gradients, where ``F.cross_entropy``'s mean gives NaN (0/0), as the fused and vocabulary-parallel losses do.
     """
-    shifted = next_token_targets(labels)
+    targets = labels if shifted else next_token_targets(labels)
     loss = F.cross_entropy(
         upcast(logits).reshape(-1, logits.shape[-1]),
-        shifted.reshape(-1),
+        targets.reshape(-1),
         ignore_index=-100,
         reduction="sum" if reduction == "mean" else reduction,
     )
-    return loss / (shifted != -100).sum().clamp(min=1) if reduction == "mean" else loss
+    return loss / (targets != -100).sum().clamp(min=1) if reduction == "mean" else loss
 
 
 class MulaForCausalLM(nn.Module):
@@ -238,22 +256,36 @@ class MulaForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         loss_reduction: str = "mean",
         return_logits: bool = True,
+        position_ids: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
     ) -> MulaOutput:
         """Logits and, with ``labels``, the loss. ``return_logits=False`` (training and validation in
         :class:`~mula_lightning.lightning_module.MulaLM`) asks for the loss only: the LM head and the cross-entropy
         then run fused in chunks (:func:`~mula_lightning.models.linear_cross_entropy.linear_cross_entropy`), never
         holding the whole batch's logits, wherever the head is a plain linear layer under the plain loss (a
-        vocabulary-parallel head keeps its own loss over its logits)."""
+        vocabulary-parallel head keeps its own loss over its logits).
+
+        ``position_ids`` (T,): the tokens' positions in their sequences (RoPE's), ``0..T-1`` when None;
+        ``shift_labels`` (B, T): the targets of the positions, given in place of ``labels`` (transformers' name):
+        context parallelism passes both for a rank's chunks of the sequences, whose last targets lie in other
+        chunks (:mod:`mula_lightning.parallel.context_parallel`)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        hidden, moe_aux = self.model(input_ids)
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels or shift_labels (the targets already shifted), not both")
+        shifted = shift_labels is not None
+        labels = shift_labels if shifted else labels
+        hidden, moe_aux = self.model(input_ids, position_ids)
         if labels is not None and not return_logits and self._fused_loss_applies():
             logits = None
             loss = linear_cross_entropy(hidden, self.lm_head.weight, labels, loss_reduction, self.loss_chunk_tokens,
-                                        self.config.loss_backend)  # fmt: skip
-        else:
+                                        self.config.loss_backend, shifted=shifted)  # fmt: skip
+        elif labels is not None:
             logits = self.lm_head(hidden)
-            loss = self.loss_function(logits, labels, loss_reduction) if labels is not None else None
+            loss = (self.loss_function(logits, labels, loss_reduction, shifted=True) if shifted
+                    else self.loss_function(logits, labels, loss_reduction))  # fmt: skip
+        else:
+            logits, loss = self.lm_head(hidden), None
         if moe_aux:
             aux_loss = torch.stack([a.aux_loss for a in moe_aux]).sum()
         else:

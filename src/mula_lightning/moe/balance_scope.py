@@ -41,6 +41,7 @@ from mula_lightning.moe.config import BALANCE_SCOPES
 
 __all__ = [
     "BALANCE_SCOPES",
+    "reduce_router_losses_over",
     "enable_global_batch_balance",
     "install_balance_window_reset",
     "reset_balance_window",
@@ -107,6 +108,24 @@ def enable_global_batch_balance(model: nn.Module, group: Any) -> int:
         router.balance_group = group if group is not None and dist.get_world_size(group) > 1 else None
         router.balance_window = None
     return len(routers)
+
+
+def reduce_router_losses_over(model: nn.Module, reduce: Any, parallelism: str, instead: str = "") -> None:
+    """Give every router of ``model`` the ``sequence_reduce`` of a sequence split over ranks (``reduce`` sums over
+    them; :func:`~mula_lightning.moe.router.sequence_parallel_router_losses`), so its losses are the whole
+    sequences'.
+
+    Raises:
+        ValueError: when a router counts at a scope other than ``"micro_batch"`` (its counts would be this rank's part
+            of the sequences only), naming the scope and ``parallelism`` (and ``instead``, another way out).
+    """
+    for router in _routers(model):
+        if router.balance_scope != "micro_batch":
+            raise ValueError(
+                f"balance_scope {router.balance_scope!r} does not run with {parallelism} (each rank holds a part of "
+                f"every sequence): use balance_scope 'micro_batch'{instead}"
+            )
+        router.sequence_reduce = reduce
 
 
 def reset_balance_window(model: nn.Module) -> None:

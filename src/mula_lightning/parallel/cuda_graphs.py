@@ -17,21 +17,20 @@ do) through the graphs; anything else (validation, a batch of another shape, log
 eagerly. Parameter gradients leave the graph as tensors autograd accumulates eagerly, so the sharded optimizer's
 post-accumulate hooks (its gradient buckets and their reductions) run as before, after the backward graph.
 
-Limits (each refused with one warning, the run continuing eagerly): a CUDA device; one model-parallel rank
-(``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1: expert parallelism exchanges token counts through the
-host, expert tensor, tensor and pipeline parallelism run collectives inside the forward); dropless routing (a capacity
-factor makes the number of routed rows depend on the data); no global-batch balancing (its running count of the
-step's tokens lives outside a capture); no router jitter noise under activation checkpointing
-(its recomputation would need the generator's state, which a capture cannot read); no module hooks on the model when
-the capture happens; a step that passes the probe (one eager forward + backward under CUDA's sync debug mode, after a
-warm-up run) and a capture that succeeds. Data parallelism is allowed: gradients are reduced after the backward graph
-(no overlap with it). Costs: one extra copy of the parameter gradients (the graph's static outputs), and at the first
-step the probe's two runs and the capture's warm-up iterations (3 forward + backward). The graphs hold the
-parameters' storage: replacing a parameter tensor after the capture (not an in-place load) leaves them stale. The
-graphs hold one set of activations: a training forward while an earlier replay's backward has not run yet (two
-micro-batches' forwards, then one backward of their sum) runs eagerly, with one warning naming the pattern, since a
-replay would overwrite the activations the pending backward reads.
-"""
+Limits (each refused with one warning, the run continuing eagerly): a CUDA device; one model-parallel rank (``ep_size``,
+``etp_size``, ``tp_size``, ``pp_size``, ``cp_size`` of 1: expert parallelism exchanges token counts through the host,
+expert tensor, tensor, pipeline and context parallelism run collectives inside the forward); dropless routing (a
+capacity factor makes the number of routed rows depend on the data); no global-batch balancing (its running count of the
+step's tokens lives outside a capture); no router jitter noise under activation checkpointing (its recomputation would
+need the generator's state, which a capture cannot read); no module hooks on the model when the capture happens; a step
+that passes the probe (one eager forward + backward under CUDA's sync debug mode, after a warm-up run) and a capture
+that succeeds. Data parallelism is allowed: gradients are reduced after the backward graph (no overlap with it). Costs:
+one extra copy of the parameter gradients (the graph's static outputs), and at the first step the probe's two runs and
+the capture's warm-up iterations (3 forward + backward). The graphs hold the parameters' storage: replacing a parameter
+tensor after the capture (not an in-place load) leaves them stale. The graphs hold one set of activations: a training
+forward while an earlier replay's backward has not run yet (two micro-batches' forwards, then one backward of their sum)
+runs eagerly, with one warning naming the pattern, since a replay would overwrite the activations the pending backward
+reads."""
 
 from __future__ import annotations
 
@@ -61,7 +60,8 @@ def graph_refusal(model: nn.Module, device: torch.device, topology: Any = None) 
     device = torch.device(device)
     if device.type != "cuda":
         return f"a CUDA device is needed (this run is on {device.type})"
-    sizes = {name: int(getattr(topology, name, 1) or 1) for name in ("ep_size", "etp_size", "tp_size", "pp_size")}
+    names = ("ep_size", "etp_size", "tp_size", "pp_size", "cp_size")
+    sizes = {name: int(getattr(topology, name, 1) or 1) for name in names}
     parallel = {name: size for name, size in sizes.items() if size > 1}
     if parallel:
         named = ", ".join(f"{name}={size}" for name, size in parallel.items())

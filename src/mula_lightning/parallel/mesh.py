@@ -125,6 +125,7 @@ class ParallelMesh:
     moe: Any = field(default=None, repr=False)
     expert: Any = field(default=None, repr=False)  # the ep x etp group when both exceed 1 (see expert_group)
     stage: Any = field(default=None, repr=False)  # this rank's pipeline stage when pp > 1 (see stage_group)
+    dense_replicas: Any = field(default=None, repr=False)  # the dp x cp ranks when both exceed 1 (see replica_group)
 
     def size(self, name: str) -> int:
         return getattr(self.dims, name)
@@ -150,6 +151,16 @@ class ParallelMesh:
         if self.dims.etp == 1:
             return self.group("ep")
         return self.group("etp") if self.dims.ep == 1 else self.expert
+
+    def replica_group(self) -> Any:
+        """The process group of the ``dp x cp`` ranks of this rank's stage that hold the same ``tp`` slice of the
+        dense weights (context-parallel ranks hold parts of one batch, data-parallel ranks other batches; both
+        replicate the weights); None when both are 1."""
+        if self.dims.dp * self.dims.cp == 1:
+            return None
+        if self.dims.cp == 1:
+            return self.group("dp")
+        return self.group("cp") if self.dims.dp == 1 else self.dense_replicas
 
     def stage_group(self) -> Any:
         """The process group of this rank's pipeline stage (``world / pp`` consecutive ranks, every dimension but
@@ -202,6 +213,14 @@ def build_parallel_mesh(dims: ParallelDims, device_type: str | None = None) -> P
         size = dims.ep * dims.etp
         blocks = [list(range(first, first + size)) for first in range(0, dims.world_size, size)]
         mesh.expert, _ = dist.new_subgroups_by_enumeration(blocks)
+    if dims.dp > 1 and dims.cp > 1:  # the dp x cp replicas of each tp slice, every group in one order
+        stride = dims.tp
+        blocks = [
+            [first + i * stride for i in range(dims.dp * dims.cp)]
+            for stage in range(0, dims.world_size, dims.stage_size)
+            for first in range(stage, stage + dims.tp)
+        ]
+        mesh.dense_replicas, _ = dist.new_subgroups_by_enumeration(blocks)
     if dims.pp > 1 and dims.stage_size > 1:  # the stages: pp consecutive blocks (pp is the outermost dimension)
         blocks = [list(range(first, first + dims.stage_size)) for first in range(0, dims.world_size, dims.stage_size)]
         mesh.stage, _ = dist.new_subgroups_by_enumeration(blocks)

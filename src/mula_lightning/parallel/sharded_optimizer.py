@@ -273,7 +273,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.mode = mode
         self.reduce_dtype = reduce_dtype
         self.world_size = topology.world_size
-        self.grad_divisor = topology.dense_dp_size  # distinct batches per step (W without tensor parallelism)
+        self.grad_divisor = topology.batches  # distinct batches per step (W without tensor or context parallelism)
         self.plans = self._family_plans(mode, topology)
         self.require_grad_sync = True
         #: ``zero_grad`` does nothing while set: a Trainer step whose training_step already ran the backward (a

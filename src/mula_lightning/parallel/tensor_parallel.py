@@ -37,7 +37,7 @@ from torch import nn
 from mula_lightning.models.linear_cross_entropy import next_token_targets
 from mula_lightning.models.rms_norm import rms_norm
 from mula_lightning.models.transformer import MulaAttention, MulaDecoderLayer, MulaForCausalLM, MulaMLP, RMSNorm
-from mula_lightning.moe.router import Router
+from mula_lightning.moe.balance_scope import reduce_router_losses_over
 from mula_lightning.parallel.collectives import all_reduce
 from mula_lightning.utils.precision import upcast
 
@@ -131,13 +131,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", *, vocab_start: int, group: Any
-) -> torch.Tensor:
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", shifted: bool = False, *, vocab_start: int,
+    group: Any,
+) -> torch.Tensor:  # fmt: skip
     """:func:`~mula_lightning.models.transformer.causal_lm_loss` of this rank's vocabulary slice of the logits
-    (``[vocab_start, vocab_start + logits.shape[-1])``), equal on every rank of ``group``; -100 is ignored."""
+    (``[vocab_start, vocab_start + logits.shape[-1])``), equal on every rank of ``group``; -100 is ignored;
+    ``shifted``: ``labels`` are the positions' targets already."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    shifted = next_token_targets(labels).reshape(-1)
+    shifted = (labels if shifted else next_token_targets(labels)).reshape(-1)
     valid = shifted != -100
     target = torch.where(valid, shifted, torch.zeros_like(shifted))
     per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, vocab_start, group)
@@ -273,14 +275,7 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
     if sp:
         plan["model.norm"] = SequenceParallel(use_local_output=True)
         reduce = partial(all_reduce, group=tp_mesh.get_group(), tag="tp.sp.router")
-        for module in model.modules():
-            if isinstance(module, Router):
-                if module.balance_scope != "micro_batch":
-                    raise ValueError(
-                        f"balance_scope {module.balance_scope!r} does not run with sequence parallelism (each rank "
-                        "holds a part of every sequence): use balance_scope 'micro_batch' or sequence_parallel=False"
-                    )
-                module.sequence_reduce = reduce
+        reduce_router_losses_over(model, reduce, "sequence parallelism", instead=" or sequence_parallel=False")
     plan = {k: v for k, v in plan.items() if _held(model, k)}
     if plan:
         parallelize_module(model, tp_mesh, plan)

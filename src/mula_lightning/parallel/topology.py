@@ -26,6 +26,11 @@ slice is further cut along its intermediate dimension over ``etp`` consecutive r
 one block form the ``expert_group`` the token dispatcher gathers over, and an expert part is replicated over ``dp``
 (``world / (ep x etp)`` ranks).
 
+With context parallelism (``cp_size > 1``) the dense side is ``dp x cp x tp``: the ``cp`` ranks of a group read one
+batch and each holds two chunks of its sequences, so every dense weight is replicated over ``dp x cp`` ranks (the
+``dense_dp`` group) while the gradients are averaged over the ``dp`` distinct batches only (each ``cp`` rank's gradient
+is its chunks' share of its batch's); the MoE side is unchanged (``cp`` ranks serve as ``ep`` ranks: folding).
+
 With pipeline parallelism (``pp_size > 1``) all of the above describes one pipeline *stage*: the world is
 ``pp`` consecutive blocks of ``stage_size`` ranks (pp outermost: stages cross nodes, the groups above stay inside
 one), every stage holds different layers, so each family is replicated, sharded and broadcast within its stage
@@ -67,6 +72,9 @@ class MoETopology:
             the ep x etp ranks the experts are split over, the ``ep_group`` itself without expert tensor
             parallelism).
         mesh: the :class:`ParallelMesh` the groups come from.
+        cp_size / cp_group: context parallelism (:mod:`~mula_lightning.parallel.context_parallel`): ``cp`` consecutive
+            ranks (after ``tp``) hold chunks of one batch's sequences; ``dense_dp_group`` is then the ``dp x cp``
+            replicas of the dense weights, and :attr:`batches` the distinct batches a gradient is averaged over.
     """
 
     dp_size: int
@@ -85,6 +93,8 @@ class MoETopology:
     pp_size: int = 1
     stage_group: Any = field(default=None, repr=False)
     pp_group: Any = field(default=None, repr=False)
+    cp_size: int = 1
+    cp_group: Any = field(default=None, repr=False)
 
     @property
     def stage_size(self) -> int:
@@ -112,8 +122,25 @@ class MoETopology:
 
     @property
     def dense_dp_size(self) -> int:
-        """Data-parallel degree of the dense layers: the number of distinct batches per step (``stage / tp``)."""
+        """Replicas of the dense layers' weights (of a ``tp`` slice) in a stage: ``stage / tp``, the ``dp x cp``
+        ranks of ``dense_dp_group``; without context parallelism the number of distinct batches per step."""
         return self.stage_size // self.tp_size
+
+    @property
+    def batches(self) -> int:
+        """Distinct batches per step in a stage (``stage / (tp x cp)``): the ``tp`` ranks of a group read one batch,
+        and the ``cp`` ranks hold parts of its sequences; the gradients' mean is over these."""
+        return self.stage_size // (self.tp_size * self.cp_size)
+
+    @property
+    def batch_rank(self) -> int:
+        """Index of this rank's batch (of :attr:`batches`)."""
+        return self.stage_rank // (self.tp_size * self.cp_size)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group (which chunks of the sequences it holds)."""
+        return self.stage_rank // self.tp_size % self.cp_size
 
     @property
     def tp_rank(self) -> int:
@@ -183,8 +210,9 @@ def check_divisible(value: int, divisor: int, value_name: str, divisor_name: str
 
 
 def build_topology(
-    ep_size: int, tp_size: int = 1, sequence_parallel: bool = False, etp_size: int = 1, pp_size: int = 1
-) -> MoETopology:
+    ep_size: int, tp_size: int = 1, sequence_parallel: bool = False, etp_size: int = 1, pp_size: int = 1,
+    cp_size: int = 1,
+) -> MoETopology:  # fmt: skip
     """The (PP x) DP x EP (x TP) layout of the default process group, its groups taken from one ParallelMesh
     (collective).
 
@@ -196,7 +224,8 @@ def build_topology(
             etp_size`` does not divide a stage's ranks (naming them).
     """
     if not is_distributed():
-        sizes = (("ep_size", ep_size), ("tp_size", tp_size), ("etp_size", etp_size), ("pp_size", pp_size))
+        sizes = (("ep_size", ep_size), ("tp_size", tp_size), ("etp_size", etp_size), ("pp_size", pp_size),
+                 ("cp_size", cp_size))  # fmt: skip
         for name, size in sizes:
             if size != 1:
                 raise ValueError(f"{name} ({size}) > 1 needs an initialised process group of {name} ranks or more")
@@ -206,7 +235,7 @@ def build_topology(
     stage = world_size // pp_size
     check_divisible(stage, ep_size, "the ranks of a pipeline stage" if pp_size > 1 else "world size", "ep_size")
     check_divisible(stage, tp_size, "the ranks of a pipeline stage" if pp_size > 1 else "world size", "tp_size")
-    mesh = build_parallel_mesh(ParallelDims(world_size, pp=pp_size, tp=tp_size, ep=ep_size, etp=etp_size))
+    mesh = build_parallel_mesh(ParallelDims(world_size, pp=pp_size, tp=tp_size, cp=cp_size, ep=ep_size, etp=etp_size))
     return MoETopology(
         dp_size=stage // (ep_size * etp_size),
         ep_size=ep_size,
@@ -218,10 +247,12 @@ def build_topology(
         tp_size=tp_size,
         sequence_parallel=bool(sequence_parallel and tp_size > 1),
         tp_group=mesh.group("tp"),
-        dense_dp_group=mesh.group("dp"),
+        dense_dp_group=mesh.replica_group(),
         etp_size=etp_size,
         expert_group=mesh.expert_group(),
         pp_size=pp_size,
         stage_group=mesh.stage_group() if pp_size > 1 else dist.group.WORLD,
         pp_group=mesh.group("pp"),
+        cp_size=cp_size,
+        cp_group=mesh.group("cp"),
     )

@@ -40,6 +40,7 @@ from mula_lightning.checkpoint.init_source import InitWeights
 from mula_lightning.checkpoint.sharded import load_sharded_checkpoint, sharded_checkpoint_parts
 from mula_lightning.models.transformer import MulaForCausalLM
 from mula_lightning.parallel.activation_checkpointing import parse_activation_checkpointing
+from mula_lightning.parallel.context_parallel import apply_context_parallel
 from mula_lightning.parallel.expert_parallel import expert_part
 from mula_lightning.parallel.parallelize import materialize_and_broadcast, parallelize
 from mula_lightning.parallel.params import is_expert_param
@@ -83,13 +84,15 @@ class EPSOSettings:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_boundaries: list[int] | str | None = None
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("ep_size", "tp_size", "etp_size", "pp_size", "pp_virtual_stages"):
+        for name in ("ep_size", "tp_size", "etp_size", "pp_size", "pp_virtual_stages", "cp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
         self._check_pipeline()
+        self._check_context_parallel()
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("sequence_parallel=True splits the sequence over tensor-parallel ranks: set tp_size > 1")
         if self.tp_size > 1 and self.sharded_optimizer == "dp":
@@ -116,6 +119,21 @@ class EPSOSettings:
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"reduce_dtype ({self.reduce_dtype}) must be torch.float32 or torch.bfloat16")
         parse_activation_checkpointing(self.activation_checkpointing)  # an unknown part is named at construction
+
+    def _check_context_parallel(self) -> None:
+        """What context parallelism does not run with yet, refused in one line naming the sizes."""
+        if self.cp_size == 1:
+            return
+        others = {"tp_size": self.tp_size, "etp_size": self.etp_size, "pp_size": self.pp_size}
+        taken = [f"{k} ({v})" for k, v in others.items() if v > 1]
+        if taken:
+            raise ValueError(
+                f"cp_size ({self.cp_size}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism "
+                "folds with data and expert parallelism (ep_size)"
+            )
+        if self.compile:
+            raise ValueError(f"cp_size ({self.cp_size}) > 1 with compile: the attention's all-gather would break the "
+                             "compiled graph; set compile=False")  # fmt: skip
 
     def _check_pipeline(self) -> None:
         from mula_lightning.parallel.pipeline import SCHEDULES
@@ -157,7 +175,12 @@ def setup_epso_module(
         )
     staged = pipeline_model(module, settings.pp_size) if settings.pp_size > 1 else None  # named before any group
     topology = topology or build_topology(
-        settings.ep_size, settings.tp_size, settings.sequence_parallel, settings.etp_size, settings.pp_size
+        settings.ep_size,
+        settings.tp_size,
+        settings.sequence_parallel,
+        settings.etp_size,
+        settings.pp_size,
+        settings.cp_size,
     )
     if staged is not None:  # on the meta device: this rank never materialises another stage's layers
         prune_to_stages(staged, topology.pp_rank, settings.pp_size, settings.pp_virtual_stages, settings.pp_boundaries)
@@ -168,6 +191,8 @@ def setup_epso_module(
         activation_checkpointing=settings.activation_checkpointing,
         compile=settings.compile,
     )
+    if settings.cp_size > 1:
+        apply_context_parallel(module, topology.cp_group, settings.cp_size, topology.cp_rank)
     materialize_and_broadcast(module, topology, device, seed=settings.seed, weights=weights)
     if settings.init_from_dense:
         initialise_from_dense(module, settings.init_from_dense, topology, settings.upcycle or {})
@@ -291,6 +316,11 @@ class EPSOOptions(ShardingOptions):
         pp_boundaries: the first layer of every stage but the first (stages balanced by hand), ``"params"`` (the
             stages balanced by parameter count, the embedding counted on the first and the LM head on the last), or
             None (equal layer counts).
+        cp_size: context parallelism (:mod:`mula_lightning.parallel.context_parallel`): every sequence cut into
+            ``2 x cp_size`` chunks over ``cp_size`` consecutive ranks (rank r holding chunks r and 2cp-1-r, the causal
+            load balance), keys and values all-gathered for attention, the loss and the routers' losses those of
+            the whole sequences; the ``cp`` ranks read one batch and serve as expert-parallel ranks too (folding).
+            Sequence lengths must divide by ``2 x cp_size``. Not yet with ``tp_size``, ``etp_size``, ``pp_size``.
         cuda_graphs: replay each training micro-batch's forward and backward as two CUDA graphs, captured at the
             first training step (:mod:`mula_lightning.parallel.cuda_graphs`): for one CUDA device per model replica
             (``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not
@@ -322,6 +352,7 @@ class EPSOOptions(ShardingOptions):
         pp_virtual_stages: int = 1,
         pp_boundaries: list[int] | str | None = None,
         cuda_graphs: bool = False,
+        cp_size: int = 1,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_arguments(type(self), EPSOOptions.__init__, ddp_kwargs))
@@ -344,6 +375,7 @@ class EPSOOptions(ShardingOptions):
             pp_microbatches,
             pp_virtual_stages,
             pp_boundaries if pp_boundaries is None or isinstance(pp_boundaries, str) else list(pp_boundaries),
+            cp_size,
         )
         self.topology: MoETopology | None = None
         self.pipeline: Any = None  # the PipelineRunner once set up (pp_size > 1)
@@ -366,14 +398,19 @@ class EPSOOptions(ShardingOptions):
         return self.settings.pp_size
 
     @property
+    def cp_size(self) -> int:
+        return self.settings.cp_size
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """One replica per dense data-parallel group of a pipeline stage: the ``tp`` ranks of a group (consecutive
-        ranks) and the ``pp`` ranks of a pipeline read the same batch; every other rank, expert-parallel peers
-        included, reads its own."""
-        tp, pp = self.settings.tp_size, self.settings.pp_size
+        """One replica per distinct batch of a pipeline stage: the ``tp`` ranks of a group (consecutive ranks), the
+        ``cp`` ranks of a group (the next consecutive ones, each holding chunks of the batch's sequences) and the
+        ``pp`` ranks of a pipeline read the same batch; every other rank, expert-parallel peers included, reads its
+        own."""
+        shared, pp = self.settings.tp_size * self.settings.cp_size, self.settings.pp_size
         stage = self.num_nodes * self.num_processes // pp
-        return {"num_replicas": stage // tp, "rank": self.global_rank % stage // tp}
+        return {"num_replicas": stage // shared, "rank": self.global_rank % stage // shared}
 
     def pipeline_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, loss_scale: float = 1.0):
         """Forward and backward of one batch through the pipeline (``pp_size > 1``): every micro-batch through this

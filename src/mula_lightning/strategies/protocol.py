@@ -22,7 +22,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ShardingStrategy", "strategy_ep_size", "strategy_pipeline", "strategy_tensor_parallel"]
+__all__ = [
+    "ShardingStrategy",
+    "strategy_cp_size",
+    "strategy_ep_size",
+    "strategy_pipeline",
+    "strategy_tensor_parallel",
+]
 
 
 @runtime_checkable
@@ -53,6 +59,12 @@ class ShardingStrategy(Protocol):
 def strategy_ep_size(strategy: Any) -> int:
     """The expert-parallel degree of any strategy (1 unless it implements :class:`ShardingStrategy`)."""
     return strategy.ep_size if isinstance(strategy, ShardingStrategy) else 1
+
+
+def strategy_cp_size(strategy: Any) -> int:
+    """The context-parallel degree of any strategy (1 unless it cuts sequences over ranks)."""
+    settings = getattr(strategy, "settings", None) if isinstance(strategy, ShardingStrategy) else None
+    return int(getattr(settings, "cp_size", 1))
 
 
 def strategy_tensor_parallel(strategy: Any) -> tuple[int, bool, int]:

@@ -67,6 +67,12 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "epso ep_aware ep2 muon": (2, "epso", dict(sharded_optimizer="ep_aware", ep_size=2, optimizer="muon")),
     "epso dp ep2 dp2 muon": (4, "epso", dict(sharded_optimizer="dp", ep_size=2, optimizer="muon")),
     "epso ep_aware ep2 dp2 muon": (4, "epso", dict(sharded_optimizer="ep_aware", ep_size=2, optimizer="muon")),
+    # context parallelism: the cp ranks of a group read one batch and hold two chunks of each sequence; folded with
+    # expert parallelism over the same ranks (cp2 ep2 on 2 ranks), and beside data parallelism (cp2 ep2 dp2)
+    "epso ep_aware cp2": (2, "epso", dict(sharded_optimizer="ep_aware", cp_size=2)),
+    "epso dp cp2 ep2": (2, "epso", dict(sharded_optimizer="dp", cp_size=2, ep_size=2)),
+    "epso ep_aware cp4": (4, "epso", dict(sharded_optimizer="ep_aware", cp_size=4)),
+    "epso ep_aware cp2 ep2 dp2": (4, "epso", dict(sharded_optimizer="ep_aware", cp_size=2, ep_size=2)),
 }
 #: the layout a ``save_reload`` goes on in: the same world size and the same data ranks (rank r reads what it read),
 #: another layout of the states (a checkpoint is written in single-device keys, so any layout reads it)
@@ -85,6 +91,10 @@ RELOAD_INTO = {
     "epso ep_aware ep2 muon": "epso ep_aware muon",
     "epso dp ep2 dp2 muon": "epso ep_aware ep2 dp2 muon",
     "epso ep_aware ep2 dp2 muon": "epso dp ep2 dp2 muon",
+    "epso ep_aware cp2": "epso dp cp2 ep2",
+    "epso dp cp2 ep2": "epso ep_aware cp2",
+    "epso ep_aware cp4": "epso ep_aware cp4",
+    "epso ep_aware cp2 ep2 dp2": "epso ep_aware cp2 ep2 dp2",
 }
 #: parameter sets a program may freeze (name prefixes): none, the embedding (root unit), a layer's input norm under
 #: its trainable attention, a whole attention, a layer's router and experts, a router alone under trainable experts,
@@ -101,7 +111,7 @@ FREEZES: tuple[tuple[str, ...], ...] = (
 )
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.1)  # eps large: Adam sees a gradient's scale
 MAX_NORM = 0.05  # small: clipping fires, so a wrong norm changes the update
-V, T = 96, 10  # vocabulary, tokens per sequence
+V, T = 96, 8  # vocabulary, tokens per sequence (a multiple of 2 x cp for every context-parallel layout)
 
 
 @dataclasses.dataclass(frozen=True)
