@@ -11,7 +11,7 @@ loop tester's context-parallel layouts (``tests/testing/test_conformance.py``).
 import pytest
 import torch
 
-from mula_lightning.parallel.context_parallel import causal_chunk_mask, check_sequence_length, chunk_positions
+from mula_lightning.parallel.context_parallel import check_sequence_length, chunk_positions
 from mula_lightning.testing import run_pooled_test
 
 V, T = 96, 16
@@ -35,13 +35,6 @@ def test_every_position_is_held_once_and_the_causal_work_is_equal(cp):
     assert all(bool((p[1:] > p[:-1]).all()) for p in held)
     work = {int(sum(int(q) + 1 for q in p)) for p in held}  # query at position q sees q + 1 keys
     assert len(work) == 1
-
-
-def test_the_chunk_mask_is_the_causal_mask_of_its_rows():
-    """Query chunk j's mask over chunks 0..j is the rows of the whole sequence's causal mask at its positions."""
-    c, j = 3, 2
-    whole = torch.ones(4 * c, 4 * c, dtype=torch.bool).tril()
-    assert torch.equal(causal_chunk_mask(c, j), whole[j * c : (j + 1) * c, : (j + 1) * c])
 
 
 @pytest.mark.parametrize("seq_len, cp", [(10, 2), (12, 4), (7, 1)])

@@ -80,3 +80,42 @@ def test_micro_batches_held_by_each_schedule():
     stages = stage_activation_bytes(MulaConfig.from_name("mula-tiny-moe"), 2, 1, 64, 4, 2, schedule="1f1b")
     assert [s["in_flight"] for s in stages] == [2, 1]
     assert stages[0]["activations"] == 2 * stages[0]["per_micro_batch"] + stages[0]["transient"]
+
+
+def _context_parallel_saved(rank, world_size, dtype, checkpointing):
+    import torch.distributed as dist
+
+    from mula_lightning.parallel.context_parallel import apply_context_parallel
+
+    config = MulaConfig.from_name("mula-tiny-moe", **SHAPES)
+    model = init_weights(MulaForCausalLM(config), seed=0).to(dtype)
+    if checkpointing:
+        apply_activation_checkpointing(model, checkpointing)
+    apply_context_parallel(model, dist.group.WORLD, world_size, rank)
+    x = torch.randint(0, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    with saved_tensor_bytes(model.parameters()) as saved:
+        model(x, labels=x, return_logits=False)
+    return saved["bytes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("cp", "dtype", "checkpointing"),
+    [
+        (2, torch.float32, None),
+        (4, torch.bfloat16, None),
+        (2, torch.bfloat16, "full"),
+        (4, torch.float32, ["norm", "attention"]),
+    ],  # fmt: skip
+    ids=["cp2 f32", "cp4 bf16", "cp2 bf16 full", "cp4 f32 norm+attention"],
+)
+def test_planned_context_parallel_activations_equal_what_autograd_saves(cp, dtype, checkpointing):
+    """Context parallelism on cp gloo ranks (3 sequences of 16 tokens, GQA 3:1): on every rank the plan's bytes
+    (the rank's tokens / cp everywhere, the whole sequences' keys and values, the gathered keys' order, the loss's
+    count) equal the saved storages' bytes exactly, with and without recomputation."""
+    from mula_lightning.testing import run_pooled_test
+
+    config = MulaConfig.from_name("mula-tiny-moe", **SHAPES)
+    (planned,) = stage_activation_bytes(config, 1, 3, 16, 1, dtype.itemsize, checkpointing=checkpointing, cp=cp)
+    saved = run_pooled_test(_context_parallel_saved, cp, dtype=dtype, checkpointing=checkpointing, timeout=120)
+    assert saved == [planned["per_micro_batch"]] * cp

@@ -9,7 +9,8 @@ The causal load balance: a sequence is cut into ``2 cp`` equal chunks and rank `
 ``2 cp - 1 - r`` (:func:`chunk_positions`), so every rank's queries see ``2 cp + 1`` chunks of keys in all (one early
 chunk and one late), the same work on every rank; a rank holding the last ``T / cp`` tokens alone would do almost
 twice the average. Each query chunk ``j`` attends to the keys of chunks ``0..j`` with the causal mask aligned to its
-last key (one SDPA call per chunk, :func:`causal_chunk_mask`).
+last key (:func:`~mula_lightning.parallel.chunk_attention.chunks_attention`: on the CPU two flash-kernel calls merged by
+their log-sum-exps, no ``T x T`` matrix held).
 
 What the plan changes (:func:`apply_context_parallel`, from the outside: the model stays plain), on a
 ``MulaForCausalLM`` whose ranks all read the same batch (the strategy's sampler gives the ``cp`` ranks of a group one
@@ -39,18 +40,17 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mula_lightning.models.linear_cross_entropy import IGNORE_INDEX, next_token_targets
 from mula_lightning.models.transformer import MulaAttention, MulaForCausalLM
 from mula_lightning.moe.balance_scope import reduce_router_losses_over
+from mula_lightning.parallel.chunk_attention import CHUNK_KERNELS, chunks_attention
 from mula_lightning.parallel.collectives import all_reduce, forward_allgather_backward_reducescatter
 
 __all__ = [
     "ContextParallelAttention",
     "apply_context_parallel",
-    "causal_chunk_mask",
     "check_sequence_length",
     "chunk_positions",
     "shard_for_context_parallel",
@@ -88,39 +88,28 @@ def _gathered_order(local_len: int, cp: int, device: Any) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def causal_chunk_mask(chunk_len: int, chunk_index: int, device: Any = None) -> torch.Tensor:
-    """``(c, (j + 1) c)`` boolean mask of query chunk ``j`` over the keys of chunks ``0..j``: query ``i`` (position
-    ``j c + i``) sees keys ``0..j c + i`` (the causal mask aligned to the last key)."""
-    keys = (chunk_index + 1) * chunk_len
-    return torch.ones(chunk_len, keys, dtype=torch.bool, device=device).tril(diagonal=chunk_index * chunk_len)
-
-
 class ContextParallelAttention:
     """The attention of one ``MulaAttention`` over a context-parallel group: queries of this rank's two chunks, keys
     and values of the whole sequence (one all-gather of K and V together, reduce-scattered in backward)."""
 
-    def __init__(self, group: Any, cp: int, rank: int) -> None:
-        self.group, self.cp, self.rank = group, cp, rank
+    def __init__(self, group: Any, cp: int, rank: int, kernel: str = "auto") -> None:
+        if kernel not in CHUNK_KERNELS:
+            raise ValueError(f"kernel ({kernel!r}) must be one of {CHUNK_KERNELS}")
+        self.group, self.cp, self.rank, self.kernel = group, cp, rank, kernel
+        self._orders: dict[tuple[int, torch.device], torch.Tensor] = {}  # one index for every layer's gather
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
         """``q`` (B, nh, L, hd), ``k`` and ``v`` (B, nkv, L, hd) of this rank's ``L = T / cp`` tokens (rotated by
         their global positions) -> (B, nh, L, hd)."""
         cp, local_len = self.cp, q.shape[2]
-        c = local_len // 2
         rows = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # (L, 2, B, nkv, hd): one exchange
         gathered = forward_allgather_backward_reducescatter(rows, self.group, tag="cp.kv")
-        whole = gathered.index_select(0, _gathered_order(local_len, cp, q.device))  # (T, 2, B, nkv, hd)
-        k_all, v_all = whole[:, 0].permute(1, 2, 0, 3), whole[:, 1].permute(1, 2, 0, 3)  # (B, nkv, T, hd)
-        outs = []
-        for half, chunk in ((0, self.rank), (1, 2 * cp - 1 - self.rank)):
-            keys = (chunk + 1) * c
-            query = q[:, :, half * c : (half + 1) * c]
-            mask = None if chunk == 0 else causal_chunk_mask(c, chunk, q.device)
-            outs.append(F.scaled_dot_product_attention(
-                query, k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask, is_causal=chunk == 0,
-                enable_gqa=enable_gqa,
-            ))  # fmt: skip
-        return torch.cat(outs, dim=2)
+        key = (local_len, q.device)
+        if key not in self._orders:
+            self._orders = {key: _gathered_order(local_len, cp, q.device)}
+        whole = gathered.index_select(0, self._orders[key])  # (T, 2, B, nkv, hd), in position order
+        k_all, v_all = whole[:, 0].permute(1, 2, 0, 3), whole[:, 1].permute(1, 2, 0, 3)  # (B, nkv, T, hd) views
+        return chunks_attention(q, k_all, v_all, (self.rank, 2 * cp - 1 - self.rank), enable_gqa, self.kernel)
 
 
 class _SumKeepShare(torch.autograd.Function):
@@ -191,9 +180,10 @@ class _ContextParallelForward:
         return output
 
 
-def apply_context_parallel(model: nn.Module, group: Any, cp: int, rank: int) -> nn.Module:
+def apply_context_parallel(model: nn.Module, group: Any, cp: int, rank: int, kernel: str = "auto") -> nn.Module:
     """Make every ``MulaForCausalLM`` inside ``model`` context parallel over ``group`` (``cp`` ranks, this one
-    ``rank`` of them), in place; returns ``model``.
+    ``rank`` of them), in place; returns ``model``. ``kernel``: the chunks' attention
+    (:data:`~mula_lightning.parallel.chunk_attention.CHUNK_KERNELS`).
 
     Raises:
         ValueError: when the module holds no Mula model, or a router counts its load-balancing loss at a scope
@@ -202,7 +192,7 @@ def apply_context_parallel(model: nn.Module, group: Any, cp: int, rank: int) -> 
     mulas = [m for m in model.modules() if isinstance(m, MulaForCausalLM)]
     if not mulas:
         raise ValueError(f"cp_size ({cp}) > 1 needs a MulaForCausalLM inside the module")
-    attention = ContextParallelAttention(group, cp, rank)
+    attention = ContextParallelAttention(group, cp, rank, kernel)
     reduce = partial(all_reduce, group=group, tag="cp.router")
     for mula in mulas:
         reduce_router_losses_over(mula, reduce, "context parallelism")

@@ -58,9 +58,13 @@ def _norm(s: int, width: int, b: int, decomposed: bool = False) -> int:
     return s * width * acc + s * acc + (s * width * b if b < 4 or decomposed else 0)
 
 
-def _attention(config: MulaConfig, s: int, b: int, norms_recomputed: bool = False, tp: int = 1) -> int:
+def _attention(
+    config: MulaConfig, s: int, b: int, norms_recomputed: bool = False, tp: int = 1, kv_tokens: int | None = None
+) -> int:
+    """``kv_tokens``: the keys and values kept (context parallelism's gathered sequence), ``s`` by default."""
     q, kv, heads, kv_heads = config.q_dim // tp, config.kv_dim // tp, config.num_heads // tp, config.num_kv_heads // tp
-    out = s * config.hidden_size * b + s * (2 * q + 2 * kv) * b + 4 * s * heads  # in, q k v out, lse
+    kv_tokens = s if kv_tokens is None else kv_tokens
+    out = s * config.hidden_size * b + 2 * s * q * b + 2 * kv_tokens * kv * b + 4 * s * heads  # in, q k v out, lse
     if config.qk_norm and norms_recomputed:  # each keeps its input only
         out += s * (q + kv) * b
     elif config.qk_norm and config.qk_norm_per_head:  # a norm per head: one statistic per head and token
@@ -105,19 +109,21 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     etp: int = 1,
+    cp: int = 1,
 ) -> tuple[int, int]:
     """``(stored, transient)``: bytes one decoder layer keeps for backward per micro-batch of ``tokens`` tokens
-    (each ``tp`` rank's sequence, whole), and the most its backward holds again at once (a recomputed region's whole
-    set; 0 without recomputation)."""
+    (each ``tp`` rank's sequence, whole; ``cp``: this rank's ``tokens / cp`` of them, the keys and values of all),
+    and the most its backward holds again at once (a recomputed region's whole set; 0 without recomputation)."""
     parts = parse_activation_checkpointing(checkpointing)
-    s, h, b = tokens, config.hidden_size, param_bytes
+    s, h, b = tokens // cp, config.hidden_size, param_bytes
     local = s // tp if sequence_parallel else s  # the residual stream's tokens on this rank
     norm = _norm(local, h, b, sequence_parallel)
     moe = layer_counts(config)[layer].moe
-    ffn = (_moe(config, local, b, ep, dispatcher, imbalance, etp, sequence_parallel) if moe
+    ffn = (_moe(config, local, b, ep, dispatcher, imbalance, etp, sequence_parallel or cp > 1) if moe
            else _mlp(s, h, config.dense_width // tp, b))  # fmt: skip
     parts = parts or ()
-    regions = {"norm": 2 * norm, "attention": _attention(config, s, b, "norm" in parts, tp), "ffn": ffn}
+    attention = _attention(config, s, b, "norm" in parts, tp, kv_tokens=tokens)
+    regions = {"norm": 2 * norm, "attention": attention, "ffn": ffn}
     if parts == "full":
         return local * h * b, sum(regions.values())
     recomputed = {"norm": "norm" in parts, "attention": "attention" in parts,
@@ -131,7 +137,7 @@ def layer_activation_bytes(
 
 def head_activation_bytes(
     config: MulaConfig, tokens: int, param_bytes: int, checkpointing: Any = None, tp: int = 1,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, cp: int = 1,
 ) -> tuple[int, int]:  # fmt: skip
     """``(stored, transient)`` of the final norm, LM head and loss per micro-batch: the norm's as any, the gradients
     of the head's input and weight (the fused loss computes them in forward; the weight's in float32 when the
@@ -139,6 +145,7 @@ def head_activation_bytes(
     vocabulary-parallel loss instead: the head's input, the float32 softmax of this rank's vocabulary slice, the
     targets' index (int64) and two masks, the count of tokens; its backward's gradient of the logits twice over."""
     h, v = config.hidden_size, config.vocab_size
+    tokens //= cp  # context parallelism: this rank's chunks
     parts = parse_activation_checkpointing(checkpointing) or ()
     local = tokens // tp if sequence_parallel else tokens
     norm = (local * h * param_bytes if parts != "full" and "norm" in parts
@@ -185,6 +192,7 @@ def stage_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     etp: int = 1,
+    cp: int = 1,
 ) -> list[dict[str, int]]:
     """Per pipeline stage: ``per_micro_batch`` (stored bytes of its layers, RoPE tables, embedding ids and head
     included), ``in_flight`` (micro-batches held, :func:`micro_batches_in_flight`), ``transient`` and their
@@ -195,13 +203,18 @@ def stage_activation_bytes(
         stored = transient = 0
         for layer in rank_layers(config, pp, virtual, index):
             kept, again = layer_activation_bytes(config, layer, tokens, param_bytes, ep, dispatcher, checkpointing,
-                                                 imbalance, tp, sequence_parallel, etp)  # fmt: skip
+                                                 imbalance, tp, sequence_parallel, etp, cp)  # fmt: skip
             stored, transient = stored + kept, max(transient, again)
-        stored += 2 * seq_len * config.head_dim * param_bytes  # RoPE's cos and sin, once for all layers
+        stored += 2 * seq_len // cp * config.head_dim * param_bytes  # RoPE's cos and sin, once for all layers
+        if cp > 1:  # the gathered keys' order (int64, shared by the layers that keep their attention's activations)
+            parts = parse_activation_checkpointing(checkpointing) or ()
+            stored += seq_len * 8 if parts != "full" and "attention" not in parts else 0
+            stored += max(param_bytes, 4) if index == pp - 1 else 0  # the loss's count of real targets
         if index == 0:
-            stored += tokens * 8  # the token ids the embedding's backward reads
+            stored += tokens // cp * 8  # the token ids the embedding's backward reads
         if index == pp - 1:
-            kept, again = head_activation_bytes(config, tokens, param_bytes, checkpointing, tp, sequence_parallel)
+            kept, again = head_activation_bytes(config, tokens, param_bytes, checkpointing, tp, sequence_parallel,
+                                                cp)  # fmt: skip
             stored, transient = stored + kept, max(transient, again)
         per_chunk = stored // virtual
         held = micro_batches_in_flight(schedule, pp, index, micro_batches, virtual)
