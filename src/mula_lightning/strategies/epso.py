@@ -124,12 +124,17 @@ class EPSOSettings:
         """What context parallelism does not run with yet, refused in one line naming the sizes."""
         if self.cp_size == 1:
             return
-        others = {"tp_size": self.tp_size, "etp_size": self.etp_size, "pp_size": self.pp_size}
+        others = {"etp_size": self.etp_size, "pp_size": self.pp_size}
         taken = [f"{k} ({v})" for k, v in others.items() if v > 1]
         if taken:
             raise ValueError(
                 f"cp_size ({self.cp_size}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism "
-                "folds with data and expert parallelism (ep_size)"
+                "folds with data, expert and tensor parallelism (ep_size, tp_size)"
+            )
+        if self.sequence_parallel:
+            raise ValueError(
+                f"cp_size ({self.cp_size}) > 1 with sequence_parallel=True is not supported yet: use tensor "
+                "parallelism without it"
             )
         if self.compile:
             raise ValueError(f"cp_size ({self.cp_size}) > 1 with compile: the attention's all-gather would break the "
@@ -320,7 +325,8 @@ class EPSOOptions(ShardingOptions):
             ``2 x cp_size`` chunks over ``cp_size`` consecutive ranks (rank r holding chunks r and 2cp-1-r, the causal
             load balance), keys and values all-gathered for attention, the loss and the routers' losses those of
             the whole sequences; the ``cp`` ranks read one batch and serve as expert-parallel ranks too (folding).
-            Sequence lengths must divide by ``2 x cp_size``. Not yet with ``tp_size``, ``etp_size``, ``pp_size``.
+            Sequence lengths must divide by ``2 x cp_size``. Composes with ``tp_size`` (without sequence
+            parallelism); not yet with ``sequence_parallel``, ``etp_size``, ``pp_size``.
         cuda_graphs: replay each training micro-batch's forward and backward as two CUDA graphs, captured at the
             first training step (:mod:`mula_lightning.parallel.cuda_graphs`): for one CUDA device per model replica
             (``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not
