@@ -165,13 +165,41 @@ def test_a_fit_config_is_planned_at_the_global_batch_mula_fit_runs(capsys, tmp_p
 
 
 def test_the_search_table_sizes_multiply_to_the_world(capsys):
-    """Each row's ``DP x TP x PP`` is the world size (32 on 4 Frontier nodes), with the experts' EP beside it (was
-    ``DP x EP x PP x TP`` with DP the replicas of an expert slice: 4 x 8 x 1 x 8 on 32 ranks)."""
-    assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    header = next(i for i, line in enumerate(out) if "DP x TP x PP" in line)
-    rows = [line for line in out[header + 1 :] if line[:3].strip().isdigit()]
-    assert len(rows) == 10
-    for row in rows:
-        dp, tp, pp = (int(x) for x in row[22:40].replace("SP", "").split(" x "))
-        assert dp * tp * pp == 32, row
+    """Each row's ``DP x CP x TP x PP`` is the world size (32 on 4 Frontier nodes), with the experts' EP beside it (was
+    ``DP x EP x PP x TP`` with DP the replicas of an expert slice: 4 x 8 x 1 x 8 on 32 ranks); at 32K tokens context
+    parallel layouts are among the rows."""
+    cps = set()
+    for seq_len in ("2048", "32768"):
+        assert mula(["plan", "mula-7b-a1b", "--cluster", "frontier", "--nodes", "4", "--search", "--seq-len",
+                     seq_len]) == 0  # fmt: skip
+        out = capsys.readouterr().out.splitlines()
+        header = next(i for i, line in enumerate(out) if "DP x CP x TP x PP" in line)
+        rows = [line for line in out[header + 1 :] if line[:3].strip().isdigit()]
+        assert len(rows) == 10
+        for row in rows:
+            dp, cp, tp, pp = (int(x) for x in row[22:43].replace("SP", "").split(" x "))
+            assert dp * cp * tp * pp == 32, row
+            cps.add((seq_len, cp))
+    assert {cp for seq_len, cp in cps if seq_len == "2048"} == {1} and max(cp for _, cp in cps) > 1
+
+
+def test_context_parallelism_from_the_flag_and_the_config(capsys):
+    """``--config mula-tiny-moe-long.yaml`` plans its CP 4 x EP 2 on the config's 4 devices (``cp_size`` read): the
+    keys and values exchanged over the 4 ranks at every attention, one batch for the 4; ``--cp`` overrides it; a
+    length that does not split into 2 x cp chunks, or CP beside pipeline stages: exit 1 and one line naming them."""
+    long = "examples/configs/mula-tiny-moe-long.yaml"
+    (layout,) = _json(capsys, "--config", long, "--devices-per-node", "4")["layouts"]
+    assert (layout["cp"], layout["ep"], layout["dense_dp"], layout["seq_len"]) == (4, 2, 4, 8192)
+    kv = {c["op"]: c for c in layout["collectives"] if c["tag"] == "cp.kv"}
+    assert kv["all_gather"]["group_size"] == 4 and kv["reduce_scatter"]["calls"] == kv["all_gather"]["calls"] > 0
+    assert layout["time"]["tokens_per_step"] == 8192
+    (halved,) = _json(capsys, "--config", long, "--devices-per-node", "4", "--cp", "2")["layouts"]
+    assert halved["cp"] == 2 and halved["time"]["tokens_per_step"] == 2 * 8192
+    assert halved["memory_bytes"]["activations"] > layout["memory_bytes"]["activations"]
+    refused = ((["--seq-len", "8196"], "sequence length 8196"), (["--cp", "2", "--pp", "2"], "cp (2) > 1 with pp (2)"))
+    for args, named in refused:
+        assert mula(["plan", "--config", long, "--devices-per-node", "4", *args]) == 1
+        err = capsys.readouterr().err.strip()
+        assert named in err and len(err.splitlines()) == 1, err
+    assert mula(["plan", "--config", long, "--devices-per-node", "4"]) == 0
+    assert "(dense layers: DP 1 x CP 4 x TP 1)" in capsys.readouterr().out

@@ -11,7 +11,9 @@ pairs are the plan's balanced ones), one optimizer step of 2 micro-batches:
 * tensor parallelism folded over the same ranks (DTensor's collectives recorded): TP 2 x EP 2; TP 2 with sequence
   parallelism, the all-to-all dispatcher, ``none`` and attention and MLPs recomputed in float32; ETP 2 x EP 2; TP 2
   with SP x ETP 2 with the expert blocks recomputed; TP 2 with SP x EP 2 with whole layers recomputed; PP 2 x TP 2
-  x EP 2.
+  x EP 2;
+* context parallelism folded over the same ranks: CP 2 x TP 2 x EP 2 with the all-to-all dispatcher, attention and
+  the expert blocks recomputed in float32; CP 4 x EP 4 with whole layers recomputed.
 
 The bytes one micro-batch keeps for backward equal the plan's too (every case without pipelining).
 
@@ -88,6 +90,12 @@ CASES = {  # name: strategy, its arguments, precision
         dict(tp_size=2, ep_size=2, pp_size=2, pp_schedule="1f1b", pp_microbatches=ACCUM),
         "bf16-true",
     ),  # fmt: skip
+    "epso cp2 tp2 ep2 alltoall attention-recompute": (
+        "epso",
+        dict(cp_size=2, tp_size=2, ep_size=2, dispatcher="alltoall", activation_checkpointing=["attention", "moe"]),
+        "32-true",
+    ),  # fmt: skip
+    "epso cp4 ep4 full-recompute": ("epso", dict(cp_size=4, ep_size=4, activation_checkpointing="full"), "bf16-true"),
 }
 
 
@@ -111,8 +119,8 @@ def _record(rank, world_size, name):
     with fabric.init_module(empty_init=True):
         model = MulaForCausalLM(_config())
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    tp = kwargs.get("tp_size", 1)  # the ranks of a tp group read one batch
-    x = torch.randint(0, V, (MICRO * ACCUM, T), generator=torch.Generator().manual_seed(rank // tp))
+    group = kwargs.get("tp_size", 1) * kwargs.get("cp_size", 1)  # the ranks of a tp x cp group read one batch
+    x = torch.randint(0, V, (MICRO * ACCUM, T), generator=torch.Generator().manual_seed(rank // group))
     ledger = CommLedger()
     for step in range(2):  # the second step is recorded: the pipeline's first infers its shapes with a forward
         with ledger if step else contextlib.nullcontext(), record_functional_collectives():
@@ -145,7 +153,7 @@ def _plan(name):
     layout = Layout(4, strategy=kind, ep=kwargs.get("ep_size", 1), pp=pp,
                     mode=kwargs.get("sharded_optimizer", "ep_aware"), precision=precision, ranks_per_node=2,
                     ranks_per_gpu=1, tp=kwargs.get("tp_size", 1), etp=kwargs.get("etp_size", 1),
-                    sp=kwargs.get("sequence_parallel", False),
+                    sp=kwargs.get("sequence_parallel", False), cp=kwargs.get("cp_size", 1),
                     extra={"block_size": kwargs.get("block_size", 256)})  # fmt: skip
     batch = Batch(MICRO, T, ACCUM)  # with PP too: the schedule cuts the rank's 4 sequences into ACCUM micro-batches
     reduce = "bfloat16" if kwargs.get("reduce_dtype") is torch.bfloat16 else "float32"
@@ -164,6 +172,7 @@ def test_planned_collectives_equal_the_ledger_on_every_rank(name):
         _config(), 1, MICRO, T, ACCUM, PRECISIONS[precision], kwargs.get("ep_size", 1),
         kwargs.get("dispatcher", "allgather"), kwargs.get("activation_checkpointing"), tp=kwargs.get("tp_size", 1),
         sequence_parallel=kwargs.get("sequence_parallel", False), etp=kwargs.get("etp_size", 1),
+        cp=kwargs.get("cp_size", 1),
     )  # fmt: skip
     for rank, (got, saved) in enumerate(run_pooled_test(_record, 4, name=name, ranks_per_node=2, timeout=300)):
         assert saved is None or saved == activations["per_micro_batch"], (name, rank, saved, activations)

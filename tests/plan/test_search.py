@@ -7,7 +7,9 @@ import pytest
 
 from mula_lightning.cli import main as mula
 from mula_lightning.models import MulaConfig
+from mula_lightning.plan import Layout
 from mula_lightning.plan.clusters import CLUSTERS
+from mula_lightning.plan.planner import Training, plan_layout
 from mula_lightning.plan.search import candidates, search
 
 PAPER = {  # preset: the paper's (ep, pp) on 256 Aurora nodes (Section 2.2); the 1B and 7B ran DP=3072
@@ -70,3 +72,24 @@ def test_candidates_divide_and_the_command_line(capsys):
     result = json.loads(capsys.readouterr().out)
     assert all(33 % (32 // (p["pp"] * p["tp"])) == 0 for p in result["layouts"])
     assert any(r["reason"].startswith("the global batch (33) does not divide") for r in result["rejected"])
+
+
+def test_long_sequences_are_searched_with_context_parallelism():
+    """The search tries CP only where each of a sequence's 2 x cp chunks keeps CP_MIN_CHUNK tokens (none at 2,048
+    tokens; CP 2 to 8 at 32K on 2 DGX-H100 nodes), under epso without pipelining, alone or beside TP without SP; at
+    64K the fastest layout that fits is context parallel, and a CP layout holds fewer activations per rank than the
+    same layout without CP."""
+    config, cluster = MulaConfig.from_name("mula-7b-a1b"), CLUSTERS["dgx-h100"]
+    assert {lay.cp for lay in candidates(config, cluster, 2, seq_len=2048)} == {1}
+    long = [lay for lay in candidates(config, cluster, 2, seq_len=32768) if lay.cp > 1]
+    assert {lay.cp for lay in long} == {2, 4, 8}  # CP 16 would leave chunks of 1,024 tokens
+    assert all(lay.strategy == "epso" and lay.pp == 1 and not lay.sp and lay.mode == "ep_aware" for lay in long)
+    assert {lay.tp for lay in long} == {1, 2, 4, 8} and all(16 % (lay.cp * lay.tp) == 0 for lay in long)
+    result = search(config, cluster, 2, seq_len=65536)
+    fastest = result["layouts"][0]
+    assert fastest["cp"] > 1, fastest
+    training = Training(seq_len=65536, checkpointing=fastest["activation_checkpointing"])
+    sizes = dict(ep=fastest["ep"], tp=fastest["tp"], ranks_per_node=8)
+    plain = plan_layout(config, Layout(16, **sizes), cluster, training)["memory_bytes"]["activations"]
+    split = plan_layout(config, Layout(16, cp=fastest["cp"], **sizes), cluster, training)["memory_bytes"]
+    assert split == fastest["memory_bytes"] and split["activations"] < 0.6 * plain

@@ -143,7 +143,8 @@ def head_activation_bytes(
     of the head's input and weight (the fused loss computes them in forward; the weight's in float32 when the
     micro-batch needs several chunks of logits); one chunk of float32 logits in flight. With tensor parallelism the
     vocabulary-parallel loss instead: the head's input, the float32 softmax of this rank's vocabulary slice, the
-    targets' index (int64) and two masks, the count of tokens; its backward's gradient of the logits twice over."""
+    targets' index (int64) and two masks, the count of tokens (not under context parallelism: the loss is a sum there);
+    its backward's gradient of the logits twice over."""
     h, v = config.hidden_size, config.vocab_size
     tokens //= cp  # context parallelism: this rank's chunks
     parts = parse_activation_checkpointing(checkpointing) or ()
@@ -152,7 +153,8 @@ def head_activation_bytes(
             else _norm(local, h, param_bytes, sequence_parallel))  # fmt: skip
     if tp > 1:
         softmax = tokens * v // tp * 4
-        return norm + tokens * h * param_bytes + softmax + 10 * tokens + 8, 2 * softmax
+        count = 8 if cp == 1 else 0  # under context parallelism the loss is summed and CP divides by its own count
+        return norm + tokens * h * param_bytes + softmax + 10 * tokens + count, 2 * softmax
     chunk = max(1, LOSS_CHUNK_ELEMENTS // v)
     weight_grad = v * h * (param_bytes if tokens <= chunk else max(param_bytes, 4))
     stored = norm + tokens * h * param_bytes + weight_grad

@@ -8,6 +8,7 @@ fastest, and a dry run of the real set-up at the full world size.
     mula plan mula-220b-a10b --nodes 1024 --ep 12 --pp 8 --trace --ranks 0,6143,-1
     mula plan mula-1b --cluster dgx-h100 --devices-per-node 1          # one GPU of a node
     mula plan mula-20b-a2b --nodes 64 --ep 12 --optimizer muon         # Muon's owners, momentum, Newton-Schulz
+    mula plan mula-20b-a2b --cluster dgx-h100 --nodes 8 --ep 8 --cp 4 --seq-len 65536   # a long-context phase
 
 Prints the model's total and active parameters, then per pipeline stage one rank's bytes of weights, gradients, fp32
 master, optimizer moments (AdamW's two; Muon's one on the matrices it owns with ``--optimizer muon``:
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="sequence parallelism: 1 (off) or the --tp degree (Megatron's, over the tp ranks)",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context-parallel degree: every sequence cut over cp ranks (folded with ep, beside tp)",
     )
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages")
     parser.add_argument("--pp-schedule", choices=tuple(SCHEDULES), default=None)
@@ -139,6 +146,7 @@ def _from_fit_config(path: str) -> dict[str, Any]:
         "ep_size": "ep",
         "pp_size": "pp",
         "tp_size": "tp",
+        "cp_size": "cp",
         "etp_size": "etp",
         "sharded_optimizer": "mode",
         "pp_schedule": "pp_schedule",
@@ -225,7 +233,7 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
 
     nodes = int(given("nodes", 1))
     sizes = {"--nodes": nodes, "--ep": args.ep, "--pp": args.pp, "--dp": args.dp, "--tp": args.tp, "--etp": args.etp,
-             "--sp": args.sp, "--micro-batch-size": args.micro_batch_size, "--seq-len": args.seq_len,
+             "--sp": args.sp, "--cp": args.cp, "--micro-batch-size": args.micro_batch_size, "--seq-len": args.seq_len,
              "--pp-microbatches": args.pp_microbatches, "--pp-virtual-stages": args.pp_virtual_stages,
              "--accumulate": args.accumulate, "--global-batch": args.global_batch}  # fmt: skip
     for flag, value in sizes.items():
@@ -236,14 +244,14 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         raise ValueError(f"--sp ({args.sp}) must be 1 (off) or the tensor-parallel degree --tp ({tp}): sequence "
                          "parallelism splits each sequence over the tp ranks")  # fmt: skip
     sequence_parallel = tp > 1 and (args.sp == tp if args.sp is not None else bool(fit.get("sequence_parallel")))
-    pp = int(given("pp", 1))
+    pp, cp = int(given("pp", 1)), int(given("cp", 1))
     micro = int(given("micro_batch_size", pp))  # with pipelining: one sequence per micro-batch, pp of them
     if pp > 1:
         chunks = int(given("pp_microbatches", micro))
     elif args.search:  # each candidate splits the global batch itself
         chunks = int(given("accumulate", 1))
     else:  # the config's accumulation, or what its global batch needs on these ranks (what mula fit runs)
-        batches = nodes * cluster.devices_per_node // tp
+        batches = nodes * cluster.devices_per_node // (tp * cp)
         chunks = _accumulation(args, fit, micro, batches)
     training = Training(
         micro_batch_size=micro,
@@ -287,6 +295,7 @@ def plan(argv: Sequence[str]) -> dict[str, Any]:
         tp=tp,
         etp=int(given("etp", 1)),
         sp=sequence_parallel,
+        cp=cp,
         optimizer=given("optimizer", "adamw"),
         extra={**fit.get("extra", {}), **{k: True for k in ("quantize_weights", "quantize_grads") if getattr(args, k)}},
     )
@@ -344,7 +353,8 @@ def _traced(config: Any, layout: Layout, training: Training, planned: dict[str, 
 
     spec = {
         "config": dataclasses.asdict(config), "world_size": layout.world_size, "strategy": layout.strategy,
-        "ep": layout.ep, "pp": layout.pp, "tp": layout.tp, "etp": layout.etp, "sp": layout.sp, "mode": layout.mode,
+        "ep": layout.ep, "pp": layout.pp, "tp": layout.tp, "etp": layout.etp, "sp": layout.sp, "cp": layout.cp,
+        "mode": layout.mode,
         "precision": layout.precision, "optimizer": layout.optimizer,
         "zero_sizes": layout.zero_sizes, "ranks_per_node": layout.ranks_per_node, "ranks_per_gpu": layout.ranks_per_gpu,
         "dispatcher": training.dispatcher, "checkpointing": training.checkpointing, "schedule": training.schedule,
@@ -369,17 +379,17 @@ def _search_table(result: dict[str, Any], top: int = 10) -> list[str]:
         f"{result['global_batch']} sequences of {result['seq_len']} tokens"
         + (", optimizer muon" if result.get("optimizer") == "muon" else "")
         + f"; the {min(top, len(layouts))} fastest:",
-        f"{'#':>3} {'strategy':<18}{'DP x TP x PP':<18}{'EP':<9}{'recompute':<24}{'GB/rank':>8}{'step s':>8}"
+        f"{'#':>3} {'strategy':<18}{'DP x CP x TP x PP':<21}{'EP':<9}{'recompute':<24}{'GB/rank':>8}{'step s':>8}"
         f"{'M tok/s':>9}{'MFU %':>7}",
     ]
     for index, p in enumerate(layouts[:top]):
         name = p["strategy"] + (f" {p['mode']}" if p["mode"] else "")
-        # the ranks: data-parallel batches x tensor x pipeline parallel (the world size); the experts are split over
-        # EP (x ETP) of a stage's ranks, folded over the same ranks as DP x TP (MoE parallel folding)
-        sizes = f"{p['dense_dp']} x {p['tp']} x {p['pp']}" + (" SP" if p["sp"] else "")
+        # the ranks: data-parallel batches x context x tensor x pipeline parallel (the world size); the experts are
+        # split over EP (x ETP) of a stage's ranks, folded over the same ranks as DP x CP x TP (MoE parallel folding)
+        sizes = f"{p['dense_dp'] // p['cp']} x {p['cp']} x {p['tp']} x {p['pp']}" + (" SP" if p["sp"] else "")
         experts = f"{p['ep']}" + (f" x {p['etp']}" if p["etp"] > 1 else "")
         lines.append(
-            f"{index + 1:>3} {name:<18}{sizes:<18}{experts:<9}"
+            f"{index + 1:>3} {name:<18}{sizes:<21}{experts:<9}"
             f"{_recompute(p['activation_checkpointing']):<24}{p['memory_bytes']['total'] / GB:>8.1f}"
             f"{p['step_time_s']:>8.2f}{p['tokens_per_s'] / 1e6:>9.2f}{100 * p['mfu']:>7.1f}"
         )
@@ -407,8 +417,10 @@ def _table(result: dict[str, Any]) -> str:
         etp = f" x ETP {layout['etp']}" if layout["etp"] > 1 else ""
         muon = ", muon" if layout["muon"] else ""
         dense = ""
-        if layout["tp"] > 1:
-            dense = f" (dense layers: DP {layout['dense_dp']} x TP {layout['tp']}{' with SP' if layout['sp'] else ''})"
+        if layout["tp"] > 1 or layout["cp"] > 1:
+            cp = f" x CP {layout['cp']}" if layout["cp"] > 1 else ""
+            dense = (f" (dense layers: DP {layout['dense_dp'] // layout['cp']}{cp} x TP {layout['tp']}"
+                     f"{' with SP' if layout['sp'] else ''})")  # fmt: skip
         lines.append(
             f"\n{layout['strategy']}{mode}, {layout['precision']}{muon}: DP {layout['dp']} x EP {layout['ep']}{etp} "
             f"x PP {layout['pp']}{dense}; {layout['micro_batches']} micro-batches of "

@@ -41,6 +41,12 @@ What is counted, per optimizer step of ``A`` micro-batches (``pp_microbatches`` 
   attention's output again.
   Without sequence parallelism every ``tp`` rank routes the whole sequence (its ``S`` tokens dispatched); with it,
   ``S / tp``. Expert tensor parallelism dispatches over the ``EP x ETP`` ranks of a block.
+* context parallelism (``cp``, :mod:`~mula_lightning.parallel.context_parallel`): each rank computes ``S / cp``
+  tokens of every sequence (the token dispatch and tensor parallelism's collectives above carry those), and per
+  micro-batch every attention all-gathers this rank's keys and values together over ``cp`` (``cp.kv``, again when
+  attention is recomputed) and reduce-scatters their gradients in backward; every MoE layer sums its router's
+  statistics over ``cp`` (``cp.router``, ``2E + 2`` float32, again when the block is recomputed) and the last stage
+  sums the loss (``cp.loss``, one float32).
 * pipeline parallelism: each micro-batch's activations sent forward and their gradients back, per stage boundary.
 """
 
@@ -265,6 +271,36 @@ def _tensor_parallel(
         rows.add("tp.sp.router", "all_reduce", tp_ranks, None, hw, m * (moe + again), (2 * config.num_experts + 2) * 4)
 
 
+def _context_parallel(
+    rows: _Rows,
+    config: MulaConfig,
+    layout: Layout,
+    layers: range,
+    last: bool,
+    batch: Batch,
+    cp_ranks: list[int],
+    param_bytes: int,
+    checkpointing: Any,
+    hw: HardwareTopology,
+) -> None:
+    """Context parallelism's own collectives of a stage over one step (see the module docstring); ``batch`` is the
+    whole sequences' (each rank holds ``1 / cp`` of their tokens)."""
+    if len(cp_ranks) < 2:
+        return
+    parts = parse_activation_checkpointing(checkpointing) or ()
+    m, n, cp = batch.micro_batches, len(layers), layout.cp
+    kv = batch.tokens // cp * 2 * (config.kv_dim // layout.tp) * param_bytes  # this rank's K and V, one exchange
+    again = n if parts == "full" or "attention" in parts else 0
+    rows.add("cp.kv", "all_gather", cp_ranks, None, hw, m * (n + again), kv)
+    rows.add("cp.kv", "reduce_scatter", cp_ranks, None, hw, m * n, cp * kv)
+    moe = sum(layer_counts(config)[i].moe for i in layers)
+    if moe:
+        again = moe if _recomputes_moe(checkpointing) else 0
+        rows.add("cp.router", "all_reduce", cp_ranks, None, hw, m * (moe + again), (2 * config.num_experts + 2) * 4)
+    if last:
+        rows.add("cp.loss", "all_reduce", cp_ranks, None, hw, m, 4)
+
+
 def _zero_units(config: MulaConfig, layout: Layout) -> list[tuple[int, ZeroTopoLayout, list[int]]]:
     """``(elements, family layout, global ranks of the family's index space)`` of every unit of the engine."""
     dense, experts = layout.zero_layout(), expert_layout(layout.zero_layout(), layout.ep)
@@ -341,11 +377,12 @@ def comm_bytes(
     if layout.etp > 1 and dispatcher != "allgather":
         raise ValueError(f"etp ({layout.etp}) > 1 needs the all-gather dispatcher (got {dispatcher!r})")
     param_bytes = PRECISIONS[layout.precision]
-    dims = ParallelDims(layout.world_size, pp=layout.pp, ep=layout.ep, tp=layout.tp, etp=layout.etp)
+    dims = ParallelDims(layout.world_size, pp=layout.pp, ep=layout.ep, tp=layout.tp, etp=layout.etp, cp=layout.cp)
     stage_size = dims.stage_size
     out = []
     layer_ranges = stage_layer_ranges(config.num_layers, layout.pp)
     levels: dict[tuple[int, ...], str] = {}
+    whole, batch = batch, Batch(batch.micro_batch_size, batch.seq_len // layout.cp, batch.micro_batches)  # this rank's
     moe_tokens = batch.tokens // layout.sequence_split  # each tp rank routes its part of the sequence under SP
     for index, stage in enumerate(stage_params(config, layout.pp)):
         rows, first = _Rows(levels), index * stage_size
@@ -355,12 +392,15 @@ def comm_bytes(
             _zero_topo(rows, config, layout, batch, param_bytes, hw)
         else:
             stage_ranks = list(range(first, first + stage_size))
+            replicas = [first + i * layout.tp for i in range(layout.dense_dp)]  # the dp x cp ranks of a tp slice
             _epso_optimizer(rows, layout, stage, stage_ranks, dims.ranks("edp", first), ep_ranks,
-                            REDUCE_BYTES[reduce_dtype], param_bytes, hw, dims.ranks("dp", first))  # fmt: skip
+                            REDUCE_BYTES[reduce_dtype], param_bytes, hw, replicas)  # fmt: skip
         _dispatch(rows, config, layer_ranges[index], moe_tokens, batch.micro_batches, expert_ranks, dispatcher,
                   param_bytes, checkpointing, hw, layout.ep)  # fmt: skip
         _tensor_parallel(rows, config, layout, layer_ranges[index], index == 0, index == layout.pp - 1, batch,
                          dims.ranks("tp", first), param_bytes, checkpointing, hw)  # fmt: skip
+        _context_parallel(rows, config, layout, layer_ranges[index], index == layout.pp - 1, whole,
+                          dims.ranks("cp", first), param_bytes, checkpointing, hw)  # fmt: skip
         activation = batch.tokens // layout.sequence_split * config.hidden_size * param_bytes
         for tag, neighbour in (("pp.send_forward", index + 1), ("pp.send_backward", index - 1)):
             if 0 <= neighbour < layout.pp:  # a point-to-point send, as a 2-rank all-to-all keeping nothing

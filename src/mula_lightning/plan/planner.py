@@ -132,6 +132,10 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
             f"sequence parallelism splits each sequence over tp ({layout.tp}) ranks: the sequence length "
             f"({training.seq_len}) must be divisible by it"
         )
+    if layout.cp > 1:
+        from mula_lightning.parallel.context_parallel import check_sequence_length
+
+        check_sequence_length(training.seq_len, layout.cp)
     batch = training.batch(layout.pp)
     param_bytes = PRECISIONS[layout.precision]
     hw = hw or HardwareTopology.uniform(layout.world_size, cluster.devices_per_node, cluster.devices_per_gpu)
@@ -139,7 +143,7 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
     activations = stage_activation_bytes(
         config, layout.pp, batch.micro_batch_size, batch.seq_len, batch.micro_batches, param_bytes, layout.ep,
         training.dispatcher, training.checkpointing, training.imbalance, training.schedule, training.virtual,
-        layout.tp, layout.sp, layout.etp,
+        layout.tp, layout.sp, layout.etp, layout.cp,
     )  # fmt: skip
     comms = comm_bytes(config, layout, batch, hw, training.dispatcher, training.reduce_dtype, training.checkpointing)
     muon = None
@@ -156,10 +160,10 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         row["total"] = sum(row.values())
         stages.append(row)
     layers = [rank_layers(config, layout.pp, training.virtual, rank) for rank in range(layout.pp)]
-    batches = layout.world_size // (layout.pp * layout.tp)  # every dense_dp rank reads its own batch (EP ranks too)
+    batches = layout.batches  # every tp x cp group of a stage reads its own batch (EP ranks too)
     time = predict_step(config, cluster, layout.world_size, layout.pp, batches, batch, layers, comms,
                         training.checkpointing, training.imbalance, training.virtual, layout.tp, layout.sp,
-                        max(muon["newton_schulz_flops"]) if muon else 0.0)  # fmt: skip
+                        max(muon["newton_schulz_flops"]) if muon else 0.0, layout.cp)  # fmt: skip
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
     usable = cluster.memory_bytes - cluster.reserved_bytes
     fits = stages[worst]["total"] <= usable
@@ -171,7 +175,7 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
         )
     return {
         "dp": layout.dp, "ep": layout.ep, "etp": layout.etp, "tp": layout.tp, "pp": layout.pp,
-        "sp": layout.sp, "dense_dp": layout.dense_dp,
+        "sp": layout.sp, "cp": layout.cp, "dense_dp": layout.dense_dp,
         "strategy": layout.strategy, "mode": layout.mode if layout.strategy == "epso" else None,
         "optimizer": layout.optimizer, "muon": muon,
         "precision": layout.precision, "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,

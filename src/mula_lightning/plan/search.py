@@ -10,6 +10,10 @@ The candidates (all at the same global batch, so that their step times compare):
   ``1 / tp`` of the norms' and MoE blocks' for the same bytes on the links), folded over the same ranks as ``ep``;
   and ``zero_topo`` (its default 3-level sizes from the node) without
   pipelining, where ``ep`` divides a node;
+* context parallelism for long sequences: without pipelining, ``epso`` ``ep_aware`` with each ``cp`` dividing a
+  stage's ranks for which each of a sequence's ``2 cp`` chunks keeps at least :data:`CP_MIN_CHUNK` tokens (at 2,048
+  tokens and below no CP; 8K: CP 2; 32K: up to 8), alone and beside tensor parallelism without SP (what CP runs with),
+  folded over the same ranks as ``ep``;
 * with ``optimizer="muon"``: ``epso`` without tensor parallelism only (what Muon runs under);
 * recomputation: none, the FFN blocks (``moe`` or ``mlp``), norms + attention + FFN (the paper's 220B choice), whole
   layers; without pipelining one sequence per forward, the rest accumulated.
@@ -31,6 +35,10 @@ from mula_lightning.plan.clusters import Cluster
 from mula_lightning.plan.planner import Training, plan_layout
 from mula_lightning.plan.states import EPSO_MODES, Layout
 
+#: the fewest tokens of a context-parallel chunk the search tries (a rank's two chunks then keep its matmuls as large
+#: as a 4,096-token sequence's; shorter sequences are searched without CP)
+CP_MIN_CHUNK = 2048
+
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
@@ -44,8 +52,8 @@ def recomputation_choices(config: MulaConfig) -> list[Any]:
 
 def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str = "bf16-true",
                max_pp: int = 16, seq_len: int | None = None, optimizer: str = "adamw") -> Iterator[Layout]:  # fmt: skip
-    """Every (strategy, mode, pp, ep, tp) layout of ``nodes`` nodes (see the module docstring); ``seq_len``: only the
-    ``tp`` degrees sequence parallelism can split it over."""
+    """Every (strategy, mode, pp, ep, tp, cp) layout of ``nodes`` nodes (see the module docstring); ``seq_len``: only
+    the ``tp`` degrees sequence parallelism can split it over, the ``cp`` degrees its length calls for."""
     world = nodes * cluster.devices_per_node
     common = dict(
         world_size=world,
@@ -62,6 +70,8 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
             continue
         if seq_len is None or seq_len % tp == 0:
             tensor_parallel.append(tp)
+    context_parallel = [cp for cp in _divisors(world)[1:]
+                        if seq_len and seq_len % (2 * cp) == 0 and seq_len // (2 * cp) >= CP_MIN_CHUNK]  # fmt: skip
     for pp in _divisors(config.num_layers, min(max_pp, config.num_layers)):
         if world % pp:
             continue
@@ -75,6 +85,10 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
                     yield Layout(strategy="epso", ep=ep, pp=pp, tp=tp, sp=True, **common)
             if pp == 1 and cluster.devices_per_node % ep == 0 and optimizer == "adamw":
                 yield Layout(strategy="zero_topo", ep=ep, **common)
+            for cp in context_parallel if pp == 1 else []:
+                for tp in [1] + tensor_parallel:
+                    if world % (cp * tp) == 0:
+                        yield Layout(strategy="epso", ep=ep, cp=cp, tp=tp, **common)
 
 
 def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int | None = None, seq_len: int = 2048,
@@ -93,7 +107,7 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
     fitting, rejected = [], []
     hw = HardwareTopology.uniform(world, cluster.devices_per_node, cluster.devices_per_gpu)
     for layout in candidates(config, cluster, nodes, precision, seq_len=seq_len, optimizer=optimizer):
-        batches = world // (layout.pp * layout.tp)
+        batches = layout.batches
         for checkpointing in recomputation_choices(config):
             summary = {
                 "strategy": layout.strategy,
@@ -102,6 +116,7 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
                 "ep": layout.ep,
                 "pp": layout.pp,
                 "tp": layout.tp,
+                "cp": layout.cp,
                 "activation_checkpointing": checkpointing,
             }
             if global_batch % batches:
@@ -109,7 +124,9 @@ def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int |
                     {
                         **summary,
                         "reason": f"the global batch ({global_batch}) does not divide into "
-                        f"{batches} batches (world {world} / (pp {layout.pp} x tp {layout.tp}))",
+                        f"{batches} batches (world {world} / (pp {layout.pp} x tp {layout.tp}"
+                        + (f" x cp {layout.cp}" if layout.cp > 1 else "")
+                        + "))",
                     }
                 )
                 continue

@@ -26,6 +26,9 @@ experts, per-head q/k norms); with expert tensor parallelism (``etp``) each expe
 element (each family sharded over exactly its replicas: ``W``, ``W / tp``, ``W / (EP x ETP)`` ranks).
 ``zero_topo`` has no tensor parallelism.
 
+Context parallelism (``cp``, ``epso``) changes no model state: the ``cp`` ranks of a sequence are replicas of every
+dense parameter (``dense_dp`` counts them beside ``dp``), and each family stays sharded over the same ranks.
+
 With ``optimizer="muon"`` (``epso`` without tensor parallelism) the decoder layers' matrices have one float32 state
 (Muon's momentum: 4 bytes, not AdamW's 8) and are owned whole by one rank each (:mod:`~mula_lightning.plan.muon`): a
 stage's ranks then differ, and a stage's row is its busiest rank's (the most Muon elements); the other elements keep
@@ -61,6 +64,8 @@ class Layout:
         tp / etp: tensor- and expert-tensor-parallel degrees (MoE parallel folding: a stage is ``dense_dp x tp`` on
             the dense side, ``dp x ep x etp`` on the MoE side).
         sp: sequence parallelism over the ``tp`` ranks (Megatron's; needs ``tp > 1``).
+        cp: context-parallel degree (``epso``): every sequence cut over ``cp`` ranks that read one batch, folded
+            over the same ranks as EP (a stage is ``dp x cp x tp`` on the dense side).
         zero_sizes: ``zero_topo``'s ``weight_size``, ``grad_size``, ``optimizer_size``, ``secondary_size`` (0: its
             defaults from the node).
         ranks_per_node / ranks_per_gpu: the node's shape (``zero_topo``'s defaults, the EP group's node).
@@ -81,6 +86,7 @@ class Layout:
     etp: int = 1
     sp: bool = False
     optimizer: str = "adamw"
+    cp: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -95,8 +101,14 @@ class Layout:
 
     @property
     def dense_dp(self) -> int:
-        """Replicas of a dense parameter's tensor-parallel shard: the distinct batches of a stage."""
+        """Replicas of a dense parameter's tensor-parallel shard (the ``dp x cp`` ranks its gradient is reduced
+        over)."""
         return self.stage_size // self.tp
+
+    @property
+    def batches(self) -> int:
+        """Distinct batches of a stage: the ``tp x cp`` ranks of a group read one."""
+        return self.stage_size // (self.tp * self.cp)
 
     @property
     def sequence_split(self) -> int:
@@ -109,16 +121,19 @@ class Layout:
             raise ValueError(f"strategy ({self.strategy!r}) must be 'epso' or 'zero_topo'")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision ({self.precision!r}) must be one of {sorted(PRECISIONS)}")
-        sizes = (("world size", self.world_size), ("ep", self.ep), ("pp", self.pp), ("tp", self.tp), ("etp", self.etp))
+        sizes = (("world size", self.world_size), ("ep", self.ep), ("pp", self.pp), ("tp", self.tp), ("etp", self.etp),
+                 ("cp", self.cp))  # fmt: skip
         for name, size in sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} ({size!r}) must be a positive integer")
         if self.world_size % (self.pp * self.ep * self.etp):
             extra = f" x etp ({self.etp})" if self.etp > 1 else ""
             raise ValueError(f"pp ({self.pp}) x ep ({self.ep}){extra} must divide the world size ({self.world_size})")
-        if self.world_size % (self.pp * self.tp):
-            raise ValueError(f"pp ({self.pp}) x tp ({self.tp}) must divide the world size ({self.world_size})")
+        if self.world_size % (self.pp * self.cp * self.tp):
+            extra = f" x cp ({self.cp})" if self.cp > 1 else ""
+            raise ValueError(f"pp ({self.pp}){extra} x tp ({self.tp}) must divide the world size ({self.world_size})")
         self._check_tensor_parallel(config)
+        self._check_context_parallel()
         self._check_optimizer()
         if self.ep > 1 and not config.is_moe:
             raise ValueError(f"ep ({self.ep}) > 1 needs an MoE model; {config.name} is dense")
@@ -152,6 +167,21 @@ class Layout:
                 f"epso's sharded_optimizer='dp' does not run with tp ({self.tp}) or etp ({self.etp}) > 1: use "
                 "'ep_aware' or 'none'"
             )
+
+    def _check_context_parallel(self) -> None:
+        """What ``epso``'s context parallelism refuses (:class:`~mula_lightning.strategies.epso.EPSOSettings`)."""
+        if self.cp == 1:
+            return
+        if self.strategy != "epso":
+            raise ValueError(f"cp ({self.cp}) > 1 runs under epso, not {self.strategy}")
+        taken = [f"{k} ({v})" for k, v in (("etp", self.etp), ("pp", self.pp)) if v > 1]
+        if taken:
+            raise ValueError(
+                f"cp ({self.cp}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism folds "
+                "with data, expert and tensor parallelism (ep, tp)"
+            )
+        if self.sp:
+            raise ValueError(f"cp ({self.cp}) > 1 with sequence parallelism is not supported yet: use tp without it")
 
     def _check_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:

@@ -14,9 +14,12 @@ A prediction with stated assumptions, not a measurement (``benchmarks/`` measure
   (``optimizer.*`` reduce-scatter / all-reduce, issued bucket by bucket during the last micro-batch's backward:
   two thirds of a micro-batch's compute) and ``zero_topo``'s per-micro-batch weight prefetches and gradient
   reduce-scatters (beside the whole step's compute). Exposed in full: the token dispatch (on the critical path of
-  every MoE layer), tensor parallelism's activation collectives (between every two of its matmuls), the weights'
-  all-gather after the update, ``zero_topo``'s cross-node all-reduce and post-step
-  gather, the gradient norm, and the pipeline's sends.
+  every MoE layer), tensor parallelism's activation collectives (between every two of its matmuls), context
+  parallelism's exchanges of keys and values (before every attention, and their gradients' after its backward),
+  the weights' all-gather after the update, ``zero_topo``'s cross-node all-reduce and post-step gather, the gradient
+  norm, and the pipeline's sends.
+* **Context parallelism.** A rank computes ``1 / cp`` of every sequence's tokens, its queries over the whole
+  sequence's keys (the causal load balance gives every rank the same attention work).
 * **Optimizer step.** Muon's Newton-Schulz iteration on the busiest owner (:mod:`~mula_lightning.plan.muon`), at the
   same matmul rate, between the gradient reduction and the weights' gather: not overlapped. AdamW's element-wise
   update (memory-bound, a few milliseconds) is not counted.
@@ -98,22 +101,25 @@ def flops_per_token(config: MulaConfig, seq_len: int) -> float:
 def predict_step(config: MulaConfig, cluster: Cluster, world_size: int, pp: int, batches: int, batch: Batch,
                  stage_layers: list[list[int]], collectives: list[list[Collective]], checkpointing: Any,
                  imbalance: float, virtual: int = 1, tp: int = 1,
-                 sequence_parallel: bool = False, optimizer_flops: float = 0.0) -> dict[str, Any]:  # fmt: skip
+                 sequence_parallel: bool = False, optimizer_flops: float = 0.0,
+                 cp: int = 1) -> dict[str, Any]:  # fmt: skip
     """Step time, its parts, tokens/s and MFU (see the module docstring).
 
     Args:
         stage_layers: the decoder layers of each pipeline rank.
         collectives: per pipeline stage, one step's collectives of a rank (:func:`~mula_lightning.plan.comm.
             comm_bytes`).
-        batches: the distinct batches a step reads (``world / (pp x tp)``: every rank of a stage, EP ranks
-            included, reads its own, the ``tp`` ranks of a group the same): the global batch is ``batches`` x the
-            rank's.
+        batches: the distinct batches a step reads (``world / (pp x tp x cp)``: every rank of a stage, EP ranks
+            included, reads its own, the ``tp x cp`` ranks of a group the same): the global batch is ``batches`` x
+            the rank's.
         tp / sequence_parallel: the tensor-parallel degree and whether the sequence is split over it.
         optimizer_flops: the optimizer step's matmul FLOPs on its busiest rank (Muon's Newton-Schulz; 0: AdamW).
+        cp: the context-parallel degree: a rank computes ``1 / cp`` of ``batch``'s tokens (its queries attend to
+            the whole sequence's keys).
     """
     rate = cluster.peak_flops * cluster.matmul_efficiency
     per_stage = [
-        stage_flops(config, layers, index == 0, index == pp - 1, batch.tokens, batch.seq_len, checkpointing,
+        stage_flops(config, layers, index == 0, index == pp - 1, batch.tokens // cp, batch.seq_len, checkpointing,
                     imbalance, tp, sequence_parallel) / rate
         for index, layers in enumerate(stage_layers)
     ]  # fmt: skip

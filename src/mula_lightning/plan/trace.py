@@ -5,7 +5,8 @@ The traced ranks run one after the other in one fresh process (a process holds o
 time), each joining torch's fake process group (``init_process_group("fake", rank=r, world_size=N)``: every
 collective returns at once without communicating) and running what ``mula fit`` runs on that rank: the strategy's
 topology and groups (:func:`~mula_lightning.parallel.topology.build_topology`, or ``zero_topo``'s layout groups), the
-model built on the meta device, cut for this rank (pipeline stage, expert slice) and parallelised, its weights
+model built on the meta device, cut for this rank (pipeline stage, expert slice) and parallelised (context
+parallelism's hooks and groups included), its weights
 "materialised" on the meta device (shapes and dtypes, no memory), the sharded optimizer's flat buffers (``epso``'s
 :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW` or ``zero_topo``'s engine, whose buffers are fake
 tensors), and the checkpoint's DCP save plan with the DP-scattered writer choice (``epso``; ``zero_topo``'s save plan
@@ -80,17 +81,17 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     from mula_lightning.parallel.topology import build_topology
     from mula_lightning.strategies.epso import EPSOSettings, setup_epso_module
 
-    tp, etp, sp = spec.get("tp", 1), spec.get("etp", 1), spec.get("sp", False)
+    tp, etp, sp, cp = spec.get("tp", 1), spec.get("etp", 1), spec.get("sp", False), spec.get("cp", 1)
     settings = EPSOSettings(
         ep_size=spec["ep"], pp_size=spec["pp"], sharded_optimizer=spec["mode"], dispatcher=spec["dispatcher"],
-        tp_size=tp, etp_size=etp, sequence_parallel=sp,
+        tp_size=tp, etp_size=etp, sequence_parallel=sp, cp_size=cp,
         activation_checkpointing=spec["checkpointing"] or False, pp_schedule=spec["schedule"],
         pp_microbatches=spec["micro_batches"] if spec["pp"] > 1 else None, pp_virtual_stages=spec["virtual"],
         reduce_dtype=getattr(torch, spec["reduce_dtype"]), bucket_numel=spec["bucket_numel"],
     )  # fmt: skip
     names = {id(p): n for n, p in model.named_parameters()}
     # the mesh is built from real tensors (DeviceMesh reads its rank grid); everything after it is on meta
-    topology = build_topology(settings.ep_size, tp, sp, etp, settings.pp_size)
+    topology = build_topology(settings.ep_size, tp, sp, etp, settings.pp_size, cp)
     setup_epso_module(model, settings, torch.device("meta"), topology)
     if spec.get("optimizer", "adamw") == "muon":  # the stage's own parameters, as MulaLM builds it after set-up
         optimizer = MuonAdamW(muon_param_groups(model), lr=1e-4)
@@ -121,7 +122,11 @@ def _trace_epso(model: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
         "pp": _ranks(topology.pp_group, rank),
     }
     if tp > 1:
-        groups.update(tp=_ranks(topology.tp_group, rank), dense_dp=_ranks(topology.dense_dp_group, rank))
+        groups["tp"] = _ranks(topology.tp_group, rank)
+    if tp > 1 or cp > 1:  # the dp x cp replicas of a dense parameter's tp slice
+        groups["dense_dp"] = _ranks(topology.dense_dp_group, rank)
+    if cp > 1:
+        groups["cp"] = _ranks(topology.cp_group, rank)
     if etp > 1:
         groups["expert"] = _ranks(topology.expert_group, rank)
     tensors, _, planner = sharded_checkpoint_parts({"model": model, "optimizer": sharded}, topology)
@@ -356,7 +361,8 @@ def check_trace(traced: dict[str, Any], planned: dict[str, Any], layout: Any, co
             )
     if layout.strategy == "epso":
         sizes = {"ep": layout.ep, "edp": layout.dp, "stage": world // layout.pp, "pp": layout.pp, "tp": layout.tp,
-                 "dense_dp": layout.dense_dp, "expert": layout.ep * layout.etp}  # fmt: skip
+                 "dense_dp": layout.dense_dp, "expert": layout.ep * layout.etp,
+                 "cp": getattr(layout, "cp", 1)}  # fmt: skip
     else:  # the engine's own groups (one rank: no group, the rank alone), dense family and expert slices
         from mula_lightning.parallel.zero.layout import expert_layout
 
