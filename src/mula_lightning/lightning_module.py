@@ -135,10 +135,16 @@ def _check_context_parallel(config: MulaConfig, strategy: Any, processes: int, c
     from mula_lightning.parallel.context_parallel import check_sequence_length
     from mula_lightning.parallel.mesh import ParallelDims
 
-    tp_size, _, etp_size = strategy_tensor_parallel(strategy)
+    tp_size, sequence_parallel, etp_size = strategy_tensor_parallel(strategy)
     ParallelDims(processes, tp=tp_size, cp=cp, ep=strategy_ep_size(strategy), etp=etp_size)  # sizes that divide
     if seq_len is not None:
         check_sequence_length(seq_len, cp)
+        if sequence_parallel and seq_len // cp % tp_size:
+            raise ValueError(
+                f"sequence_parallel splits each rank's {seq_len // cp} tokens (seq_len {seq_len} / cp_size {cp}) "
+                f"over tp_size ({tp_size}) ranks: use a seq_len that is a multiple of 2 x cp x tp = "
+                f"{2 * cp * tp_size}"
+            )
     if config.is_moe and config.balance_scope != "micro_batch":
         raise ValueError(
             f"cp_size ({cp}) > 1 cuts every sequence over ranks: balance_scope {config.balance_scope!r} would "
@@ -255,7 +261,7 @@ class MulaLM(LightningModule):
             self.config = MulaConfig.from_name(model, **overrides)
         self.model: MulaForCausalLM | None = None
         self.peak_tflops = peak_tflops
-        self.flops_per_batch: float | None = None  # model FLOPs of the step over all ranks, for MFU
+        self.flops_per_batch: float | None = None  # model FLOPs of this rank's batch, for MFU
         self.last_moe_aux: list[MoEAux] = []  # the last training micro-batch's MoE statistics, for MoEStats
         self.val_loss = MeanMetric()
         self.data_info: dict[str, Any] | None = None  # the training data's tokenizer and EOS id, once known
@@ -382,10 +388,8 @@ class MulaLM(LightningModule):
         else:
             out = self.model(input_ids, labels=batch["labels"], return_logits=False)  # head + loss fused, chunked
             loss, lm_loss, aux_loss = out.loss + out.aux_loss, out.loss, out.aux_loss
-        # ThroughputMonitor wants the step's FLOPs over all ranks: one per distinct batch (tp / pp ranks share one)
-        sampler = getattr(self.trainer, "distributed_sampler_kwargs", None) if self._trainer is not None else None
-        batches = int((sampler or {}).get("num_replicas", 1))
-        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel() * batches
+        # ThroughputMonitor wants this batch's FLOPs (MulaThroughput counts the world in distinct batches)
+        self.flops_per_batch = self.config.flops_per_token(input_ids.shape[1]) * input_ids.numel()
         self.last_moe_aux = [a.detach() if a is not None else None for a in out.moe_aux]
         # the progress bar's metrics are read back to the host at every step, shown or not (Lightning's logger
         # connector converts them at each batch end): ask for it only when a bar shows them, so that a run without

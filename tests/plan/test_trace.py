@@ -58,11 +58,11 @@ def test_tensor_and_expert_tensor_parallelism_folded_at_96_ranks(capsys):
 
 
 def test_context_parallelism_folded_with_experts_and_tensor_parallelism_at_96_ranks(capsys):
-    """mula-7b-a1b on 8 Aurora nodes at 32K tokens, CP 4 x TP 2 x EP 4: rank -1 holds the planned bytes, its cp
-    group is the 4 ranks of its tp slice that read its batch (stride tp), the replicas of its dense shard are the
-    dp x cp ranks of that slice (48), its experts' 4 consecutive ranks; the plan counts the keys' and values'
-    exchanges over the cp group and a quarter of a sequence's tokens dispatched per rank."""
-    layout, (t,) = _traced(capsys, "mula-7b-a1b", "--nodes", "8", "--ep", "4", "--cp", "4", "--tp", "2",
+    """mula-7b-a1b on 8 Aurora nodes at 32K tokens, CP 4 x TP 2 (with SP) x EP 4: rank -1 holds the planned bytes,
+    its cp group is the 4 ranks of its tp slice that read its batch (stride tp), the replicas of its dense shard are
+    the dp x cp ranks of that slice (48), its experts' 4 consecutive ranks; the plan counts the keys' and values'
+    exchanges over the cp group and an eighth of a sequence's tokens dispatched per rank (a quarter, split over tp)."""
+    layout, (t,) = _traced(capsys, "mula-7b-a1b", "--nodes", "8", "--ep", "4", "--cp", "4", "--tp", "2", "--sp", "2",
                            "--seq-len", "32768", "--ranks", "-1")  # fmt: skip
     assert (t["rank"], layout["cp"], layout["dense_dp"], layout["dp"]) == (95, 4, 48, 24)
     for kind in TRACED_KINDS:
@@ -71,7 +71,7 @@ def test_context_parallelism_folded_with_experts_and_tensor_parallelism_at_96_ra
     assert t["groups"]["dense_dp"] == list(range(1, 96, 2)) and t["groups"]["ep"] == [92, 93, 94, 95]
     rows = {(c["tag"], c["op"]): c for c in layout["collectives"]}
     assert rows["cp.kv", "all_gather"]["group_size"] == 4 and rows["cp.kv", "reduce_scatter"]["calls"] == 16
-    assert rows["moe.dispatch.x", "all_gather"]["bytes_sent"] == 16 * 3 * 8192 * 2048 * 2  # 16 MoE layers, 3 of 4
+    assert rows["moe.dispatch.x", "all_gather"]["bytes_sent"] == 16 * 3 * 4096 * 2048 * 2  # 16 MoE layers, 3 of 4
     assert t["peak_resident_bytes"] < 4 * GB
 
 

@@ -116,7 +116,8 @@ def _halved(layout: str) -> bool:
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if _halved(name)])
 def test_five_clipped_accumulated_steps_equal_one_process(layout):
     """Issue 72's and 73's parity program on every Muon layout (DP 2, EP 2, DP 2 x EP 2 in both modes) and every
-    context-parallel one (CP 2, CP 4, CP 2 folded with EP 2, CP 2 x EP 2 beside DP 2): five steps of two accumulated
+    context-parallel one (CP 2, CP 4, CP 2 folded with EP 2, CP 2 x EP 2 beside DP 2, CP 2 x TP 2 with and without
+    SP): five steps of two accumulated
     micro-batches (``no_backward_sync``, then a synchronised backward), each clipped, give one process's losses,
     norms and weights to a relative 1e-12 (:data:`~mula_lightning.testing.conformance.RTOL`); one process is
     ``MuonAdamW`` for Muon, itself ``torch.optim.Muon`` per matrix and per expert matrix and AdamW for the rest

@@ -295,3 +295,16 @@ def test_a_context_parallel_layout_that_does_not_fit_is_named_before_building(pr
     config = MulaConfig.from_name("mula-tiny-moe", **overrides)
     with pytest.raises(ValueError, match=fragment):
         check_layout(config, EPSOStrategy(cp_size=2, ep_size=1), processes, seq_len)
+
+
+def test_sequence_parallelism_beside_context_parallelism_needs_each_ranks_tokens_to_split():
+    """CP 2 x TP 4 with SP on 8 processes: 36 tokens cut into 4 chunks of 9, but each rank's 18 do not split over
+    the 4 TP ranks: named before any process starts; 48 tokens pass."""
+    from mula_lightning.lightning_module import check_layout
+    from mula_lightning.models import MulaConfig
+    from mula_lightning.strategies import EPSOStrategy
+
+    config, strategy = MulaConfig.from_name("mula-tiny-moe"), EPSOStrategy(cp_size=2, tp_size=4, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"each rank's 18 tokens \(seq_len 36 / cp_size 2\) over tp_size \(4\)"):
+        check_layout(config, strategy, 8, 36)
+    check_layout(config, strategy, 8, 48)

@@ -89,10 +89,11 @@ class MulaProgress(Callback):
             return
         ids = batch["input_ids"] if isinstance(batch, dict) else batch
         sampler = getattr(trainer, "distributed_sampler_kwargs", None) or {}
-        tokens = int(getattr(ids, "numel", lambda: 0)()) * int(sampler.get("num_replicas", 1))
-        flops = getattr(pl_module, "flops_per_batch", None)  # the step's model FLOPs over all ranks, per batch
-        if flops and tokens:
-            meter.flops_per_token = flops / tokens
+        batch_tokens = int(getattr(ids, "numel", lambda: 0)())
+        tokens = batch_tokens * int(sampler.get("num_replicas", 1))  # every distinct batch of the step
+        flops = getattr(pl_module, "flops_per_batch", None)  # the model FLOPs of this batch
+        if flops and batch_tokens:
+            meter.flops_per_token = flops / batch_tokens
         meter.add_tokens(tokens)
         meter.step(trainer.global_step, **self._metrics(trainer, pl_module))
 

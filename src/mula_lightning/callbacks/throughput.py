@@ -7,9 +7,15 @@ and none of CPUs or Intel XPUs, and a guessed peak makes a misleading MFU, so MF
 gives ``peak_tflops`` (here or on :class:`~mula_lightning.lightning_module.MulaLM`).
 
 Logged keys (``train/...``, also ``validate/...`` during validation): ``device/items_per_sec`` (tokens/s of
-rank 0), ``items_per_sec`` (world tokens/s, multi-process runs), ``device/flops_per_sec``, ``flops_per_sec`` and
-``device/mfu`` (with a peak). FLOPs come from the module's ``flops_per_batch`` (model FLOPs of the step over all
-ranks, from the active parameter count: :meth:`MulaConfig.flops_per_token`).
+rank 0's batch), ``items_per_sec`` (world tokens/s, when several distinct batches are read), ``device/flops_per_sec``,
+``flops_per_sec`` and ``device/mfu`` (with a peak). FLOPs come from the module's ``flops_per_batch`` (model FLOPs of
+one batch, from the active parameter count: :meth:`MulaConfig.flops_per_token`).
+
+Lightning multiplies a rank's figures by the world size to get the world's, right when every rank reads its own
+batch. Under tensor, context or pipeline parallelism the ``tp x cp x pp`` ranks of a group read one batch and share
+its work, so the world is counted here in distinct batches (the strategy's ``distributed_sampler_kwargs``) and a
+"device" of the logged keys is such a group: its MFU is over the group's peak (its ranks' peaks summed). Otherwise
+the world's tokens/s and FLOP/s would be ``tp x cp x pp`` times too many.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ class MulaThroughput(ThroughputMonitor):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         peak = self.peak_tflops if self.peak_tflops is not None else getattr(pl_module, "peak_tflops", None)
-        self.available_flops = peak * 1e12 if peak else None
+        sampler = getattr(trainer, "distributed_sampler_kwargs", None) or {}
+        batches = int(sampler.get("num_replicas", trainer.world_size))  # distinct batches a step reads
+        group = max(1, trainer.world_size // batches)  # the ranks that read one batch together
+        self.available_flops = peak * 1e12 * group if peak else None
         for throughput in self._throughputs.values():
             throughput.available_flops = self.available_flops
+            throughput.world_size = batches

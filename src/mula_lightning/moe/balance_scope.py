@@ -113,7 +113,8 @@ def enable_global_batch_balance(model: nn.Module, group: Any) -> int:
 def reduce_router_losses_over(model: nn.Module, reduce: Any, parallelism: str, instead: str = "") -> None:
     """Give every router of ``model`` the ``sequence_reduce`` of a sequence split over ranks (``reduce`` sums over
     them; :func:`~mula_lightning.moe.router.sequence_parallel_router_losses`), so its losses are the whole
-    sequences'.
+    sequences'. A router that sums over other ranks already (sequence parallelism's ``tp`` beside context
+    parallelism's ``cp``: each rank holds a part of a part) sums over them first, then over these.
 
     Raises:
         ValueError: when a router counts at a scope other than ``"micro_batch"`` (its counts would be this rank's part
@@ -125,7 +126,12 @@ def reduce_router_losses_over(model: nn.Module, reduce: Any, parallelism: str, i
                 f"balance_scope {router.balance_scope!r} does not run with {parallelism} (each rank holds a part of "
                 f"every sequence): use balance_scope 'micro_batch'{instead}"
             )
-        router.sequence_reduce = reduce
+        inner = getattr(router, "sequence_reduce", None)
+        router.sequence_reduce = reduce if inner is None else _then(inner, reduce)
+
+
+def _then(first: Any, second: Any) -> Any:
+    return lambda x: second(first(x))
 
 
 def reset_balance_window(model: nn.Module) -> None:

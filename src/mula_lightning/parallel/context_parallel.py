@@ -78,14 +78,11 @@ def chunk_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> tor
     return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
 
 
-def _gathered_order(local_len: int, cp: int, device: Any) -> torch.Tensor:
-    """The rows of an all-gather of every rank's chunks (rank order) that put them in position order."""
-    c = local_len // 2
-    rows = []
-    for chunk in range(2 * cp):  # chunk j < cp is rank j's first; chunk j >= cp is rank 2cp-1-j's second
-        owner, offset = (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, c)
-        rows.append(torch.arange(owner * local_len + offset, owner * local_len + offset + c, device=device))
-    return torch.cat(rows)
+def _gathered_order(seq_len: int, cp: int, device: Any) -> torch.Tensor:
+    """The rows of an all-gather of every rank's chunks (rank order) that put them in position order: the inverse of
+    the ranks' positions laid end to end."""
+    laid = torch.cat([chunk_positions(seq_len, cp, rank, device) for rank in range(cp)])
+    return torch.argsort(laid)
 
 
 class ContextParallelAttention:
@@ -106,7 +103,7 @@ class ContextParallelAttention:
         gathered = forward_allgather_backward_reducescatter(rows, self.group, tag="cp.kv")
         key = (local_len, q.device)
         if key not in self._orders:
-            self._orders = {key: _gathered_order(local_len, cp, q.device)}
+            self._orders = {key: _gathered_order(local_len * cp, cp, q.device)}
         whole = gathered.index_select(0, self._orders[key])  # (T, 2, B, nkv, hd), in position order
         k_all, v_all = whole[:, 0].permute(1, 2, 0, 3), whole[:, 1].permute(1, 2, 0, 3)  # (B, nkv, T, hd) views
         return chunks_attention(q, k_all, v_all, (self.rank, 2 * cp - 1 - self.rank), enable_gqa, self.kernel)
@@ -152,7 +149,9 @@ class _ContextParallelForward:
     def __init__(self, model: MulaForCausalLM, group: Any, cp: int, rank: int) -> None:
         self.group, self.cp, self.rank = group, cp, rank
         self.signature = inspect.signature(type(model).forward)
-        self.pending: list[tuple[str, torch.Tensor | None]] = []  # (reduction asked, real targets) per forward
+        # (reduction asked, real targets) of the forward under way: one at a time (a forward that raised leaves its
+        # entry to the next one's, which replaces it)
+        self.pending: tuple[str, torch.Tensor | None] | None = None
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         bound = self.signature.bind(module, *args, **kwargs)
@@ -169,11 +168,11 @@ class _ContextParallelForward:
         call.update(input_ids=ids, labels=None, position_ids=positions, shift_labels=targets)
         if targets is not None:
             call["loss_reduction"] = "sum"
-        self.pending.append((reduction, real))
+        self.pending = (reduction, real)
         return (), call
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        reduction, real = self.pending.pop()
+        (reduction, real), self.pending = self.pending, None
         if output.loss is not None:
             whole = sum_keep_share(output.loss, self.group)
             output.loss = whole / real.clamp(min=1).to(whole.dtype) if reduction == "mean" else whole

@@ -254,6 +254,9 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
 
     tp, sp = tp_mesh.size(), sequence_parallel
     check_tensor_parallel(model.config, tp)
+    # torch's SequenceParallel re-registers a norm's weight as a new Parameter, which requires grad: a norm the user
+    # froze would train (restored below)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     rowwise_out = Shard(1) if sp else Replicate()
     for layer in model.model.layers:
         if not isinstance(layer, MulaDecoderLayer):  # a layer another pipeline stage holds
@@ -281,6 +284,9 @@ def apply_tensor_parallel(model: MulaForCausalLM, tp_mesh: Any, sequence_paralle
         parallelize_module(model, tp_mesh, plan)
     if sp:  # (pipeline stages bypass the decoder's forward: PipelineRunner checks its batches itself)
         model.model.register_forward_pre_hook(partial(_check_sequence_split, tp=tp))
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     vocab_start = tp_mesh.get_local_rank() * (model.config.vocab_size // tp)
     model.loss_function = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=tp_mesh.get_group())
     return model

@@ -127,15 +127,16 @@ def plan_layout(config: MulaConfig, layout: Layout, cluster: Cluster, training: 
     layout.check(config)
     if training.dispatcher not in ("allgather", "alltoall"):
         raise ValueError(f"dispatcher ({training.dispatcher!r}) must be 'allgather' or 'alltoall'")
-    if layout.sp and training.seq_len % layout.tp:
-        raise ValueError(
-            f"sequence parallelism splits each sequence over tp ({layout.tp}) ranks: the sequence length "
-            f"({training.seq_len}) must be divisible by it"
-        )
     if layout.cp > 1:
         from mula_lightning.parallel.context_parallel import check_sequence_length
 
         check_sequence_length(training.seq_len, layout.cp)
+    if layout.sp and training.seq_len // layout.cp % layout.tp:
+        cut = f" / cp ({layout.cp}) = {training.seq_len // layout.cp}" if layout.cp > 1 else ""
+        raise ValueError(
+            f"sequence parallelism splits each sequence over tp ({layout.tp}) ranks: the sequence length "
+            f"({training.seq_len}){cut} must be divisible by it"
+        )
     batch = training.batch(layout.pp)
     param_bytes = PRECISIONS[layout.precision]
     hw = hw or HardwareTopology.uniform(layout.world_size, cluster.devices_per_node, cluster.devices_per_gpu)

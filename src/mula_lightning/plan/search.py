@@ -12,8 +12,8 @@ The candidates (all at the same global batch, so that their step times compare):
   pipelining, where ``ep`` divides a node;
 * context parallelism for long sequences: without pipelining, ``epso`` ``ep_aware`` with each ``cp`` dividing a
   stage's ranks for which each of a sequence's ``2 cp`` chunks keeps at least :data:`CP_MIN_CHUNK` tokens (at 2,048
-  tokens and below no CP; 8K: CP 2; 32K: up to 8), alone and beside tensor parallelism without SP (what CP runs with),
-  folded over the same ranks as ``ep``;
+  tokens and below no CP; 8K: CP 2; 32K: up to 8), alone and beside tensor and sequence parallelism, folded over the
+  same ranks as ``ep``;
 * with ``optimizer="muon"``: ``epso`` without tensor parallelism only (what Muon runs under);
 * recomputation: none, the FFN blocks (``moe`` or ``mlp``), norms + attention + FFN (the paper's 220B choice), whole
   layers; without pipelining one sequence per forward, the rest accumulated.
@@ -87,8 +87,8 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
                 yield Layout(strategy="zero_topo", ep=ep, **common)
             for cp in context_parallel if pp == 1 else []:
                 for tp in [1] + tensor_parallel:
-                    if world % (cp * tp) == 0:
-                        yield Layout(strategy="epso", ep=ep, cp=cp, tp=tp, **common)
+                    if world % (cp * tp) == 0 and seq_len // cp % tp == 0:
+                        yield Layout(strategy="epso", ep=ep, cp=cp, tp=tp, sp=tp > 1, **common)
 
 
 def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int | None = None, seq_len: int = 2048,

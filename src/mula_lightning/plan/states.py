@@ -180,8 +180,6 @@ class Layout:
                 f"cp ({self.cp}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism folds "
                 "with data, expert and tensor parallelism (ep, tp)"
             )
-        if self.sp:
-            raise ValueError(f"cp ({self.cp}) > 1 with sequence parallelism is not supported yet: use tp without it")
 
     def _check_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:

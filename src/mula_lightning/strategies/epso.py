@@ -131,11 +131,6 @@ class EPSOSettings:
                 f"cp_size ({self.cp_size}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism "
                 "folds with data, expert and tensor parallelism (ep_size, tp_size)"
             )
-        if self.sequence_parallel:
-            raise ValueError(
-                f"cp_size ({self.cp_size}) > 1 with sequence_parallel=True is not supported yet: use tensor "
-                "parallelism without it"
-            )
         if self.compile:
             raise ValueError(f"cp_size ({self.cp_size}) > 1 with compile: the attention's all-gather would break the "
                              "compiled graph; set compile=False")  # fmt: skip
@@ -325,8 +320,8 @@ class EPSOOptions(ShardingOptions):
             ``2 x cp_size`` chunks over ``cp_size`` consecutive ranks (rank r holding chunks r and 2cp-1-r, the causal
             load balance), keys and values all-gathered for attention, the loss and the routers' losses those of
             the whole sequences; the ``cp`` ranks read one batch and serve as expert-parallel ranks too (folding).
-            Sequence lengths must divide by ``2 x cp_size``. Composes with ``tp_size`` (without sequence
-            parallelism); not yet with ``sequence_parallel``, ``etp_size``, ``pp_size``.
+            Sequence lengths must divide by ``2 x cp_size``. Composes with ``tp_size``, with or without
+            ``sequence_parallel``; not yet with ``etp_size``, ``pp_size``.
         cuda_graphs: replay each training micro-batch's forward and backward as two CUDA graphs, captured at the
             first training step (:mod:`mula_lightning.parallel.cuda_graphs`): for one CUDA device per model replica
             (``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not

@@ -74,6 +74,11 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "epso ep_aware cp4": (4, "epso", dict(sharded_optimizer="ep_aware", cp_size=4)),
     "epso ep_aware cp2 ep2 dp2": (4, "epso", dict(sharded_optimizer="ep_aware", cp_size=2, ep_size=2)),
     "epso ep_aware cp2 tp2": (4, "epso", dict(sharded_optimizer="ep_aware", cp_size=2, tp_size=2)),
+    "epso ep_aware cp2 tp2 sp": (
+        4,
+        "epso",
+        dict(sharded_optimizer="ep_aware", cp_size=2, tp_size=2, sequence_parallel=True),
+    ),
 }
 #: the layout a ``save_reload`` goes on in: the same world size and the same data ranks (rank r reads what it read),
 #: another layout of the states (a checkpoint is written in single-device keys, so any layout reads it)
@@ -97,6 +102,7 @@ RELOAD_INTO = {
     "epso ep_aware cp4": "epso ep_aware cp4",
     "epso ep_aware cp2 ep2 dp2": "epso ep_aware cp2 ep2 dp2",
     "epso ep_aware cp2 tp2": "epso ep_aware cp2 tp2",
+    "epso ep_aware cp2 tp2 sp": "epso ep_aware cp2 tp2",
 }
 #: parameter sets a program may freeze (name prefixes): none, the embedding (root unit), a layer's input norm under
 #: its trainable attention, a whole attention, a layer's router and experts, a router alone under trainable experts,
