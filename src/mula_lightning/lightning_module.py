@@ -136,7 +136,8 @@ def _check_context_parallel(config: MulaConfig, strategy: Any, processes: int, c
     from mula_lightning.parallel.mesh import ParallelDims
 
     tp_size, sequence_parallel, etp_size = strategy_tensor_parallel(strategy)
-    ParallelDims(processes, tp=tp_size, cp=cp, ep=strategy_ep_size(strategy), etp=etp_size)  # sizes that divide
+    pp = strategy_pipeline(strategy)["pp_size"]
+    ParallelDims(processes, pp=pp, tp=tp_size, cp=cp, ep=strategy_ep_size(strategy), etp=etp_size)  # they divide
     if seq_len is not None:
         check_sequence_length(seq_len, cp)
         if sequence_parallel and seq_len // cp % tp_size:

@@ -121,11 +121,10 @@ def test_the_groups_of_cp2_folded_with_ep2_beside_dp2():
     "options, fragment",
     [
         (dict(cp_size=2, etp_size=2), r"cp_size \(2\) > 1 with etp_size \(2\) > 1 is not supported yet"),
-        (dict(cp_size=2, pp_size=2), r"cp_size \(2\) > 1 with pp_size \(2\)"),
         (dict(cp_size=2, compile=True), r"cp_size \(2\) > 1 with compile"),
         (dict(cp_size=0), r"cp_size \(0\) must be an integer >= 1"),
     ],
-    ids=["etp", "pp", "compile", "zero"],
+    ids=["etp", "compile", "zero"],
 )
 def test_what_context_parallelism_does_not_run_with_is_refused_in_one_line(options, fragment):
     """The strategy refuses, at construction, the sizes context parallelism does not compose with yet, naming them."""

@@ -186,7 +186,8 @@ def test_the_search_table_sizes_multiply_to_the_world(capsys):
 def test_context_parallelism_from_the_flag_and_the_config(capsys):
     """``--config mula-tiny-moe-long.yaml`` plans its CP 4 x EP 2 on the config's 4 devices (``cp_size`` read): the
     keys and values exchanged over the 4 ranks at every attention, one batch for the 4; ``--cp`` overrides it; a
-    length that does not split into 2 x cp chunks, or CP beside pipeline stages: exit 1 and one line naming them."""
+    length that does not split into 2 x cp chunks, or CP beside expert tensor parallelism: exit 1 and one line naming
+    them."""
     long = "examples/configs/mula-tiny-moe-long.yaml"
     (layout,) = _json(capsys, "--config", long, "--devices-per-node", "4")["layouts"]
     assert (layout["cp"], layout["ep"], layout["dense_dp"], layout["seq_len"]) == (4, 2, 4, 8192)
@@ -196,7 +197,10 @@ def test_context_parallelism_from_the_flag_and_the_config(capsys):
     (halved,) = _json(capsys, "--config", long, "--devices-per-node", "4", "--cp", "2")["layouts"]
     assert halved["cp"] == 2 and halved["time"]["tokens_per_step"] == 2 * 8192
     assert halved["memory_bytes"]["activations"] > layout["memory_bytes"]["activations"]
-    refused = ((["--seq-len", "8196"], "sequence length 8196"), (["--cp", "2", "--pp", "2"], "cp (2) > 1 with pp (2)"))
+    refused = (
+        (["--seq-len", "8196"], "sequence length 8196"),
+        (["--cp", "2", "--etp", "2"], "cp (2) > 1 with etp (2)"),
+    )
     for args, named in refused:
         assert mula(["plan", "--config", long, "--devices-per-node", "4", *args]) == 1
         err = capsys.readouterr().err.strip()

@@ -13,7 +13,8 @@ pairs are the plan's balanced ones), one optimizer step of 2 micro-batches:
   with SP x ETP 2 with the expert blocks recomputed; TP 2 with SP x EP 2 with whole layers recomputed; PP 2 x TP 2
   x EP 2;
 * context parallelism folded over the same ranks: CP 2 x TP 2 with SP x EP 2 with the all-to-all dispatcher,
-  attention and the expert blocks recomputed in float32; CP 4 x EP 4 with whole layers recomputed.
+  attention and the expert blocks recomputed in float32; CP 4 x EP 4 with whole layers recomputed; PP 2 x CP 2
+  folded with EP 2.
 
 The bytes one micro-batch keeps for backward equal the plan's too (every case without pipelining).
 
@@ -103,6 +104,11 @@ CASES = {  # name: strategy, its arguments, precision
         "32-true",
     ),  # fmt: skip
     "epso cp4 ep4 full-recompute": ("epso", dict(cp_size=4, ep_size=4, activation_checkpointing="full"), "bf16-true"),
+    "epso cp2 pp2 ep2": (
+        "epso",
+        dict(cp_size=2, ep_size=2, pp_size=2, pp_schedule="1f1b", pp_microbatches=ACCUM),
+        "bf16-true",
+    ),  # fmt: skip
 }
 
 

@@ -76,15 +76,15 @@ def test_candidates_divide_and_the_command_line(capsys):
 
 def test_long_sequences_are_searched_with_context_parallelism():
     """The search tries CP only where each of a sequence's 2 x cp chunks keeps CP_MIN_CHUNK tokens (none at 2,048
-    tokens; CP 2 to 8 at 32K on 2 DGX-H100 nodes), under epso without pipelining, alone or beside TP with SP; at
+    tokens; CP 2 to 8 at 32K on 2 DGX-H100 nodes), under epso, alone or beside TP with SP, with pipelining too; at
     64K the fastest layout that fits is context parallel, and a CP layout holds fewer activations per rank than the
     same layout without CP."""
     config, cluster = MulaConfig.from_name("mula-7b-a1b"), CLUSTERS["dgx-h100"]
     assert {lay.cp for lay in candidates(config, cluster, 2, seq_len=2048)} == {1}
     long = [lay for lay in candidates(config, cluster, 2, seq_len=32768) if lay.cp > 1]
     assert {lay.cp for lay in long} == {2, 4, 8}  # CP 16 would leave chunks of 1,024 tokens
-    assert all(lay.strategy == "epso" and lay.pp == 1 and lay.sp == (lay.tp > 1) and lay.mode == "ep_aware"
-               for lay in long)  # fmt: skip
+    assert all(lay.strategy == "epso" and lay.sp == (lay.tp > 1) and lay.mode == "ep_aware" for lay in long)
+    assert {lay.pp for lay in long} == {1, 2, 4, 8}  # CP 2 x PP 16 would need 32 ranks
     assert {lay.tp for lay in long} == {1, 2, 4, 8} and all(16 % (lay.cp * lay.tp) == 0 for lay in long)
     result = search(config, cluster, 2, seq_len=65536)
     fastest = result["layouts"][0]

@@ -115,8 +115,8 @@ def test_planned_bytes_equal_what_the_strategy_holds(strategy_name, mode, tp, et
 def test_layouts_that_cannot_run_are_named():
     """Sizes that do not divide (pp x ep x etp, pp x tp, heads, intermediate size), an EP the experts do not split
     into, sequence parallelism without TP, 'dp' mode with TP, tensor parallelism or pipeline stages under zero_topo,
-    an EP group larger than a node, context parallelism beside what it does not run with (pipeline stages,
-    zero_topo): one ValueError each, naming the values."""
+    an EP group larger than a node, context parallelism beside what it does not run with (expert tensor
+    parallelism, zero_topo): one ValueError each, naming the values."""
     config = MulaConfig.from_name("mula-7b-a1b")
     cases = [
         (Layout(12, ep=5), r"pp \(1\) x ep \(5\) must divide the world size \(12\)"),
@@ -133,7 +133,8 @@ def test_layouts_that_cannot_run_are_named():
         (Layout(16, strategy="zero_topo", ep=16, ranks_per_node=8), r"ep_size \(16\) must divide the ranks of a node"),
         (Layout(40, pp=5), r"num_layers \(16\) must be divisible by the pipeline stages \(5"),
         (Layout(16, cp=4, tp=8), r"pp \(1\) x cp \(4\) x tp \(8\) must divide the world size \(16\)"),
-        (Layout(16, cp=2, pp=2), r"cp \(2\) > 1 with pp \(2\) > 1 is not supported yet"),
+        (Layout(16, cp=2, pp=2), None),
+        (Layout(16, cp=2, etp=2), r"cp \(2\) > 1 with etp \(2\) > 1 is not supported yet"),
         (Layout(16, cp=2, tp=2, sp=True), None),
         (Layout(16, cp=2, strategy="zero_topo", ranks_per_node=8), r"cp \(2\) > 1 runs under epso, not zero_topo"),
         (Layout(16, cp=0), r"cp \(0\) must be a positive integer"),

@@ -2,8 +2,9 @@
 processes.
 
 Layouts: PP=2 with each schedule (gpipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank) on 2 gloo ranks;
-PP=2 x DP=2, PP=2 x EP=2, PP=2 x TP=2 (dense) and PP=2 x (TP=2 + SP folded with EP=2) on 4 (stages are consecutive
-blocks of ranks; inside a stage, data, expert and tensor parallelism as without pipelining). An MoE model of 4
+PP=2 x DP=2, PP=2 x EP=2, PP=2 x TP=2 (dense), PP=2 x (TP=2 + SP folded with EP=2) and PP=2 x (CP=2 folded with
+EP=2) on 4 (stages are consecutive blocks of ranks; inside a stage, data, expert, tensor and context parallelism as
+without pipelining). An MoE model of 4
 layers with its load-balancing and z losses on (or a dense one), 4 micro-batches of one sequence per step, the
 ``ep_aware`` optimizer, 5 AdamW steps clipped by the global norm (small enough that
 clipping fires on every step), float64. The reference is one process that runs each data-parallel batch's 4
@@ -55,10 +56,10 @@ def _optimizer(model, optimizer="adamw"):
 
 
 def _setup(world_size, pp, ep, schedule="1f1b", virtual=1, tp=1, sp=False, kind="moe", boundaries=None,
-           optimizer="adamw"):  # fmt: skip
+           optimizer="adamw", cp=1):  # fmt: skip
     strategy = FabricEPSOStrategy(
         ep_size=ep, pp_size=pp, pp_schedule=schedule, pp_microbatches=M, pp_virtual_stages=virtual, bucket_numel=3000,
-        tp_size=tp, sequence_parallel=sp, pp_boundaries=boundaries,
+        tp_size=tp, sequence_parallel=sp, pp_boundaries=boundaries, cp_size=cp,
     )  # fmt: skip
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true")
     fabric.launch()
@@ -97,8 +98,8 @@ def _local_state(model):
 
 
 def _train(rank, world_size, pp, ep, schedule, virtual=1, steps=STEPS, tp=1, sp=False, kind="moe", boundaries=None,
-           optimizer="adamw"):  # fmt: skip
-    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind, boundaries, optimizer)
+           optimizer="adamw", cp=1):  # fmt: skip
+    fabric, model, optimizer = _setup(world_size, pp, ep, schedule, virtual, tp, sp, kind, boundaries, optimizer, cp)
     losses, norms = _steps(fabric, model, optimizer, range(steps))
     topo = fabric.strategy.topology
     state = _local_state(model)
@@ -157,6 +158,7 @@ LAYOUTS = {
     "pp2 x tp2 dense 1f1b": dict(world=4, pp=2, ep=1, schedule="1f1b", tp=2, kind="dense"),
     "pp2 x tp2+sp folded with ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b", tp=2, sp=True),
     "pp2 x ep2 1f1b, Muon": dict(world=4, pp=2, ep=2, schedule="1f1b", optimizer="muon"),
+    "pp2 x cp2 folded with ep2 1f1b": dict(world=4, pp=2, ep=2, schedule="1f1b", cp=2),
 }
 
 
@@ -167,13 +169,15 @@ def test_pipeline_parallel_epso_matches_one_process(layout):
     stage) with the MoE losses on, float64: every rank's step loss, the pre-clip global norms and
     each parameter a rank holds equal one process; every rank of a pipeline reads the same batch and the stages
     cover the model. The last stage runs the LM head fused with the loss (the reference's plain head + loss), except
-    under TP, whose vocabulary-parallel head keeps its loss over its logits."""
+    under TP, whose vocabulary-parallel head keeps its loss over its logits. Under CP each rank's stages compute two
+    chunks of the batch's sequences (the reference: the whole sequences)."""
     spec = dict(LAYOUTS[layout])
     world = spec.pop("world")
     results = run_pooled_test(_train, world, **spec, timeout=300)
     stage, tp = world // spec["pp"], spec.get("tp", 1)
-    reference = _reference(stage // tp, kind=spec.get("kind", "moe"), optimizer=spec.get("optimizer", "adamw"))
-    _compare(results, reference, stage, stage // tp, tp)
+    group = tp * spec.get("cp", 1)  # the ranks of a stage reading one batch
+    reference = _reference(stage // group, kind=spec.get("kind", "moe"), optimizer=spec.get("optimizer", "adamw"))
+    _compare(results, reference, stage, stage // group, group)
     for *_, (last, fused, hidden_out) in results:  # the LM head runs fused with the loss, except TP's vocab-parallel
         assert fused == (last and tp == 1)
         assert hidden_out == [fused and i == len(hidden_out) - 1 for i in range(len(hidden_out))]

@@ -126,8 +126,13 @@ def test_five_clipped_accumulated_steps_equal_one_process(layout):
     check_program(LoopProgram(layout, "setup_with_scheduler", calls))
 
 
+#: layouts whose seeded programs another layout's cover (their five-step program above still runs): CP 4 has CP 2's
+#: code at another size, CP 2 x TP 2 the code of CP 2 x TP 2 with SP but for the routers' and norms' split
+SEEDED_ELSEWHERE = {"epso ep_aware cp4", "epso ep_aware cp2 tp2"}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SEEDED_ELSEWHERE])
 def test_seeded_loop_programs_train_like_one_process(layout):
     """A fixed, seeded set of loop programs per layout (Lightning's DDP is the control): any set-up order, frozen
     set, slow rank, accumulation with and without ``no_backward_sync``, norm queries and clips between backwards,

@@ -225,6 +225,9 @@ class PipelineStageModule(nn.Module):
     #: the last stage returns the normed hidden states instead of logits, for a loss that runs the LM head fused
     #: with the cross-entropy (set by :class:`~mula_lightning.parallel.pipeline_runner.PipelineRunner`)
     hidden_out: bool = False
+    #: under context parallelism, the global positions of this rank's chunks (RoPE rotates by them; set per step by
+    #: the runner); None: ``0..T-1``
+    positions: torch.Tensor | None = None
 
     def __init__(self, model: MulaForCausalLM, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -271,7 +274,7 @@ class PipelineStageModule(nn.Module):
             x = self.embed_tokens(x)
         else:
             seq_len = x.shape[1] * self.sequence_split
-        cos, sin = rotary_cos_sin(self.config, seq_len, x.device, x.dtype)
+        cos, sin = rotary_cos_sin(self.config, seq_len, x.device, x.dtype, self.positions)
         aux, ids = [], []
         for index, layer in zip(self.layer_ids, self.layers.values()):
             x, layer_aux = layer(x, cos, sin)

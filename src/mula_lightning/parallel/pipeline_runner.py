@@ -19,6 +19,12 @@ cannot see whole:
   loss (the batch's per-token mean cross-entropy plus the mean over micro-batches of the weighted auxiliary losses,
   what one process running the micro-batches would report).
 * **Evaluation**: a forward-only pass of the schedule that returns the summed cross-entropy of the batch.
+
+Under context parallelism (``topology.cp_size > 1``) the ``cp`` ranks of a stage read the same batch: the first stage
+embeds this rank's two chunks of every sequence (:func:`~mula_lightning.parallel.context_parallel.chunk_positions`),
+every stage rotates by their global positions, and the last stage's targets are the chunks' next tokens taken from
+the whole sequences; each rank's cross-entropy sums its own tokens over the whole batch's real targets, so the
+``cp`` ranks' gradients add up to the batch's (the sharded optimizer sums them) and the reported loss is their sum.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.distributed as dist
 from mula_lightning.models.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, next_token_targets
 from mula_lightning.models.transformer import MulaForCausalLM
 from mula_lightning.moe.reference import MoEAux
+from mula_lightning.parallel.context_parallel import chunk_positions
 from mula_lightning.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
 from mula_lightning.parallel.tensor_parallel import check_sequence_split
 from mula_lightning.parallel.topology import MoETopology
@@ -102,6 +109,7 @@ class PipelineRunner:
         self._raw: list[torch.Tensor] = []
         self._reduction = "mean"
         self._scale = 1.0
+        self.cp = getattr(topology, "cp_size", 1)
 
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss from the last stage's output: its normed hidden states when the loss is fused (the
@@ -109,7 +117,9 @@ class PipelineRunner:
         if self.fused_loss:
             weight = self.model.lm_head.weight
             loss = linear_cross_entropy(output, weight, labels, self._reduction, self.model.loss_chunk_tokens,
-                                        self.model.config.loss_backend)  # fmt: skip
+                                        self.model.config.loss_backend, shifted=self.cp > 1)  # fmt: skip
+        elif self.cp > 1:  # the chunks' targets, shifted already
+            loss = self.model.loss_function(output, labels, self._reduction, shifted=True)
         else:
             loss = self.model.loss_function(output, labels, self._reduction)
         self._raw.append(loss.detach())
@@ -118,7 +128,7 @@ class PipelineRunner:
 
     def _schedule(self, input_ids: torch.Tensor, evaluating: bool = False) -> tuple[Any, int]:
         if self.topology.sequence_parallel:  # the stages bypass the decoder's own check of the sequence length
-            check_sequence_split(int(input_ids.shape[-1]), self.topology.tp_size)
+            check_sequence_split(int(input_ids.shape[-1]) // self.cp, self.topology.tp_size)
         batch_size = int(input_ids.shape[0])
         count = self.microbatches or batch_size
         if batch_size % count and evaluating:  # a validation batch of another size: one sequence per micro-batch
@@ -141,6 +151,24 @@ class PipelineRunner:
             module.load_history = []
             module.aux_grad_scale = aux_scale
 
+    def _cut(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's chunks of the batch under context parallelism: the tokens the first stage embeds and the
+        next-token targets the last stage scores (the positions set on every stage); the batch itself without it."""
+        if self.cp == 1:
+            return input_ids, labels
+        positions = chunk_positions(int(input_ids.shape[1]), self.cp, self.topology.cp_rank, input_ids.device)
+        for _, module in self.stages:
+            module.positions = positions
+        return input_ids.index_select(1, positions), next_token_targets(labels).index_select(1, positions)
+
+    def _context_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A rank's share of the cross-entropy summed over its ``cp`` ranks (float64 on the wire)."""
+        if self.cp == 1:
+            return value
+        value = value.to(self.device, torch.float64).clone()
+        dist.all_reduce(value, group=self.topology.cp_group)
+        return value
+
     def _pipeline_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
         """``values`` summed over this rank's part and then over the ``pp`` group (float64 on the wire)."""
         total = torch.stack([v.to(self.device, torch.float64) for v in values])
@@ -160,13 +188,14 @@ class PipelineRunner:
         # (the schedule's loss function divides by the micro-batch count: multiplied back here)
         scale = loss_scale * count / tokens if tokens is not None else loss_scale
         self._begin("sum", scale, loss_scale / count)
+        input_ids, targets = self._cut(input_ids, labels)
         args = (input_ids,) if self.first else ()
-        kwargs = {"target": labels, "losses": []} if self.last else {}
+        kwargs = {"target": targets, "losses": []} if self.last else {}
         schedule.step(*args, **kwargs)
         # the last ``count`` forwards of each stage are the micro-batches' (a schedule's first step runs one more,
         # to infer the shapes it sends)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        lm = torch.stack(self._raw[-count:]).sum() / tokens if self.last else zero
+        lm = self._context_sum(torch.stack(self._raw[-count:]).sum()) / tokens if self.last else zero
         aux = [a for _, m in self.stages for a in m.aux_history[-count:]]
         for _, module in self.stages:
             module.add_loads(count)  # the micro-batches' expert loads, for the selection bias's update
@@ -186,8 +215,9 @@ class PipelineRunner:
         """The summed next-token cross-entropy of the batch (forward only), on every rank of the pipeline."""
         schedule, count = self._schedule(input_ids, evaluating=True)
         self._begin("sum", 1.0, 0.0)
+        input_ids, targets = self._cut(input_ids, labels)
         args = (input_ids,) if self.first else ()
-        kwargs = {"target": labels, "losses": []} if self.last else {}
+        kwargs = {"target": targets, "losses": []} if self.last else {}
         if hasattr(schedule, "eval"):
             schedule.eval(*args, **kwargs)
         else:  # torch before ``eval``: what it does, by hand
@@ -196,5 +226,9 @@ class PipelineRunner:
                 schedule.step(*args, **kwargs)
             finally:
                 schedule._has_backward = previous
-        total = torch.stack(self._raw[-count:]).sum() if self.last else torch.zeros((), dtype=torch.float64)
+        total = (
+            self._context_sum(torch.stack(self._raw[-count:]).sum())
+            if self.last
+            else torch.zeros((), dtype=torch.float64)
+        )
         return self._pipeline_sum([total])[0]

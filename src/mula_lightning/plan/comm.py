@@ -45,8 +45,8 @@ What is counted, per optimizer step of ``A`` micro-batches (``pp_microbatches`` 
   tokens of every sequence (the token dispatch and tensor parallelism's collectives above carry those), and per
   micro-batch every attention all-gathers this rank's keys and values together over ``cp`` (``cp.kv``, again when
   attention is recomputed) and reduce-scatters their gradients in backward; every MoE layer sums its router's
-  statistics over ``cp`` (``cp.router``, ``2E + 2`` float32, again when the block is recomputed) and the last stage
-  sums the loss (``cp.loss``, one float32).
+  statistics over ``cp`` (``cp.router``, ``2E + 2`` float32, again when the block is recomputed) and without
+  pipelining the loss is summed (``cp.loss``, one float32); a pipeline's stages send ``S / cp`` tokens' activations.
 * pipeline parallelism: each micro-batch's activations sent forward and their gradients back, per stage boundary.
 """
 
@@ -297,7 +297,7 @@ def _context_parallel(
     if moe:
         again = moe if _recomputes_moe(checkpointing) else 0
         rows.add("cp.router", "all_reduce", cp_ranks, None, hw, m * (moe + again), (2 * config.num_experts + 2) * 4)
-    if last:
+    if last and layout.pp == 1:  # (a pipeline sums its step's loss once, outside the ledger, as it does over pp)
         rows.add("cp.loss", "all_reduce", cp_ranks, None, hw, m, 4)
 
 

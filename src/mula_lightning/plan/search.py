@@ -10,10 +10,9 @@ The candidates (all at the same global batch, so that their step times compare):
   ``1 / tp`` of the norms' and MoE blocks' for the same bytes on the links), folded over the same ranks as ``ep``;
   and ``zero_topo`` (its default 3-level sizes from the node) without
   pipelining, where ``ep`` divides a node;
-* context parallelism for long sequences: without pipelining, ``epso`` ``ep_aware`` with each ``cp`` dividing a
-  stage's ranks for which each of a sequence's ``2 cp`` chunks keeps at least :data:`CP_MIN_CHUNK` tokens (at 2,048
-  tokens and below no CP; 8K: CP 2; 32K: up to 8), alone and beside tensor and sequence parallelism, folded over the
-  same ranks as ``ep``;
+* context parallelism for long sequences: ``epso`` ``ep_aware`` with each ``cp`` dividing a stage's ranks for which
+  each of a sequence's ``2 cp`` chunks keeps at least :data:`CP_MIN_CHUNK` tokens (at 2,048 tokens and below no CP;
+  8K: CP 2; 32K: up to 8), alone and beside tensor and sequence parallelism, folded over the same ranks as ``ep``;
 * with ``optimizer="muon"``: ``epso`` without tensor parallelism only (what Muon runs under);
 * recomputation: none, the FFN blocks (``moe`` or ``mlp``), norms + attention + FFN (the paper's 220B choice), whole
   layers; without pipelining one sequence per forward, the rest accumulated.
@@ -85,10 +84,10 @@ def candidates(config: MulaConfig, cluster: Cluster, nodes: int, precision: str 
                     yield Layout(strategy="epso", ep=ep, pp=pp, tp=tp, sp=True, **common)
             if pp == 1 and cluster.devices_per_node % ep == 0 and optimizer == "adamw":
                 yield Layout(strategy="zero_topo", ep=ep, **common)
-            for cp in context_parallel if pp == 1 else []:
+            for cp in context_parallel:
                 for tp in [1] + tensor_parallel:
-                    if world % (cp * tp) == 0 and seq_len // cp % tp == 0:
-                        yield Layout(strategy="epso", ep=ep, cp=cp, tp=tp, sp=tp > 1, **common)
+                    if world % (pp * cp * tp) == 0 and seq_len // cp % tp == 0:
+                        yield Layout(strategy="epso", ep=ep, pp=pp, cp=cp, tp=tp, sp=tp > 1, **common)
 
 
 def search(config: MulaConfig, cluster: Cluster, nodes: int, global_batch: int | None = None, seq_len: int = 2048,

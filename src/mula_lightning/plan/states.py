@@ -174,11 +174,10 @@ class Layout:
             return
         if self.strategy != "epso":
             raise ValueError(f"cp ({self.cp}) > 1 runs under epso, not {self.strategy}")
-        taken = [f"{k} ({v})" for k, v in (("etp", self.etp), ("pp", self.pp)) if v > 1]
-        if taken:
+        if self.etp > 1:
             raise ValueError(
-                f"cp ({self.cp}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism folds "
-                "with data, expert and tensor parallelism (ep, tp)"
+                f"cp ({self.cp}) > 1 with etp ({self.etp}) > 1 is not supported yet: context parallelism folds with "
+                "data, expert, tensor and pipeline parallelism (ep, tp, pp)"
             )
 
     def _check_optimizer(self) -> None:

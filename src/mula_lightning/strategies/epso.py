@@ -124,12 +124,10 @@ class EPSOSettings:
         """What context parallelism does not run with yet, refused in one line naming the sizes."""
         if self.cp_size == 1:
             return
-        others = {"etp_size": self.etp_size, "pp_size": self.pp_size}
-        taken = [f"{k} ({v})" for k, v in others.items() if v > 1]
-        if taken:
+        if self.etp_size > 1:
             raise ValueError(
-                f"cp_size ({self.cp_size}) > 1 with {', '.join(taken)} > 1 is not supported yet: context parallelism "
-                "folds with data, expert and tensor parallelism (ep_size, tp_size)"
+                f"cp_size ({self.cp_size}) > 1 with etp_size ({self.etp_size}) > 1 is not supported yet: context "
+                "parallelism folds with data, expert, tensor and pipeline parallelism (ep_size, tp_size, pp_size)"
             )
         if self.compile:
             raise ValueError(f"cp_size ({self.cp_size}) > 1 with compile: the attention's all-gather would break the "
@@ -321,7 +319,7 @@ class EPSOOptions(ShardingOptions):
             load balance), keys and values all-gathered for attention, the loss and the routers' losses those of
             the whole sequences; the ``cp`` ranks read one batch and serve as expert-parallel ranks too (folding).
             Sequence lengths must divide by ``2 x cp_size``. Composes with ``tp_size``, with or without
-            ``sequence_parallel``; not yet with ``etp_size``, ``pp_size``.
+            ``sequence_parallel``, and ``pp_size``; not yet with ``etp_size``.
         cuda_graphs: replay each training micro-batch's forward and backward as two CUDA graphs, captured at the
             first training step (:mod:`mula_lightning.parallel.cuda_graphs`): for one CUDA device per model replica
             (``ep_size``, ``etp_size``, ``tp_size``, ``pp_size`` of 1) and dropless routing; where that does not
