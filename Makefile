@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test test-quick test-cpus fuzz gpu-check lint format clean
+.PHONY: venv demo test test-quick test-cpus fuzz drill gpu-check lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ test-cpus: venv
 MINUTES ?= 10
 fuzz: venv
 	$(PY) scripts/fuzz_loops.py --minutes $(MINUTES) --out fuzz-failures
+
+# `mula launch` through FAULTS faults of mixed kinds (kill, hang, NaN, abort, exception, full disk, slow rank) drawn
+# from SEED, ending bit-equal to a straight run; prints the table of BENCHMARKS.md (make test runs 5 of them).
+FAULTS ?= 100
+SEED ?= 0
+drill: venv
+	$(PY) scripts/drill.py --faults $(FAULTS) --seed $(SEED) --out runs/drill
 
 # On a machine with one CUDA or XPU device: parity, block speed and a tiny `mula fit` on it, as one table.
 gpu-check: venv

@@ -20,13 +20,16 @@ Launch::
         --data_dir data/pretrain --devices 12 --num_nodes 256 --ep_size 12 --precision bf16-true \\
         --micro_batch_size 1 --global_batch_size 3072
 
-Outputs go to ``--out_dir`` (default ``runs/fabric``): ``metrics.csv`` (``mula report`` plots it) and
-``checkpoint/`` (a sharded ``torch.distributed.checkpoint`` directory with model, optimizer and data position).
+Outputs go to ``--out_dir`` (default ``runs/fabric``): ``metrics.csv`` (``mula report`` plots it),
+``stragglers.jsonl`` (every ``straggler_every`` steps, the ranks that made the others wait; ``MULA_STRAGGLERS_FILE``
+under ``mula launch``) and ``checkpoint/`` (a sharded ``torch.distributed.checkpoint`` directory with model,
+optimizer and data position).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -38,7 +41,9 @@ from mula_lightning.data.datamodule import MulaDataModule
 from mula_lightning.lr_schedule import warmup_cosine
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import FabricEPSOStrategy
+from mula_lightning.utils.launch_env import STRAGGLERS_ENV
 from mula_lightning.utils.progress import ProgressMeter
+from mula_lightning.utils.stragglers import StragglerMonitor
 
 
 def evaluate(fabric: Fabric, model: torch.nn.Module, loader) -> float:
@@ -75,6 +80,7 @@ def main(
     grad_clip: float = 1.0,
     val_every: int = 100,
     log_every: int = 10,
+    straggler_every: int = 50,
     seed: int = 0,
 ) -> None:
     """Train ``model`` on the prepared data in ``data_dir`` (arguments as in ``MulaLM`` / ``MulaDataModule``)."""
@@ -109,16 +115,22 @@ def main(
     # the progress line of `mula fit` (step, loss, lr, tokens/s, memory, time left), printed by rank 0 only
     meter = ProgressMeter(max_steps, log_every, fabric.world_size, enabled=fabric.is_global_zero,
                           flops_per_token=flops_per_token, device=fabric.device)  # fmt: skip
+    # every rank times its sections; every `straggler_every` steps rank 0 names the ranks that made the others wait
+    stragglers = StragglerMonitor(every_n_steps=straggler_every, window=min(10, straggler_every), device=fabric.device,
+                                  path=os.environ.get(STRAGGLERS_ENV) or run_dir / "stragglers.jsonl")  # fmt: skip
     step, micro, tokens, start = 0, 0, 0, time.perf_counter()
     iterator = iter(train_loader)
     while step < max_steps:
-        batch = fabric.to_device(next(iterator))
+        with stragglers.section("data"):
+            batch = fabric.to_device(next(iterator))
         micro += 1
         is_accumulating = micro % accumulate != 0
         with fabric.no_backward_sync(net, enabled=is_accumulating):
-            out = net(batch["input_ids"], labels=batch["labels"])
-            loss = out.loss + out.aux_loss
-            fabric.backward(loss / accumulate)
+            with stragglers.section("forward"):
+                out = net(batch["input_ids"], labels=batch["labels"])
+                loss = out.loss + out.aux_loss
+            with stragglers.section("backward"):
+                fabric.backward(loss / accumulate)
         data.mark_consumed(1)
         tokens += batch["input_ids"].numel() * fabric.world_size
         meter.add_tokens(batch["input_ids"].numel() * fabric.world_size)
@@ -132,6 +144,8 @@ def main(
         optimizer.step()
         optimizer.zero_grad()
         step += 1
+        stragglers.mark("optimizer")
+        stragglers.step_done(step)  # on every rank: a small all-gather every `straggler_every` steps
         if step % log_every == 0 or step == max_steps:
             elapsed = time.perf_counter() - start
             metrics = {
@@ -148,7 +162,8 @@ def main(
             tokens, start = 0, time.perf_counter()
         meter.step(step, loss=loss.item, aux=out.aux_loss.item, lr=optimizer.param_groups[0]["lr"])  # read if due
         if step % val_every == 0 or step == max_steps:
-            val_loss = evaluate(fabric, net, val_loader)
+            with stragglers.paused():  # the evaluation is not a step's time
+                val_loss = evaluate(fabric, net, val_loader)
             fabric.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 50.0))}, step=step)
             fabric.print(f"validation at step {step}: val/loss {val_loss:.4f} | val/perplexity "
                          f"{math.exp(min(val_loss, 50.0)):.4f}")  # fmt: skip

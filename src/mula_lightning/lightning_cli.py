@@ -2,12 +2,13 @@
 
 Everything comes from YAML (or flags): ``model`` (the :class:`MulaLM` arguments), ``data`` (the
 :class:`MulaDataModule` arguments), ``trainer`` (devices, strategy with its arguments, precision, steps,
-loggers, callbacks) and five always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
+loggers, callbacks) and six always-on callbacks, ``moe_stats`` (:class:`MoEStats`), ``throughput``
 (:class:`MulaThroughput`), ``last_step`` (:class:`LastStepLogger`: the final step's metrics are logged and flushed
 whatever ``log_every_n_steps`` is) and ``progress`` (:class:`MulaProgress`: a line per logging interval on rank 0
 when the output is not a terminal, Lightning's bar when it is) and ``stop`` (:class:`GracefulStop`: SIGTERM, SIGUSR1
 or Ctrl-C saves at the next step boundary, says where a resume starts, and ``mula fit`` exits with ``128 + signal``,
-never 0). Examples are in ``examples/configs/``::
+never 0) and ``stragglers`` (:class:`StragglerDetection`: every rank's sections timed, the ranks that make the others
+wait named every 50 steps in ``stragglers.jsonl`` and the loggers). Examples are in ``examples/configs/``::
 
     mula fit --config examples/configs/mula-tiny-moe.yaml
     mula fit --config examples/configs/mula-tiny-moe.yaml --trainer.max_steps 50 --model.lr 1e-3
@@ -120,17 +121,25 @@ def _omegaconf_24() -> bool:
 
 
 class MulaCLI(LightningCLI):
-    """LightningCLI with the MoE statistics, throughput, last-step, progress and stop callbacks as configurable,
-    always-on sections, the configuration checked before launch and short argument errors."""
+    """LightningCLI with the MoE statistics, throughput, last-step, progress, stop and straggler callbacks as
+    configurable, always-on sections, the configuration checked before launch and short argument errors."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        from mula_lightning.callbacks import GracefulStop, LastStepLogger, MoEStats, MulaProgress, MulaThroughput
+        from mula_lightning.callbacks import (
+            GracefulStop,
+            LastStepLogger,
+            MoEStats,
+            MulaProgress,
+            MulaThroughput,
+            StragglerDetection,
+        )
 
         parser.add_lightning_class_args(MoEStats, "moe_stats")
         parser.add_lightning_class_args(MulaThroughput, "throughput")
         parser.add_lightning_class_args(LastStepLogger, "last_step")
         parser.add_lightning_class_args(MulaProgress, "progress")
         parser.add_lightning_class_args(GracefulStop, "stop")
+        parser.add_lightning_class_args(StragglerDetection, "stragglers")
 
     def init_parser(self, **kwargs: Any) -> Any:
         """LightningCLI's parser, reporting an argument error without the 70-line usage (the error names the key; the
@@ -143,11 +152,16 @@ class MulaCLI(LightningCLI):
         """LightningCLI's Trainer, plus :func:`launch_callbacks` when ``mula launch`` (or a drill) asked for them,
         without Lightning's progress bar where the progress lines replace it (off a terminal), with a model summary
         that counts the whole model (:class:`MulaModelSummary`)."""
+        from mula_lightning.callbacks.fault_injection import FaultInjector
         from mula_lightning.callbacks.model_summary import replace_model_summary
         from mula_lightning.callbacks.progress import resolve_progress_bar
 
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.callbacks.extend(launch_callbacks())
+        for callback in launch_callbacks():  # faults first: a slow rank's stall is timed before its forward
+            if isinstance(callback, FaultInjector):
+                trainer.callbacks.insert(0, callback)
+            else:
+                trainer.callbacks.append(callback)
         resolve_progress_bar(trainer)
         replace_model_summary(trainer)  # the whole model's parameters, not rank 0's shard
         for logger in trainer.loggers:

@@ -3,12 +3,15 @@
 Each step sleeps ``FAKE_STEP_S`` seconds, appends ``attempt step host`` to ``FAKE_STATE_DIR/steps.rankR`` and beats;
 rank 0 writes the step to ``FAKE_STATE_DIR/checkpoint`` every 2 steps, and every rank starts from it. The faults of
 ``MULA_FAULT`` are the real parser's (kill: SIGKILL, hang: SIGSTOP after writing ``stopped_at``, exception: exit 1
-with a traceback, abort: SIGABRT, nan: append its NaNDetector line to ``MULA_FAILED_HOSTS_FILE`` and exit 86). Without
+with a traceback, abort: SIGABRT, nan: append its NaNDetector line to ``MULA_FAILED_HOSTS_FILE`` and exit 86; slow:
+the rank sleeps ``ms`` longer per step, and rank 0 appends a straggler report naming its node to
+``MULA_STRAGGLERS_FILE`` after every step from then on, as StragglerDetection's rank 0 would). Without
 collectives the other ranks do not notice a failure: the launcher must stop them. ``FAKE_SILENT=1``: the rank
 never beats (a rendezvous that never completes); ``FAKE_SILENT_S=T``: no beat, exit 0 after T s;
 ``FAKE_HANG_AFTER_END=1``: rank 0 reports the end, then never exits.
 """
 
+import json
 import os
 import signal
 import sys
@@ -20,6 +23,7 @@ from mula_lightning.utils.launch_env import (
     FAULT_ENV,
     NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
+    STRAGGLERS_ENV,
     HeartbeatClient,
     NanRecord,
     host_name,
@@ -33,17 +37,18 @@ def main() -> int:
     state = Path(os.environ["FAKE_STATE_DIR"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
-    faults = [
-        f for f in parse_faults(os.environ.get(FAULT_ENV, "")) if f.applies(host_name(), rank, local_rank, attempt)
-    ]
+    every = parse_faults(os.environ.get(FAULT_ENV, ""))
+    faults = [f for f in every if f.applies(host_name(), rank, local_rank, attempt) and f.kind != "slow"]
+    slow = [f for f in every if f.kind == "slow" and f.attempt == attempt]
     if os.environ.get("FAKE_SILENT"):  # a rendezvous that never completes: alive, never a heartbeat
         time.sleep(3600)
     if os.environ.get("FAKE_SILENT_S"):  # a command that sends no heartbeats and ends after a while
         time.sleep(float(os.environ["FAKE_SILENT_S"]))
         return 0
+    heartbeat = HeartbeatClient()
+    heartbeat.beat(0, "setup")  # as Heartbeat does before the checkpoint is loaded
     checkpoint = state / "checkpoint"
     start = int(checkpoint.read_text()) if checkpoint.exists() else 0
-    heartbeat = HeartbeatClient()
     heartbeat.beat(start, "start")
     for step in range(start + 1, steps + 1):
         for fault in (f for f in faults if f.step == step):
@@ -60,7 +65,12 @@ def main() -> int:
                 with open(os.environ[NAN_EVENTS_ENV], "a") as fh:
                     fh.write(NanRecord(host_name(), step=step - 1, ranks=[rank]).line() + "\n")
                 return NAN_EXIT_CODE
-        time.sleep(step_s)
+        mine = [f for f in slow if step >= f.step and f.applies(host_name(), rank, local_rank, attempt)]
+        time.sleep(step_s + sum(f.ms for f in mine) / 1000)
+        if rank == 0 and os.environ.get(STRAGGLERS_ENV):
+            named = [dict(rank=-1, host=f.node, section="data", relative=0.1) for f in slow if step >= f.step]
+            with open(os.environ[STRAGGLERS_ENV], "a") as fh:
+                fh.write(json.dumps({"step": step, "threshold": 0.75, "stragglers": named}) + "\n")
         with open(state / f"steps.rank{rank}", "a") as fh:
             fh.write(f"{attempt} {step} {host_name()}\n")
         heartbeat.beat(step, "train")

@@ -8,14 +8,16 @@ from mula_lightning.utils.launch_env import Fault, parse_faults
 def test_specs_parse_with_defaults_and_several_faults():
     """Kinds, keys and the ';'-separated list; attempt defaults to 0 and unnamed filters match everywhere."""
     faults = parse_faults(
-        "kill@step=5,node=node1; nan@step=9,node=node2,attempt=1;exception@step=2,rank=3,local_rank=1"
+        "kill@step=5,node=node1; nan@step=9,node=node2,attempt=1;exception@step=2,rank=3,local_rank=1;"
+        "slow@step=4,rank=1,ms=250"
     )
     assert faults == [
         Fault("kill", 5, node="node1"),
         Fault("nan", 9, node="node2", attempt=1),
         Fault("exception", 2, rank=3, local_rank=1),
+        Fault("slow", 4, rank=1, ms=250),
     ]
-    kill, nan, exc = faults
+    kill, nan, exc, _ = faults
     assert kill.applies("node1", rank=4, local_rank=0, attempt=0)
     assert not kill.applies("node1", rank=4, local_rank=0, attempt=1)  # a relaunch does not die again
     assert not kill.applies("node0", rank=0, local_rank=0, attempt=0)
@@ -33,6 +35,8 @@ def test_specs_parse_with_defaults_and_several_faults():
         ("kill@step=0", "step=S"),
         ("kill@step=x", "'x' is not a non-negative integer"),
         ("kill@step=1,host=n1", "'host=n1' is not one of"),
+        ("slow@step=3,rank=1", "ms=M (M >= 1) is required by slow"),
+        ("kill@step=3,ms=20", "taken by no other kind"),
     ],
 )
 def test_bad_specs_name_the_part(spec, words):

@@ -45,7 +45,7 @@ def _steps(state, rank):
 def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, fake_env):
     """3 nodes x 2 ranks + 1 buffer; both ranks of node0 (rank 0 writes the fake checkpoint) SIGKILLed at step 5:
     node0 is taken out, node3 takes its place (node rank 0), the run resumes from the step-4 checkpoint and
-    finishes; the report names node0, the resumed step and the time lost."""
+    finishes; the report names node0, the resumed step, the time lost and its parts."""
     code, report = launch("kill@step=5,node=node0", nnodes=3, buffer_nodes=1, nproc_per_node=2)
     assert code == 0 and report["outcome"] == "succeeded"
     first, second = report["attempts"]
@@ -55,6 +55,10 @@ def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, 
     (restart,) = report["restarts"]
     assert restart["failed_hosts"] == ["node0"] and restart["resumed_from_step"] == 4
     assert restart["time_lost_s"] is not None and restart["time_lost_s"] > 0
+    cost = restart["cost_s"]  # the settle time, the relaunch, a reload of nothing, the steps past 4 done again
+    assert cost["detection"] >= 0.5 and cost["restart"] > 0 and cost["reload"] >= 0 and cost["recompute"] >= 0, cost
+    assert cost["recompute"] > 0 or restart["steps_redone"] == 0, (cost, restart)
+    assert abs(cost["detection"] + cost["restart"] + cost["reload"] + cost["recompute"] - cost["total"]) < 0.01
     assert [s for a, s, h in _steps(fake_env, 2) if a == "1"] == [str(s) for s in range(5, 9)]
     assert {h for a, _, h in _steps(fake_env, 1) if a == "1"} == {"node3"}
     texts = [e["text"] for e in report["events"]]
@@ -131,6 +135,28 @@ def test_stopped_rank_is_detected_as_a_hang_within_the_timeout(launch, fake_env,
     step_s = float(os.environ["FAKE_STEP_S"])
     assert 3.0 - step_s <= detected - stopped_at <= 3.0 + 10.0
     assert second["nodes"] == ["node0", "node2"]
+
+
+def test_a_node_that_stays_a_straggler_is_replaced_at_the_next_relaunch(launch, fake_env, tmp_path):
+    """Straggler reports (rank 0 appends one per step to MULA_STRAGGLERS_FILE, as StragglerDetection does) name
+    node1 from step 2 on: after 3 reports in a row the launcher calls node1 slow and the run goes on; the exception at
+    step 7 causes a relaunch, which runs on the buffer node in node1's place and lists node1 in failed_hosts.txt. With
+    --straggler-reports 0 the reports are not read and node1 stays."""
+    fault = "slow@step=2,node=node1,ms=1;exception@step=7,rank=0"
+    code, report = launch(fault, nnodes=2, buffer_nodes=1)
+    assert code == 0
+    first, second = report["attempts"]
+    assert first["straggler_hosts"] == ["node1"] and first["failed_hosts"] == []
+    assert "RuntimeError" in first["reason"] or "exit" in first["reason"]
+    assert second["nodes"] == ["node0", "node2"] and second["outcome"] == "succeeded"
+    assert (tmp_path / "launch" / "failed_hosts.txt").read_text() == "node1\n"
+    texts = [e["text"] for e in report["events"]]
+    slow = next(t for t in texts if "node1 is slow" in t)
+    assert "straggler in 3 reports in a row (last at step 4" in slow and "a buffer node replaces it" in slow
+    assert any(t.startswith("node1 is replaced by a buffer node") for t in texts)
+    (fake_env / "checkpoint").unlink()  # the same run again, from its start
+    code, report = launch(fault, nnodes=2, buffer_nodes=1, straggler_reports=0)
+    assert code == 0 and [a["nodes"] for a in report["attempts"]] == [["node0", "node1"]] * 2
 
 
 def test_out_of_nodes_stops_with_its_exit_code_and_leaves_the_checkpoint(launch, fake_env):

@@ -1,6 +1,6 @@
 """Lightning callbacks: reliability (Aurora paper, Section 4: dual checkpoints, persistent model-only checkpoints,
 NaN detection; for ``mula launch``: heartbeats and injected faults) and monitoring (MoE statistics, throughput, the
-final step's metrics, progress lines; a signal's stop saved at a step boundary).
+final step's metrics, progress lines, straggler scores; a signal's stop saved at a step boundary).
 
 The classes are imported lazily (PEP 562), so that code which only needs the checkpoint protocol
 (:mod:`mula_lightning.checkpoint.slots`, no Lightning dependency) does not pay for importing Lightning.
@@ -24,6 +24,7 @@ _EXPORTS = {
     "FaultInjector": "mula_lightning.callbacks.fault_injection",
     "GracefulStop": "mula_lightning.callbacks.graceful_stop",
     "MulaModelSummary": "mula_lightning.callbacks.model_summary",
+    "StragglerDetection": "mula_lightning.callbacks.straggler_detection",
 }
 
 __all__ = sorted(_EXPORTS)

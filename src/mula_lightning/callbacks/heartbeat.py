@@ -4,7 +4,8 @@ Why: a rank that stops making progress (a node frozen, a GPU that hangs, a proce
 other ranks then wait in their next collective until the process group's timeout (30 minutes by default), and a
 job can sit idle for hours. ``mula launch`` (:mod:`mula_lightning.launch`) runs a store and gives every rank its
 address in ``MULA_HEARTBEAT``; this callback writes one small record per rank at the start of training and after
-every training and validation batch (the protocol: :mod:`mula_lightning.utils.launch_env`), and the launcher
+every training and validation batch (the protocol: :mod:`mula_lightning.utils.launch_env`; one more, ``setup``,
+before the checkpoint is loaded, which splits a restart's cost into starting and reloading), and the launcher
 declares a hang when a rank's record has not changed for ``--hang-timeout`` seconds. The records also tell the
 launcher the step each attempt resumed from and when its first step ran (the "time lost" of a restart).
 
@@ -36,6 +37,10 @@ class Heartbeat(Callback):
 
     def __init__(self, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
         self.client = HeartbeatClient(address, connect_timeout_s)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":  # processes up and the group formed; the checkpoint is loaded after this
+            self.client.beat(trainer.global_step, "setup", trainer.global_rank)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.client.beat(trainer.global_step, "start", trainer.global_rank)

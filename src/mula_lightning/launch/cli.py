@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--srun", default="srun", help="the srun executable (slurm backend)")
     parser.add_argument("--srun-args", default="", help="extra srun arguments, space-separated")
     parser.add_argument("--heartbeat-host", default="", help="this host's address as the ranks reach it (slurm)")
+    parser.add_argument(
+        "--straggler-reports",
+        type=int,
+        default=3,
+        help="straggler reports in a row that make a node slow: replaced at the next relaunch (0: off)",
+    )
     return parser
 
 
@@ -85,6 +91,7 @@ def main(argv: Sequence[str]) -> int:
         srun=args.srun,
         srun_args=args.srun_args.split(),
         heartbeat_host=heartbeat_host,
+        straggler_reports=args.straggler_reports,
     )
     return Launcher(options).run()
 

@@ -20,6 +20,11 @@ One attempt runs the command on N nodes x P ranks (:mod:`~mula_lightning.launch.
   that fell behind (lowest step) are suspects. ``hang_timeout_s = 0`` turns hang detection off (a command that
   sends no heartbeats).
 
+While an attempt runs, the launcher also reads ``stragglers.jsonl`` (``MULA_STRAGGLERS_FILE``: the reports of
+:class:`~mula_lightning.callbacks.straggler_detection.StragglerDetection`): a node named in ``straggler_reports``
+reports in a row is *slow*; the run goes on, and the next attempt, when a failure causes one, runs on a buffer node
+in its place if one is free.
+
 Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
 are chosen among active + buffer - failed, and the command is relaunched. Every attempt of ``mula fit``, the first
 included, runs with ``--ckpt_path last`` (DualCheckpoint's newest valid slot; with none yet Lightning starts fresh),
@@ -66,6 +71,7 @@ from mula_lightning.utils.launch_env import (
     LAUNCH_ID_ENV,
     NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
+    STRAGGLERS_ENV,
 )
 
 __all__ = [
@@ -110,6 +116,7 @@ class LaunchOptions:
     srun: str = "srun"
     srun_args: list[str] = field(default_factory=list)
     heartbeat_host: str = ""
+    straggler_reports: int = 3
 
     def check(self) -> None:
         """Refuse values that cannot work, naming them."""
@@ -118,7 +125,7 @@ class LaunchOptions:
         for name in ("nnodes", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be at least 1")
-        for name in ("buffer_nodes", "max_restarts"):
+        for name in ("buffer_nodes", "max_restarts", "straggler_reports"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 0")
         for name in ("hang_timeout_s", "startup_timeout_s"):
@@ -199,6 +206,9 @@ class Launcher:
         self.report_dir = Path(options.report_dir)
         self.failed_hosts_file = self.report_dir / "failed_hosts.txt"  # the hosts taken out, one name per line
         self.nan_events_file = self.report_dir / "nan_events.jsonl"  # NaNDetector's records, one JSON per line
+        self.stragglers_file = self.report_dir / "stragglers.jsonl"  # StragglerDetection's reports, one per line
+        self._stragglers_offset = 0  # bytes of it already read
+        self._straggler_streak: dict[str, int] = {}  # host -> reports in a row that named it (this attempt)
         self.launch_id = uuid.uuid4().hex[:12]
         settings = {k: v for k, v in asdict(options).items() if k != "command"}
         settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
@@ -231,15 +241,22 @@ class Launcher:
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.failed_hosts_file.touch()
         self.nan_events_file.touch()
+        self.stragglers_file.touch()
+        self._stragglers_offset = self.stragglers_file.stat().st_size
         if opts.backend == "slurm" and (warning := no_kill_warning()) is not None:
             self.report.event(f"warning: {warning}", no_kill=False)
-        failure_at: float | None = None
+        previous: AttemptRecord | None = None  # the attempt before, when it failed
         attempt = 0
         while True:
+            slow = dict(self.pool.slow)
             try:
                 nodes = self.pool.choose()
             except OutOfNodesError as err:
                 return self._finish("out_of_nodes", EXIT_OUT_OF_NODES, str(err))
+            for host in (h for h in slow if h in self.pool.failed):
+                self._list_failed(host)
+                self.report.event(f"{host} is replaced by a buffer node: {slow[host]}", slow_host=host)
+            self._straggler_streak = {}
             command = command_for_attempt(
                 opts.command, attempt, opts.nnodes, opts.nproc_per_node, keep_user_ckpt=not self.saved
             )
@@ -256,12 +273,13 @@ class Launcher:
                 ATTEMPT_ENV: str(attempt),
                 FAILED_HOSTS_ENV: str(self.failed_hosts_file.resolve()),
                 NAN_EVENTS_ENV: str(self.nan_events_file.resolve()),
+                STRAGGLERS_ENV: str(self.stragglers_file.resolve()),
                 LAUNCH_ID_ENV: self.launch_id,
             }
             handle = None
             try:
                 handle = self._start(command, nodes, env, attempt)
-                ok = self._watch(handle, record, server, failure_at)
+                ok = self._watch(handle, record, server, previous)
             except _Interrupted as err:
                 if handle is not None:
                     handle.stop(opts.grace_s)
@@ -271,7 +289,7 @@ class Launcher:
                 return self._finish("succeeded", 0, f"finished in attempt {attempt} on {', '.join(nodes)}")
             if record.outcome == DIVERGED:
                 return self._finish(DIVERGED, EXIT_DIVERGED, record.reason)
-            failure_at = record.failure_at
+            previous = record
             if attempt >= opts.max_restarts:
                 return self._finish(
                     "restarts_exhausted",
@@ -294,7 +312,9 @@ class Launcher:
         return code
 
     # ------------------------------------------------------------------ one attempt
-    def _watch(self, handle: Any, record: AttemptRecord, server: HeartbeatServer, failure_at: float | None) -> bool:
+    def _watch(
+        self, handle: Any, record: AttemptRecord, server: HeartbeatServer, previous: AttemptRecord | None
+    ) -> bool:
         """Watch one attempt until it succeeds (True) or fails (False; stopped, hosts marked, record filled)."""
         opts = self.options
         start = time.monotonic()
@@ -312,8 +332,9 @@ class Launcher:
                 if seen.get(rank, ("",))[0] != text:
                     seen[rank] = (text, now)
                     records[rank] = beat
-                    self._note_beat(record, beat, failure_at)
+                    self._note_beat(record, beat, previous)
                     steps[rank] = int(beat["step"])
+            self._read_stragglers(record)
             if now - written > REPORT_EVERY_S:  # the progress (last step) reaches the report now and then
                 written = now
                 self.report.write()
@@ -330,14 +351,26 @@ class Launcher:
                     self.report.write()
                     return True
                 continue  # a failure not yet reported by poll(): the next round sees it
-            hang = self._hang(seen, exited_ok, start, now)
+            hang = self._hang(seen, records, exited_ok, start, now)
             if hang is not None:
                 self._on_hang(handle, record, hang, records, steps, now)
                 return False
             time.sleep(opts.poll_s)
 
-    def _note_beat(self, record: AttemptRecord, beat: dict[str, Any], failure_at: float | None) -> None:
+    def _note_beat(self, record: AttemptRecord, beat: dict[str, Any], previous: AttemptRecord | None) -> None:
+        """Progress, the resume point and the moments of a restart's cost (rank clocks: the beats' ``time``)."""
+        at = float(beat.get("time") or time.time())
+        for phase in ("setup", "start"):  # processes up and the group formed / checkpoint loaded, training starts
+            when = beat.get(f"{phase}_time")
+            if isinstance(when, (int, float)):
+                old = getattr(record, f"{phase}_at")
+                setattr(record, f"{phase}_at", float(when) if old is None else min(old, float(when)))
+        if beat.get("phase") == "setup":  # before the checkpoint is loaded: its step is not the run's
+            return
         step = int(beat["step"])
+        redo = previous.last_step if previous is not None else None
+        if record.caught_up_at is None and redo is not None and step >= redo:  # the steps lost are done again
+            record.caught_up_at = at
         self.saved |= bool(beat.get("saved"))
         record.last_step = step if record.last_step is None else max(record.last_step, step)
         if record.resumed_from_step is None and beat.get("resumed_from") is not None:
@@ -345,8 +378,8 @@ class Launcher:
         first_train = beat.get("first_train_time")
         if record.first_step_at is None and first_train is not None:
             record.first_step_at = float(first_train)
-            if failure_at is not None:
-                record.time_lost_s = round(record.first_step_at - failure_at, 3)
+            if previous is not None and previous.failure_at is not None:
+                record.time_lost_s = round(record.first_step_at - previous.failure_at, 3)
                 self.report.event(
                     f"attempt {record.attempt}: first step after resuming from step {record.resumed_from_step}; "
                     f"time lost {record.time_lost_s:.1f} s",
@@ -355,11 +388,53 @@ class Launcher:
                     time_lost_s=record.time_lost_s,
                 )
 
+    def _read_stragglers(self, record: AttemptRecord) -> None:
+        """Count, per host, the straggler reports in a row that named it; at ``straggler_reports`` the host is slow."""
+        limit = self.options.straggler_reports
+        try:
+            size = self.stragglers_file.stat().st_size
+        except OSError:
+            return
+        if size <= self._stragglers_offset or not limit:
+            return
+        with open(self.stragglers_file, "rb") as fh:
+            fh.seek(self._stragglers_offset)
+            chunk = fh.read(size - self._stragglers_offset)
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is read next time
+        self._stragglers_offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                report = json.loads(line)
+                named = {s["host"]: s for s in report["stragglers"]}
+            except (ValueError, KeyError, TypeError):
+                continue  # not a report: skipped, never fatal
+            self._straggler_streak = {h: self._straggler_streak.get(h, 0) + 1 for h in named}
+            for host, count in self._straggler_streak.items():
+                if count != limit or host in self.pool.slow or not self._known_host(host, "a straggler report"):
+                    continue
+                s = named[host]
+                why = (
+                    f"straggler in {count} reports in a row (last at step {report.get('step')}: rank {s.get('rank')} "
+                    f"fell behind in {s.get('section')}, relative score {s.get('relative')})"
+                )
+                self.pool.mark_slow(host, why)
+                record.straggler_hosts.append(host)
+                spare = "no buffer node is free"
+                if self.pool.buffer:
+                    spare = "a buffer node replaces it at the next relaunch"
+                self.report.event(f"attempt {record.attempt}: {host} is slow, a {why}; {spare}", straggler=host)
+
     def _hang(
-        self, seen: dict[int, tuple[str, float]], ended: set[int], start: float, now: float
+        self,
+        seen: dict[int, tuple[str, float]],
+        records: dict[int, dict[str, Any]],
+        ended: set[int],
+        start: float,
+        now: float,
     ) -> tuple[list[int], float] | None:
         """``(silent ranks, when they went silent)`` when the attempt hangs, else None. ``ended``: ranks whose
-        process exited 0; a rank that reported the end of training but did not exit is still watched."""
+        process exited 0; a rank that reported the end of training but did not exit is still watched. A rank whose
+        last beat is ``setup`` (it is loading a checkpoint) has the startup timeout, not the hang timeout."""
         opts = self.options
         if opts.hang_timeout_s == 0:
             return None
@@ -371,7 +446,7 @@ class Launcher:
             if rank in ended:
                 continue
             since = seen[rank][1] if rank in seen else start
-            limit = opts.hang_timeout_s if rank in seen else startup
+            limit = opts.hang_timeout_s if rank in seen and records[rank].get("phase") != "setup" else startup
             if now - since > limit:
                 silent.append(rank)
         if not silent:
@@ -387,6 +462,7 @@ class Launcher:
             time.sleep(0.05)
             bad += [e for e in handle.poll() if e.code != 0]
         bad += [e for e in handle.poll() if e.code != 0]
+        record.detected_at = time.time()
         handle.stop(opts.grace_s)  # after the classification's evidence is in: the launcher's own kills never count
         record.ended = time.time()
         record.outcome = "failed"
@@ -413,6 +489,7 @@ class Launcher:
     ) -> None:
         silent, since = hang
         record.failure_at = time.time() - (now - since)
+        record.detected_at = time.time()
         stopped = handle.stopped_hosts()
         handle.stop(self.options.grace_s)
         record.ended, record.outcome = time.time(), "hang"

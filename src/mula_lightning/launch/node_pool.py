@@ -13,7 +13,10 @@ by a SIGKILL the launcher did not send, or a process on it is stopped (a hang tr
 makes the node it is traced to *suspect* (:mod:`~mula_lightning.launch.attribution`: a crash, an abort, a
 segfault, a NaN on one node, a hang where its ranks fell behind): the cause may be the program's or a peer's, so
 the next attempt keeps the node; it is taken out when it is blamed again in the following attempt
-(:data:`SUSPECT_LIMIT` times in a row).
+(:data:`SUSPECT_LIMIT` times in a row). A node that stays a straggler (named by
+:class:`~mula_lightning.callbacks.straggler_detection.StragglerDetection` in several reports in a row) is *slow*: the
+run goes on with it, and the next attempt (after whatever failure comes) replaces it by a buffer node when one is
+free; with none free it stays, since a slow node is better than too few.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class NodePool:
     failed: dict[str, str] = field(default_factory=dict)  # host -> why it was taken out
     suspect: dict[str, int] = field(default_factory=dict)  # host -> consecutive attempts it failed first
     current: list[str] = field(default_factory=list)
+    slow: dict[str, str] = field(default_factory=dict)  # host -> why it is replaced at the next attempt if possible
 
     def __post_init__(self) -> None:
         self.nodes = list(dict.fromkeys(self.nodes))
@@ -62,6 +66,7 @@ class NodePool:
             raise ValueError(f"node {host!r} is not one of this launch's nodes ({', '.join(self.nodes)})")
         self.failed.setdefault(host, reason)
         self.suspect.pop(host, None)
+        self.slow.pop(host, None)
 
     def mark_suspect(self, host: str, reason: str) -> bool:
         """Count one more attempt that ``host`` failed first; take it out at :data:`SUSPECT_LIMIT`. Returns whether
@@ -88,12 +93,19 @@ class NodePool:
                 out.append(host)
         return out
 
+    def mark_slow(self, host: str, reason: str) -> None:
+        """Replace ``host`` by a buffer node at the next :meth:`choose` if one is free (a straggler)."""
+        if host not in self.nodes:
+            raise ValueError(f"node {host!r} is not one of this launch's nodes ({', '.join(self.nodes)})")
+        self.slow.setdefault(host, reason)
+
     def clear_suspects(self) -> None:
         """An attempt failed with no node to blame: the suspicion chain is broken."""
         self.suspect = {}
 
     def choose(self) -> list[str]:
-        """The nodes of the next attempt: the current ones, each failed node replaced by the first buffer node.
+        """The nodes of the next attempt: the current ones, each failed node replaced by the first buffer node, then
+        each slow node while buffer nodes are left (it is failed from then on, with its reason).
 
         Raises:
             OutOfNodesError: naming the failed nodes, the number needed and the number left.
@@ -105,6 +117,10 @@ class NodePool:
                 chosen.append(node)
             elif spare:
                 chosen.append(spare.pop(0))
+        for i, node in enumerate(chosen):
+            if node in self.slow and spare:
+                self.mark_failed(node, self.slow.pop(node))
+                chosen[i] = spare.pop(0)
         if len(chosen) < self.nnodes:
             failed = ", ".join(f"{h} ({why})" for h, why in self.failed.items())
             healthy = len(self.nodes) - len(self.failed)

@@ -3,8 +3,9 @@
 Why: after a week-long run the questions are "how often did it restart, why, on which nodes, and what did each
 restart cost". The report answers them without reading N log files: every attempt (nodes, outcome, reason,
 failed hosts, last step seen), every restart (step resumed from, time lost from the failure to the first step of
-the next attempt, steps redone) and the final outcome with its exit code. It is rewritten atomically after every
-event, so a launcher killed itself still leaves a report of everything before.
+the next attempt, steps redone, and the cost split into detection, restart, reload and recomputation:
+:func:`fault_cost`) and the final outcome with its exit code. It is rewritten atomically after every event, so a
+launcher killed itself still leaves a report of everything before.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from mula_lightning.utils.io import atomic_write_text
 
-__all__ = ["REPORT_NAME", "AttemptRecord", "LaunchReport"]
+__all__ = ["REPORT_NAME", "AttemptRecord", "LaunchReport", "fault_cost"]
 
 REPORT_NAME = "launch_report.json"
 
@@ -36,12 +37,37 @@ class AttemptRecord:
     reason: str = ""
     failed_hosts: list[str] = field(default_factory=list)
     suspect_hosts: list[str] = field(default_factory=list)
+    straggler_hosts: list[str] = field(default_factory=list)  # named in --straggler-reports reports in a row
     ep_groups: list[int] = field(default_factory=list)  # expert-parallel groups of the non-finite ranks (NaN stops)
     resumed_from_step: int | None = None  # the step of the attempt's first heartbeat (after the resume)
     last_step: int | None = None  # the highest step any rank reported
     first_step_at: float | None = None  # when the first step after the resume was reported
     failure_at: float | None = None  # when the failure happened (an exit seen, or the last heartbeat of a hang)
+    detected_at: float | None = None  # when the launcher called it a failure (after the settle time / hang timeout)
+    setup_at: float | None = None  # the first rank's "setup" beat: processes up, group formed, nothing loaded yet
+    start_at: float | None = None  # the first "start" beat: checkpoint loaded, training begins
+    caught_up_at: float | None = None  # the first beat at the previous attempt's last step: the lost steps redone
     time_lost_s: float | None = None  # from the previous attempt's failure to this attempt's first step
+
+
+def fault_cost(before: AttemptRecord, after: AttemptRecord) -> dict[str, float | None]:
+    """What one relaunch cost, in seconds: ``detection`` (failure to the launcher's verdict: the settle time or the
+    hang timeout), ``restart`` (stopping the attempt, starting the processes, imports, rendezvous: to the first
+    ``setup`` beat), ``reload`` (model, strategy, checkpoint: to the first ``start`` beat), ``recompute`` (the steps
+    since the checkpoint, done again: to the first beat at the failed attempt's last step) and ``total`` (failure to
+    caught up). None where a moment was not reported (a command without the Heartbeat callback)."""
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return round(b - a, 3) if a is not None and b is not None else None
+
+    setup = after.setup_at if after.setup_at is not None else after.start_at
+    return {
+        "detection": span(before.failure_at, before.detected_at),
+        "restart": span(before.detected_at, setup),
+        "reload": span(after.setup_at, after.start_at),
+        "recompute": span(after.start_at, after.caught_up_at),
+        "total": span(before.failure_at, after.caught_up_at),
+    }
 
 
 class LaunchReport:
@@ -84,6 +110,7 @@ class LaunchReport:
                     "resumed_from_step": after.resumed_from_step,
                     "steps_redone": redone,
                     "time_lost_s": after.time_lost_s,
+                    "cost_s": fault_cost(before, after),
                 }
             )
         return rows

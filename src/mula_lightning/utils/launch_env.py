@@ -6,7 +6,9 @@ Lightning to do so (a rank that only beats pays for ``torch.distributed``, not f
 
 The heartbeat: the launcher runs a small TCP server (:class:`~mula_lightning.launch.heartbeat_server.HeartbeatServer`)
 and gives its ``host:port`` to every rank in ``MULA_HEARTBEAT``; a rank sends one JSON record under
-``hb/<attempt>/<rank>``: ``step`` (optimizer steps done), ``phase`` (``start``, ``train``, ``validation``, ``end``),
+``hb/<attempt>/<rank>``: ``step`` (optimizer steps done), ``phase`` (``setup``: the process group is formed and no
+checkpoint loaded yet; ``start``, ``train``, ``validation``, ``end``; the first ``setup`` and ``start`` times stay in
+every later record as ``setup_time`` and ``start_time``, since the server keeps only a rank's newest record),
 ``host``, ``pid``, ``seq`` (a counter, so that every beat changes the record) and ``time`` (the rank's clock; the
 launcher measures silence on its own clock). On the wire one line per record, ``MHB1 <key> <JSON>``, answered with
 ``ok``: plain sockets, so that neither the launcher nor a process that only beats imports torch.
@@ -37,6 +39,7 @@ __all__ = [
     "LAUNCH_ID_ENV",
     "NAN_EXIT_CODE",
     "NODE_NAME_ENV",
+    "STRAGGLERS_ENV",
     "Fault",
     "HeartbeatClient",
     "NanRecord",
@@ -64,6 +67,8 @@ NAN_EVENTS_ENV = "MULA_NAN_EVENTS_FILE"
 FAILED_HOSTS_ENV = "MULA_FAILED_HOSTS_FILE"
 #: one id per launch, in every rank's environment (finds the processes of a launch)
 LAUNCH_ID_ENV = "MULA_LAUNCH_ID"
+#: where rank 0 of StragglerDetection appends its reports (``mula launch``: ``<report dir>/stragglers.jsonl``)
+STRAGGLERS_ENV = "MULA_STRAGGLERS_FILE"
 #: injected faults for drills and tests: ``kill@step=5,node=node1;...`` (see :func:`parse_faults`)
 FAULT_ENV = "MULA_FAULT"
 #: exit code of every rank after NaNDetector found a non-finite loss or gradient (distinct from 1, signals and
@@ -142,6 +147,7 @@ class HeartbeatClient:
         self._saved = False  # a checkpoint was saved by this process
         self._resumed_from: int | None = None  # the step of this process's first beat (after any resume)
         self._first_train_time: float | None = None  # when its first training step ended
+        self._phase_times: dict[str, float] = {}  # when it first reported "setup" and "start" (sticky)
 
     @property
     def enabled(self) -> bool:
@@ -166,10 +172,12 @@ class HeartbeatClient:
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self._seq += 1
         now = time.time()
-        if self._resumed_from is None:
+        if self._resumed_from is None and phase != "setup":  # a setup beat comes before the checkpoint is loaded
             self._resumed_from = int(step) - 1 if phase == "train" else int(step)
         if phase == "train" and self._first_train_time is None:
             self._first_train_time = now
+        if phase in ("setup", "start"):
+            self._phase_times.setdefault(f"{phase}_time", now)
         record = {
             "step": int(step),
             "phase": phase,
@@ -180,6 +188,7 @@ class HeartbeatClient:
             "resumed_from": self._resumed_from,
             "first_train_time": self._first_train_time,
             "saved": self._saved,
+            **self._phase_times,
         }
         with self._cond:
             self._pending = (heartbeat_key(self.attempt, rank), json.dumps(record))
@@ -337,13 +346,14 @@ def parse_nan_line(line: str) -> NanRecord | None:
     return record
 
 
-FAULT_KINDS = ("kill", "hang", "nan", "exception", "abort")
-_INT_KEYS = ("step", "rank", "local_rank", "attempt")
+FAULT_KINDS = ("kill", "hang", "nan", "exception", "abort", "slow", "diskfull")
+_INT_KEYS = ("step", "rank", "local_rank", "attempt", "ms")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected failure: ``kind`` at optimizer step ``step`` where ``node`` / ``rank`` / ``local_rank`` match."""
+    """One injected failure: ``kind`` at optimizer step ``step`` where ``node`` / ``rank`` / ``local_rank`` match
+    (``slow``: every step from ``step`` on takes ``ms`` milliseconds longer there)."""
 
     kind: str
     step: int
@@ -351,6 +361,7 @@ class Fault:
     rank: int | None = None
     local_rank: int | None = None
     attempt: int = 0
+    ms: int = 0
 
     def applies(self, host: str, rank: int, local_rank: int, attempt: int) -> bool:
         return (
@@ -377,7 +388,7 @@ def parse_faults(spec: str) -> list[Fault]:
             key, eq, value = item.partition("=")
             if not eq or key not in (*_INT_KEYS, "node"):
                 raise ValueError(
-                    f"{FAULT_ENV}: {part!r}: {item!r} is not one of step=, node=, rank=, local_rank=, attempt="
+                    f"{FAULT_ENV}: {part!r}: {item!r} is not one of step=, node=, rank=, local_rank=, attempt=, ms="
                 )
             if key in _INT_KEYS:
                 if not value.isdigit():
@@ -387,5 +398,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 fields[key] = value
         if fields.get("step", 0) < 1:
             raise ValueError(f"{FAULT_ENV}: {part!r}: step=S (S >= 1, the optimizer step it happens at) is required")
+        if (kind == "slow") != (fields.get("ms", 0) > 0):
+            raise ValueError(f"{FAULT_ENV}: {part!r}: ms=M (M >= 1) is required by slow and taken by no other kind")
         faults.append(Fault(kind=kind, **fields))
     return faults
