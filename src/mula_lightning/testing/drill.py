@@ -180,7 +180,8 @@ def check_drill(plan: list[DrillFault], max_steps: int, code: int, report: dict,
             attempt = attempts[fault.attempt]
             slowed = max(0, (attempt["last_step"] or fault.step) - fault.step + 1)
             host = attempt["nodes"][fault.ranks[0] // RANKS_PER_NODE]
-            hosts = {(step, h) for step, h in named if step >= fault.step and h == host}
+            hosts = {(step, h) for step, h, section, lag_ms in named
+                     if step >= fault.step and h == host and section == "data" and lag_ms >= SLOW_MS / 2}  # fmt: skip
             assert hosts, f"the slow rank {fault.ranks} on {host} from step {fault.step} was never named"
             row.update(path="straggler report", named_at_step=min(hosts)[0], lost_s=slowed * SLOW_MS / 1000)
         else:
@@ -198,12 +199,13 @@ def check_drill(plan: list[DrillFault], max_steps: int, code: int, report: dict,
             "launch_id": report["settings"]["launch_id"]}  # fmt: skip
 
 
-def _named(path: Path) -> list[tuple[int, str]]:
+def _named(path: Path) -> list[tuple[int, str, str, float]]:
+    """Every (step, host, section, lag in ms) the straggler reports named."""
     out = []
     if path.exists():
         for line in path.read_text().splitlines():
             report = json.loads(line)
-            out += [(report["step"], s["host"]) for s in report["stragglers"]]
+            out += [(report["step"], s["host"], s["section"], s["lag_ms"]) for s in report["stragglers"]]
     return out
 
 

@@ -21,9 +21,10 @@ accelerator and for CPU runs, with two scores per rank:
 
 A section that ends in a collective hides a slowness that happened before that collective inside the same section
 (every rank leaves the collective together); sections are therefore as fine as the hooks allow: each micro-batch's
-data, forward, backward, then the optimizer. Checkpoint saves, which run between steps, are scored on their
-durations. On CUDA / XPU the device is synchronized at every section end of the measured steps (``synchronize``),
-so that the times are the device's, not the kernel launches'; the other steps are not measured at all.
+data, forward, backward, then the optimizer. Checkpoint saves, which run between steps, are scored on their durations,
+a rank named only when its save's lag is also ``min_lag`` of a step. On CUDA / XPU the device is synchronized at every
+section end of the measured steps (``synchronize``), so that the times are the device's, not the kernel launches'; the
+other steps are not measured at all.
 
 Every ``every_n_steps`` steps, one small all-gather (``2 + MAX_MARKS`` numbers per rank) brings every rank's medians
 to rank 0, which scores them and appends one JSON line to ``stragglers.jsonl`` (``mula launch`` reads it: a node
@@ -309,8 +310,9 @@ class StragglerMonitor:
             floors = (self.threshold, self.min_lag, self.min_lag_ms / 1000)
             found = {r: (names[j], rel, lag) for r, j, rel, lag in score_ranks(arrivals, names, *floors)}
             saves = table[:, 1]
-            if not saves.isnan().any():  # every rank saved in the window: their durations, scored alike
-                for r, _, rel, lag in score_ranks(saves[:, None], ("checkpoint",), *floors):
+            if not saves.isnan().any():  # every rank saved: their durations, named only for a lag that costs a step
+                step_floor = max(self.min_lag_ms / 1000, self.min_lag * totals[has].median().item())
+                for r, _, rel, lag in score_ranks(saves[:, None], ("checkpoint",), self.threshold, 0.0, step_floor):
                     found.setdefault(r, ("checkpoint", rel, lag))
             report.stragglers = [
                 Straggler(rank=r, host=self._hosts[r], section=sec, relative=round(rel, 4),
