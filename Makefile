@@ -37,10 +37,11 @@ fuzz: venv
 
 # `mula launch` through FAULTS faults of mixed kinds (kill, hang, NaN, abort, exception, full disk, slow rank) drawn
 # from SEED, ending bit-equal to a straight run; prints the table of BENCHMARKS.md (make test runs 5 of them).
+# IN_JOB=1: mula launch --in-job (failed ranks restarted inside the running job, the others kept).
 FAULTS ?= 100
 SEED ?= 0
 drill: venv
-	$(PY) scripts/drill.py --faults $(FAULTS) --seed $(SEED) --out runs/drill
+	$(PY) scripts/drill.py --faults $(FAULTS) --seed $(SEED) --out runs/drill$(if $(IN_JOB), --in-job)
 
 # On a machine with one CUDA or XPU device: parity, block speed and a tiny `mula fit` on it, as one table.
 gpu-check: venv

@@ -265,10 +265,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     Lightning's ``SIGTERMException`` ended it before the training loop: a ``SystemExit`` without a code, which
     would read as success).
 
+    Under ``mula launch --in-job`` (``MULA_IN_JOB``) ``fit`` runs in the restart loop of
+    :func:`~mula_lightning.utils.in_job_restart.run_in_job`: a peer's failure makes this process rejoin the next
+    attempt and run the stage again from the newest checkpoint.
+
     Raises:
         RunFailure: wrapping what escaped the Trainer after the preflight checks passed (its traceback is
             printed by the ``mula`` console script); earlier errors (bad input) propagate unchanged.
     """
+    from mula_lightning.callbacks.dual_checkpoint import DualCheckpoint
+    from mula_lightning.utils.in_job_restart import in_job_file, run_in_job
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["fit"] and in_job_file() is not None:  # mula launch --in-job: survive a peer's failure
+        return run_in_job(_run_stage, args, saved=lambda: DualCheckpoint.completed_in_process > 0)
+    return _run_stage(args)
+
+
+def _run_stage(args: list[str]) -> int:
+    """One run of the stage ``args[0]`` (see :func:`main`)."""
     import signal
 
     from mula_lightning.callbacks.graceful_stop import GracefulStop
@@ -277,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started: list[str] = []
     try:
-        cli = build_cli(list(sys.argv[1:] if argv is None else argv), started=started)
+        cli = build_cli(args, started=started)
     except SystemExit as exit_:
         if type(exit_).__name__ != "SIGTERMException":
             raise

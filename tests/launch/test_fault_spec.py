@@ -24,6 +24,7 @@ def test_specs_parse_with_defaults_and_several_faults():
     assert nan.applies("node2", 0, 0, 1) and not nan.applies("node2", 0, 0, 0)
     assert exc.applies("any", 3, 1, 0) and not exc.applies("any", 3, 0, 0)
     assert parse_faults("") == []
+    assert parse_faults("kill@step=0,rank=2,attempt=5") == [Fault("kill", 0, rank=2, attempt=5)]  # in the set-up
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,8 @@ def test_specs_parse_with_defaults_and_several_faults():
         ("explode@step=1", "KIND@step=S"),
         ("kill", "KIND@step=S"),
         ("kill@node=n1", "step=S"),
-        ("kill@step=0", "step=S"),
+        ("nan@step=0", "0, during the set-up, for kill/hang/exception/abort"),
+        ("slow@step=0,ms=5", "step=S (S >= 1"),
         ("kill@step=x", "'x' is not a non-negative integer"),
         ("kill@step=1,host=n1", "'host=n1' is not one of"),
         ("slow@step=3,rank=1", "ms=M (M >= 1) is required by slow"),

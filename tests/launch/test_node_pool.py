@@ -35,8 +35,9 @@ def test_suspects_are_taken_out_only_after_failing_first_in_a_row():
 
 
 def test_slow_nodes_are_replaced_while_buffer_nodes_last_and_kept_otherwise():
-    """A straggler (slow) keeps its place until the next attempt; then it is replaced in place by a buffer node and
-    failed with its reason, after the failed nodes took the buffer nodes they need; with none left it stays."""
+    """A straggler (slow) keeps its place until the next relaunch (an in-job restart keeps it); then it is
+    replaced in place by a buffer node and failed with its reason, after the failed nodes took the buffer nodes they
+    need; with none left it stays."""
     pool = NodePool(["n0", "n1", "n2", "b0"], nnodes=3)
     pool.choose()
     pool.mark_slow("n2", "straggler in 3 reports")
@@ -46,6 +47,7 @@ def test_slow_nodes_are_replaced_while_buffer_nodes_last_and_kept_otherwise():
     assert set(pool.slow) == {"n0", "n2"} and "n2" not in pool.failed
     pool = NodePool(["n0", "n1", "b0"], nnodes=2)
     pool.mark_slow("n1", "straggler in 3 reports")
+    assert pool.choose(swap_slow=False) == ["n0", "n1"] and "n1" in pool.slow  # an in-job restart keeps live nodes
     assert pool.choose() == ["n0", "b0"] and pool.failed == {"n1": "straggler in 3 reports"} and pool.slow == {}
     with pytest.raises(ValueError, match="'x' is not one of"):
         pool.mark_slow("x", "typo")

@@ -131,6 +131,9 @@ class DualCheckpoint(ModelCheckpoint):
     Resume with ``trainer.fit(model, ckpt_path="last")`` (Trainer) or :meth:`load_fabric` (Fabric).
     """
 
+    #: slots completed by any DualCheckpoint of this process (an in-job restart resumes from ``last`` once one was)
+    completed_in_process = 0
+
     def __init__(
         self,
         dirpath: str | Path,
@@ -168,6 +171,7 @@ class DualCheckpoint(ModelCheckpoint):
 
     def _completed(self, slot: Path) -> None:
         self.saves_this_process += 1
+        DualCheckpoint.completed_in_process += 1
 
     # ------------------------------------------------------------------ Trainer hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

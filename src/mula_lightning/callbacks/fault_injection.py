@@ -14,7 +14,9 @@ drilled without editing its config::
     MULA_FAULT="diskfull@step=6,rank=1"                 # rank 1's first save from step 6 on: ENOSPC mid-save
     MULA_FAULT="kill@step=5,node=node1;nan@step=9,node=node2,attempt=1"   # several, ';'-separated
 
-``step=S`` acts while optimizer step S (1-based) is computed, before it is applied: at the first batch of that step.
+``step=S`` acts while optimizer step S (1-based) is computed, before it is applied: at the first batch of that step;
+``step=0`` (kill, hang, exception, abort) acts in the Trainer's set-up, before the checkpoint is loaded (a second
+fault while ``mula launch`` restarts the job).
 ``attempt`` (default 0) is the launch attempt the fault belongs to (``MULA_LAUNCH_ATTEMPT``): a fault fires once,
 not again in the relaunch that resumes before its step. ``node``, ``rank`` and ``local_rank`` narrow where it fires
 (default: everywhere). ``slow`` is not fired once: every optimizer step from ``step`` on, the rank sleeps ``ms``
@@ -64,6 +66,10 @@ class FaultInjector(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         from mula_lightning.callbacks.dual_checkpoint import DualCheckpoint
 
+        for fault in self._mine(trainer):
+            if fault.step == 0 and fault not in self._fired:  # during the set-up, before the checkpoint is loaded
+                self._fired.add(fault)
+                self._fire(fault, trainer)
         full = [f for f in self._mine(trainer) if f.kind == "diskfull"]
         for callback in (c for c in trainer.callbacks if isinstance(c, DualCheckpoint)) if full else ():
             callback.phase_hook = self._disk_full_hook(trainer, full, callback.phase_hook)

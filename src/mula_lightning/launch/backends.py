@@ -20,6 +20,7 @@ period; nothing is left running when :meth:`stop` returns.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -84,6 +85,13 @@ def process_stopped(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
+def _mula_argv(command: Sequence[str]) -> list[str] | None:
+    """The ``mula`` arguments of ``python -m mula_lightning.cli ARGS`` (what a warm spare can run), else None."""
+    if len(command) > 3 and list(command[1:3]) == ["-m", "mula_lightning.cli"] and command[3] == "fit":
+        return [str(a) for a in command[3:]]
+    return None
+
+
 def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -99,44 +107,134 @@ class LocalAttempt:
         nproc_per_node: int,
         env: Mapping[str, str],
         log_dir: Path | None = None,
+        spares: int = 0,
     ) -> None:
         self.nodes = list(nodes)
         self.nproc_per_node = nproc_per_node
-        world = len(self.nodes) * nproc_per_node
-        port = free_port()
+        self.world_size = len(self.nodes) * nproc_per_node
+        self.port = free_port()
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
         self._reported: set[int] = set()
-        for node_rank, host in enumerate(self.nodes):
-            for local_rank in range(nproc_per_node):
-                rank = node_rank * nproc_per_node + local_rank
-                rank_env = {
-                    **env,
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(local_rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_WORLD_SIZE": str(nproc_per_node),
-                    "GROUP_RANK": str(node_rank),
-                    "NODE_RANK": str(node_rank),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "MULA_NODE_NAME": host,
-                }
-                if "GLOO_SOCKET_IFNAME" not in rank_env and sys.platform.startswith("linux"):
-                    rank_env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback rendezvous: keep gloo's sockets there too
-                out = None
-                if log_dir is not None:
-                    log_dir.mkdir(parents=True, exist_ok=True)
-                    out = open(log_dir / f"{host}.rank{rank}.log", "ab")  # noqa: SIM115 (closed in stop/poll)
-                proc = subprocess.Popen(
-                    list(command),
-                    env=rank_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT if out else None,
-                    start_new_session=True,
-                )
-                if out is not None:
-                    out.close()  # the child holds its own descriptor
-                self.procs.append((host, rank, proc))
+        for rank in range(self.world_size):
+            self.procs.append(self._spawn(command, rank, env, log_dir))
+        #: warm spares (:mod:`mula_lightning.launch.spare`), for a ``mula fit`` command only; started by
+        #: :meth:`fill_spares`, once the ranks are up (their imports do not compete with the ranks')
+        self.spares: list[subprocess.Popen] = []
+        self.spare_target = spares if _mula_argv(command) is not None else 0
+        self._spare_env, self._spare_log = dict(env), (log_dir.parent / "spares.log" if log_dir else None)
+
+    def fill_spares(self) -> int:
+        """Start warm spares until :attr:`spare_target` are running (dead ones are reaped); how many were started."""
+        alive = []
+        for proc in self.spares:
+            if proc.poll() is None:
+                alive.append(proc)
+        self.spares = alive
+        started = max(0, self.spare_target - len(alive))
+        for _ in range(started):
+            self.spares.append(self._start_spare())
+        return started
+
+    def _start_spare(self) -> subprocess.Popen:
+        out = open(self._spare_log, "ab") if self._spare_log else None  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mula_lightning.launch.spare"],
+            env=self._spare_env,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
+        if out is not None:
+            out.close()
+        return proc
+
+    def _from_spare(
+        self, command: Sequence[str], rank_env: dict[str, str], log: Path | None
+    ) -> subprocess.Popen | None:
+        """A warm spare turned into the rank of ``rank_env`` (:meth:`fill_spares` starts another later), or None."""
+        argv = _mula_argv(command)
+        while argv is not None and self.spares:
+            proc = self.spares.pop(0)
+            order = {"env": rank_env, "argv": argv, "log": str(log) if log else None}
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(order).encode() + b"\n")
+                proc.stdin.close()
+            except OSError:  # the spare died: try the next one
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                continue
+            return proc
+        return None
+
+    def _spawn(
+        self, command: Sequence[str], rank: int, env: Mapping[str, str], log_dir: Path | None, warm: bool = False
+    ) -> tuple[str, int, subprocess.Popen]:
+        node_rank, local_rank = divmod(rank, self.nproc_per_node)
+        host = self.nodes[node_rank]
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nproc_per_node),
+            "GROUP_RANK": str(node_rank),
+            "NODE_RANK": str(node_rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            "MULA_NODE_NAME": host,
+        }
+        if "GLOO_SOCKET_IFNAME" not in rank_env and sys.platform.startswith("linux"):
+            rank_env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback rendezvous: keep gloo's sockets there too
+        log = None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log = log_dir / f"{host}.rank{rank}.log"
+        if warm and (spare := self._from_spare(command, rank_env, log)) is not None:
+            return host, rank, spare
+        out = open(log, "ab") if log is not None else None  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(
+            list(command), env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+        )
+        if out is not None:
+            out.close()  # the child holds its own descriptor
+        return host, rank, proc
+
+    def replace(
+        self,
+        ranks: Sequence[int],
+        nodes: Sequence[str],
+        command: Sequence[str],
+        env: Mapping[str, str],
+        log_dir: Path | None = None,
+    ) -> None:
+        """In-job restart: a new process for each of ``ranks`` (on its node of ``nodes``, the attempt's nodes now:
+        a buffer node where one was lost), same rendezvous address, a warm spare where one is ready; every other
+        rank's process is kept. The processes of ``ranks`` must have ended (:meth:`kill` them first)."""
+        self.nodes = list(nodes)
+        for rank in ranks:
+            old = self.procs[rank][2]
+            if old.poll() is None:
+                raise RuntimeError(f"rank {rank} (pid {old.pid}) is still running: kill it before replacing it")
+            self.procs[rank] = self._spawn(command, rank, env, log_dir, warm=True)
+            self._reported.discard(rank)
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        """SIGKILL the processes (and their process groups) of ``ranks`` and reap them (stopped ones included)."""
+        for rank in ranks:
+            _signal_group(self.procs[rank][2].pid, signal.SIGKILL)
+        for rank in ranks:
+            self.procs[rank][2].wait()
+        self._reported.update(ranks)  # the launcher's own kills are never reported as exits
+
+    def alive(self) -> list[int]:
+        """The ranks whose process is running (stopped ones included)."""
+        return [rank for _, rank, proc in self.procs if proc.poll() is None]
+
+    def stopped_ranks(self) -> list[int]:
+        """Ranks whose process is stopped (SIGSTOP: state ``T``)."""
+        return [rank for _, rank, proc in self.procs if proc.poll() is None and process_stopped(proc.pid)]
 
     @property
     def pids(self) -> list[int]:
@@ -175,6 +273,10 @@ class LocalAttempt:
         for _, _, proc in self.procs:
             _signal_group(proc.pid, signal.SIGKILL)  # also the group's other members, even if the leader exited
             proc.wait()
+        for spare in self.spares:  # nothing of theirs to save: ended at once
+            _signal_group(spare.pid, signal.SIGKILL)
+            spare.wait()
+        self.spares = []
 
 
 # srun's report lines: "srun: error: nid001: task 3: Exited with exit code 1", "srun: error: nid001: tasks 0-3:

@@ -58,6 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="straggler reports in a row that make a node slow: replaced at the next relaunch (0: off)",
     )
+    parser.add_argument(
+        "--in-job",
+        action="store_true",
+        help="restart a failed rank inside the running job (mula fit, local backend): the other processes stay, "
+        "rejoin and reload; rank 0's node, a NaN and a second fault during a restart fall back to a relaunch",
+    )
+    parser.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        default=300.0,
+        help="with --in-job: seconds until every rank reported from the restarted attempt, else a relaunch (0: the "
+        "startup timeout)",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="with --in-job: processes kept started with mula fit's imports done, each ready to replace a rank "
+        "(default: --nproc-per-node, one node's worth)",
+    )
     return parser
 
 
@@ -92,6 +112,9 @@ def main(argv: Sequence[str]) -> int:
         srun_args=args.srun_args.split(),
         heartbeat_host=heartbeat_host,
         straggler_reports=args.straggler_reports,
+        in_job=args.in_job,
+        spares=args.spares,
+        rejoin_timeout_s=args.rejoin_timeout,
     )
     return Launcher(options).run()
 

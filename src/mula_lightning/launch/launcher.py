@@ -25,6 +25,14 @@ While an attempt runs, the launcher also reads ``stragglers.jsonl`` (``MULA_STRA
 reports in a row is *slow*; the run goes on, and the next attempt, when a failure causes one, runs on a buffer node
 in its place if one is free.
 
+With ``in_job`` (``--in-job``, local backend, ``mula fit``) a failure is first offered to the in-job restart: the
+verdict is applied as for a relaunch, then the failed ranks' processes (all ranks of a node taken out) are killed, the
+next attempt is announced in ``REPORT_DIR/in_job.json`` and only those ranks get new processes (warm spares where
+ready, on a buffer node for a node taken out), while every other rank keeps its process and rejoins
+(:mod:`mula_lightning.utils.in_job_restart`). It falls back to the relaunch below, saying why, for rank 0 or its node
+(rank 0's process hosts the job's store), a NaN, a second failure before the restarted attempt reloaded, ranks that
+already finished, a hang with nobody to blame, no buffer node, the last restart, or the SLURM backend.
+
 Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
 are chosen among active + buffer - failed, and the command is relaunched. Every attempt of ``mula fit``, the first
 included, runs with ``--ckpt_path last`` (DualCheckpoint's newest valid slot; with none yet Lightning starts fresh),
@@ -62,12 +70,15 @@ from mula_lightning.launch.attribution import (
 from mula_lightning.launch.backends import LocalAttempt, RankExit, SlurmAttempt
 from mula_lightning.launch.heartbeat_server import HeartbeatServer
 from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning, unreachable_nodes
+from mula_lightning.launch.in_job import InJobRestarts
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 from mula_lightning.launch.report import AttemptRecord, LaunchReport
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
     FAILED_HOSTS_ENV,
     HEARTBEAT_ENV,
+    IN_JOB_ENV,
+    IN_JOB_TIMEOUT_ENV,
     LAUNCH_ID_ENV,
     NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
@@ -117,6 +128,9 @@ class LaunchOptions:
     srun_args: list[str] = field(default_factory=list)
     heartbeat_host: str = ""
     straggler_reports: int = 3
+    in_job: bool = False
+    spares: int | None = None  # warm spares under --in-job; None: one node's worth (nproc_per_node)
+    rejoin_timeout_s: float = 300.0  # an in-job restart not reloaded on every rank by then falls back to a relaunch
 
     def check(self) -> None:
         """Refuse values that cannot work, naming them."""
@@ -125,10 +139,10 @@ class LaunchOptions:
         for name in ("nnodes", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be at least 1")
-        for name in ("buffer_nodes", "max_restarts", "straggler_reports"):
-            if getattr(self, name) < 0:
+        for name in ("buffer_nodes", "max_restarts", "straggler_reports", "spares"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 0")
-        for name in ("hang_timeout_s", "startup_timeout_s"):
+        for name in ("hang_timeout_s", "startup_timeout_s", "rejoin_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} ({getattr(self, name)}) must be >= 0 (0 = off)")
         if self.grace_s <= 0:
@@ -184,7 +198,7 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-class Launcher:
+class Launcher(InJobRestarts):
     """Runs :class:`LaunchOptions` to the end; :meth:`run` returns the exit code."""
 
     def __init__(self, options: LaunchOptions) -> None:
@@ -207,6 +221,7 @@ class Launcher:
         self.failed_hosts_file = self.report_dir / "failed_hosts.txt"  # the hosts taken out, one name per line
         self.nan_events_file = self.report_dir / "nan_events.jsonl"  # NaNDetector's records, one JSON per line
         self.stragglers_file = self.report_dir / "stragglers.jsonl"  # StragglerDetection's reports, one per line
+        self.in_job_file = self.report_dir / "in_job.json"  # the attempt the ranks of an in-job restart rejoin
         self._stragglers_offset = 0  # bytes of it already read
         self._straggler_streak: dict[str, int] = {}  # host -> reports in a row that named it (this attempt)
         self.launch_id = uuid.uuid4().hex[:12]
@@ -216,6 +231,8 @@ class Launcher:
         self.world_size = options.nnodes * options.nproc_per_node
         self.saved = False  # a rank reported a checkpoint saved during this launch
         self._previous_nan: list[NanRecord] = []  # the NaN records of the previous attempt, if it stopped on NaN
+        self._current: AttemptRecord | None = None  # the newest attempt (in-job restarts make one without a relaunch)
+        self._restarting = False  # an in-job restart is under way: a fault now falls back to a relaunch
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -245,6 +262,12 @@ class Launcher:
         self._stragglers_offset = self.stragglers_file.stat().st_size
         if opts.backend == "slurm" and (warning := no_kill_warning()) is not None:
             self.report.event(f"warning: {warning}", no_kill=False)
+        if opts.in_job and opts.backend != "local":
+            self.report.event(
+                f"warning: --in-job needs the local backend (one srun step starts every rank: a rank cannot be "
+                f"started alone in it); under --backend {opts.backend} every failure is a full relaunch",
+                in_job=False,
+            )
         previous: AttemptRecord | None = None  # the attempt before, when it failed
         attempt = 0
         while True:
@@ -257,34 +280,30 @@ class Launcher:
                 self._list_failed(host)
                 self.report.event(f"{host} is replaced by a buffer node: {slow[host]}", slow_host=host)
             self._straggler_streak = {}
-            command = command_for_attempt(
-                opts.command, attempt, opts.nnodes, opts.nproc_per_node, keep_user_ckpt=not self.saved
-            )
+            command = self._attempt_command(attempt)
             record = self.report.start_attempt(attempt, nodes, command)
+            record.started_by = "launch" if attempt == 0 else "relaunch"
             self.report.event(
                 f"attempt {attempt}: {self.world_size} ranks on {', '.join(nodes)}"
                 + (" (resuming from the newest checkpoint, if any)" if "last" in command[-5:] else ""),
                 attempt=attempt,
                 nodes=nodes,
             )
-            env = {
-                **os.environ,
-                HEARTBEAT_ENV: server.address,
-                ATTEMPT_ENV: str(attempt),
-                FAILED_HOSTS_ENV: str(self.failed_hosts_file.resolve()),
-                NAN_EVENTS_ENV: str(self.nan_events_file.resolve()),
-                STRAGGLERS_ENV: str(self.stragglers_file.resolve()),
-                LAUNCH_ID_ENV: self.launch_id,
-            }
             handle = None
+            self._current = record
+            self._announce_attempt(attempt, [])
             try:
-                handle = self._start(command, nodes, env, attempt)
+                handle = self._start(command, nodes, self._env(server, attempt), attempt)
+                record.pids = list(getattr(handle, "pids", []))
                 ok = self._watch(handle, record, server, previous)
             except _Interrupted as err:
                 if handle is not None:
                     handle.stop(opts.grace_s)
+                record = self._current
                 record.outcome, record.ended = "interrupted", time.time()
                 return self._finish("interrupted", EXIT_INTERRUPTED, f"stopped by {err}; every rank was stopped")
+            record = self._current  # in-job restarts made new attempts within the same processes
+            attempt, nodes = record.attempt, record.nodes
             if ok:
                 return self._finish("succeeded", 0, f"finished in attempt {attempt} on {', '.join(nodes)}")
             if record.outcome == DIVERGED:
@@ -298,13 +317,49 @@ class Launcher:
                 )
             attempt += 1
 
+    def _attempt_command(self, attempt: int) -> list[str]:
+        """The command line of ``attempt`` (:func:`command_for_attempt`; the user's ``--ckpt_path`` kept until a rank
+        reported a slot saved by this launch)."""
+        opts = self.options
+        return command_for_attempt(
+            opts.command, attempt, opts.nnodes, opts.nproc_per_node, keep_user_ckpt=not self.saved
+        )
+
+    def _env(self, server: HeartbeatServer, attempt: int) -> dict[str, str]:
+        """The environment of every rank of ``attempt``."""
+        env = {
+            **os.environ,
+            HEARTBEAT_ENV: server.address,
+            ATTEMPT_ENV: str(attempt),
+            FAILED_HOSTS_ENV: str(self.failed_hosts_file.resolve()),
+            NAN_EVENTS_ENV: str(self.nan_events_file.resolve()),
+            STRAGGLERS_ENV: str(self.stragglers_file.resolve()),
+            LAUNCH_ID_ENV: self.launch_id,
+        }
+        env.pop(IN_JOB_ENV, None)
+        if self.options.in_job and self.options.backend == "local":  # a rejoin may wait as long as a start
+            env[IN_JOB_ENV] = str(self.in_job_file.resolve())
+            env[IN_JOB_TIMEOUT_ENV] = f"{self.options.startup_timeout_s or 1800:g}"
+        return env
+
     def _start(self, command: list[str], nodes: list[str], env: dict[str, str], attempt: int) -> Any:
         opts = self.options
         if opts.backend == "slurm":
             return SlurmAttempt(command, nodes, opts.nproc_per_node, env, srun=opts.srun, extra_args=opts.srun_args)
+        return LocalAttempt(
+            self._local_command(command),
+            nodes,
+            opts.nproc_per_node,
+            env,
+            spares=(opts.nproc_per_node if opts.spares is None else opts.spares) if opts.in_job else 0,
+            log_dir=self.report_dir / "logs" / f"attempt{attempt}",
+        )
+
+    @staticmethod
+    def _local_command(command: list[str]) -> list[str]:
         if command and command[0] == "mula":  # this interpreter, whatever PATH holds
-            command = [sys.executable, "-m", "mula_lightning.cli", *command[1:]]
-        return LocalAttempt(command, nodes, opts.nproc_per_node, env, self.report_dir / "logs" / f"attempt{attempt}")
+            return [sys.executable, "-m", "mula_lightning.cli", *command[1:]]
+        return command
 
     def _finish(self, outcome: str, code: int, message: str) -> int:
         self.report.event(message if code == 0 else f"error: {message}", outcome=outcome, exit_code=code)
@@ -315,7 +370,8 @@ class Launcher:
     def _watch(
         self, handle: Any, record: AttemptRecord, server: HeartbeatServer, previous: AttemptRecord | None
     ) -> bool:
-        """Watch one attempt until it succeeds (True) or fails (False; stopped, hosts marked, record filled)."""
+        """Watch one attempt until it succeeds (True) or fails (False; stopped, hosts marked, record filled). An
+        in-job restart goes on watching the same processes as the next attempt (``self._current``)."""
         opts = self.options
         start = time.monotonic()
         seen: dict[int, tuple[str, float]] = {}  # rank -> (record text, launcher clock when it last changed)
@@ -324,6 +380,7 @@ class Launcher:
         exited_ok: set[int] = set()  # processes known to have exited 0 (a rank that only reported "end" may hang)
         events_offset = self.nan_events_file.stat().st_size
         written = start
+        self._restarting = False  # an in-job restart whose ranks have not all reloaded yet
         while True:
             exits = handle.poll()
             now = time.monotonic()
@@ -334,6 +391,10 @@ class Launcher:
                     records[rank] = beat
                     self._note_beat(record, beat, previous)
                     steps[rank] = int(beat["step"])
+            if len(records) == self.world_size and not any(b.get("phase") == "setup" for b in records.values()):
+                self._restarting = False
+                if hasattr(handle, "fill_spares") and handle.fill_spares():  # the ranks are up: warm the spares
+                    self.report.write()
             self._read_stragglers(record)
             if now - written > REPORT_EVERY_S:  # the progress (last step) reaches the report now and then
                 written = now
@@ -342,19 +403,25 @@ class Launcher:
                 if ended.code == 0:
                     exited_ok.update(ended.ranks)
             bad = [e for e in exits if e.code != 0]
-            if bad:
-                self._on_exit_failure(handle, record, bad, events_offset)
-                return False
+            hang = None if bad or handle.finished() else self._hang(seen, records, exited_ok, start, now)
+            if bad or hang is not None:
+                if bad:
+                    after = self._on_exit_failure(handle, record, bad, events_offset, exited_ok, server)
+                else:
+                    after = self._on_hang(handle, record, hang, records, steps, now, server)  # type: ignore[arg-type]
+                if after is None:
+                    return False
+                previous, record = record, after  # in-job: the same processes, the next attempt
+                start, seen, records, steps, exited_ok = time.monotonic(), {}, {}, {}, set()
+                events_offset = self.nan_events_file.stat().st_size
+                continue
             if handle.finished():
                 if handle.succeeded():
+                    handle.stop(opts.grace_s)  # every rank ended: what is left is a warm spare or a stray child
                     record.outcome, record.ended = "succeeded", time.time()
                     self.report.write()
                     return True
                 continue  # a failure not yet reported by poll(): the next round sees it
-            hang = self._hang(seen, records, exited_ok, start, now)
-            if hang is not None:
-                self._on_hang(handle, record, hang, records, steps, now)
-                return False
             time.sleep(opts.poll_s)
 
     def _note_beat(self, record: AttemptRecord, beat: dict[str, Any], previous: AttemptRecord | None) -> None:
@@ -434,11 +501,15 @@ class Launcher:
     ) -> tuple[list[int], float] | None:
         """``(silent ranks, when they went silent)`` when the attempt hangs, else None. ``ended``: ranks whose
         process exited 0; a rank that reported the end of training but did not exit is still watched. A rank whose
-        last beat is ``setup`` (it is loading a checkpoint) has the startup timeout, not the hang timeout."""
+        last beat is ``setup`` (it is loading a checkpoint) has the startup timeout, not the hang timeout; while an
+        in-job restart is under way, the shorter of it and ``rejoin_timeout_s`` (then the restart falls back to a
+        relaunch)."""
         opts = self.options
         if opts.hang_timeout_s == 0:
             return None
         startup = opts.startup_timeout_s or float("inf")
+        if self._restarting and opts.rejoin_timeout_s:
+            startup = min(startup, opts.rejoin_timeout_s)
         if not seen:
             return (list(range(self.world_size)), start) if now - start > startup else None
         silent = []
@@ -453,7 +524,17 @@ class Launcher:
             return None
         return silent, min(seen[r][1] if r in seen else start for r in silent)
 
-    def _on_exit_failure(self, handle: Any, record: AttemptRecord, bad: list[RankExit], events_offset: int) -> None:
+    def _on_exit_failure(
+        self,
+        handle: Any,
+        record: AttemptRecord,
+        bad: list[RankExit],
+        events_offset: int,
+        exited_ok: set[int],
+        server: HeartbeatServer,
+    ) -> AttemptRecord | None:
+        """A rank ended badly: the in-job restart's next attempt when one is possible, else None (every rank
+        stopped, the record filled, the pool updated: the caller relaunches or gives up)."""
         opts = self.options
         first = bad[0]
         record.failure_at = time.time() - (time.monotonic() - first.at)
@@ -463,10 +544,8 @@ class Launcher:
             bad += [e for e in handle.poll() if e.code != 0]
         bad += [e for e in handle.poll() if e.code != 0]
         record.detected_at = time.time()
-        handle.stop(opts.grace_s)  # after the classification's evidence is in: the launcher's own kills never count
-        record.ended = time.time()
-        record.outcome = "failed"
-        if any(e.code == NAN_EXIT_CODE for e in bad):
+        nan = any(e.code == NAN_EXIT_CODE for e in bad)
+        if nan:
             with open(self.nan_events_file) as fh:
                 fh.seek(events_offset)
                 nan_records = [r for r in map(parse_nan_line, fh) if r is not None]
@@ -475,8 +554,22 @@ class Launcher:
         else:
             verdict = attribute_exits(bad, opts.nproc_per_node)
             self._previous_nan = []
+        failed = sorted({r for e in bad for r in e.ranks})
+        refusal = self._in_job_refusal(handle, failed, exited_ok, "a NaN ends every rank (NaNDetector)" if nan else "")
+        if refusal is None:
+            record.ended, record.outcome = time.time(), "failed"
+            self._apply(record, verdict)
+            if record.outcome == DIVERGED:
+                handle.stop(opts.grace_s)
+                self._announce_failure(record)
+                return None
+            return self._restart_in_job(handle, record, failed, server)
+        handle.stop(opts.grace_s)  # after the classification's evidence is in: the launcher's own kills never count
+        record.ended = time.time()
+        record.outcome = "failed"
         self._apply(record, verdict)
-        self._announce_failure(record)
+        self._announce_failure(record, refusal)
+        return None
 
     def _on_hang(
         self,
@@ -486,12 +579,24 @@ class Launcher:
         records: dict[int, dict[str, Any]],
         steps: dict[int, int],
         now: float,
-    ) -> None:
+        server: HeartbeatServer,
+    ) -> AttemptRecord | None:
+        """A hang: the in-job restart's next attempt when the hung ranks are known (a stopped process, or ranks
+        behind the others) and the rest may stay, else None (every rank stopped, as for :meth:`_on_exit_failure`)."""
         silent, since = hang
         record.failure_at = time.time() - (now - since)
         record.detected_at = time.time()
         stopped = handle.stopped_hosts()
-        handle.stop(self.options.grace_s)
+        victims = list(getattr(handle, "stopped_ranks", list)())
+        known = {r: steps[r] for r in silent if r in steps}
+        if not victims and known and min(known.values()) < max(steps.values()):
+            victims = [r for r, step in known.items() if step == min(known.values())]
+        unknown = "" if victims else "no rank of the hang is known to be the one that stopped"
+        refusal = self._in_job_refusal(handle, victims, set(), unknown)
+        if refusal is None:
+            handle.kill(victims)  # the survivors' collectives with them fail now: they rejoin
+        else:
+            handle.stop(self.options.grace_s)
         record.ended, record.outcome = time.time(), "hang"
         self._previous_nan = []
         verdict = attribute_hang(silent, records, steps, stopped)
@@ -506,7 +611,10 @@ class Launcher:
                 f"hang: ranks {','.join(map(str, silent))} {what} for {quiet:.0f} s (timeout "
                 f"{self.options.hang_timeout_s:g} s) at step {max(steps.values(), default=0)}; {verdict.reason}"
             )
-        self._announce_failure(record)
+        if refusal is None:
+            return self._restart_in_job(handle, record, victims, server)
+        self._announce_failure(record, refusal)
+        return None
 
     def _apply(self, record: AttemptRecord, verdict: Verdict) -> None:
         """Carry out a verdict on the pool: lost hosts out now, suspects counted, otherwise the chain broken. Under
@@ -557,11 +665,13 @@ class Launcher:
             with open(self.failed_hosts_file, "a") as fh:
                 fh.write(host + "\n")
 
-    def _announce_failure(self, record: AttemptRecord) -> None:
+    def _announce_failure(self, record: AttemptRecord, refusal: str | None = None) -> None:
+        """The failure's event; ``refusal``: why it was not restarted in-job (under ``--in-job``)."""
         out = f"; taken out: {', '.join(record.failed_hosts)}" if record.failed_hosts else ""
         sus = f"; suspect: {', '.join(record.suspect_hosts)}" if record.suspect_hosts else ""
+        fallback = f"; no in-job restart ({refusal}): every rank is stopped" if refusal else ""
         self.report.event(
-            f"attempt {record.attempt} failed {_after_step(record.last_step)}: {record.reason}{out}{sus}",
+            f"attempt {record.attempt} failed {_after_step(record.last_step)}: {record.reason}{out}{sus}{fallback}",
             attempt=record.attempt,
             reason=record.reason,
             failed_hosts=record.failed_hosts,

@@ -103,9 +103,10 @@ class NodePool:
         """An attempt failed with no node to blame: the suspicion chain is broken."""
         self.suspect = {}
 
-    def choose(self) -> list[str]:
+    def choose(self, swap_slow: bool = True) -> list[str]:
         """The nodes of the next attempt: the current ones, each failed node replaced by the first buffer node, then
-        each slow node while buffer nodes are left (it is failed from then on, with its reason).
+        each slow node while buffer nodes are left (it is failed from then on, with its reason; not with
+        ``swap_slow=False``: an in-job restart keeps the processes of every node that did not fail).
 
         Raises:
             OutOfNodesError: naming the failed nodes, the number needed and the number left.
@@ -118,7 +119,7 @@ class NodePool:
             elif spare:
                 chosen.append(spare.pop(0))
         for i, node in enumerate(chosen):
-            if node in self.slow and spare:
+            if swap_slow and node in self.slow and spare:
                 self.mark_failed(node, self.slow.pop(node))
                 chosen[i] = spare.pop(0)
         if len(chosen) < self.nnodes:

@@ -48,14 +48,18 @@ class AttemptRecord:
     start_at: float | None = None  # the first "start" beat: checkpoint loaded, training begins
     caught_up_at: float | None = None  # the first beat at the previous attempt's last step: the lost steps redone
     time_lost_s: float | None = None  # from the previous attempt's failure to this attempt's first step
+    started_by: str = "launch"  # launch (the first) | relaunch (every process started again) | in-job
+    replaced_ranks: list[int] = field(default_factory=list)  # in-job: the ranks given a new process
+    pids: list[int] = field(default_factory=list)  # each rank's process id (local backend)
 
 
 def fault_cost(before: AttemptRecord, after: AttemptRecord) -> dict[str, float | None]:
-    """What one relaunch cost, in seconds: ``detection`` (failure to the launcher's verdict: the settle time or the
-    hang timeout), ``restart`` (stopping the attempt, starting the processes, imports, rendezvous: to the first
-    ``setup`` beat), ``reload`` (model, strategy, checkpoint: to the first ``start`` beat), ``recompute`` (the steps
-    since the checkpoint, done again: to the first beat at the failed attempt's last step) and ``total`` (failure to
-    caught up). None where a moment was not reported (a command without the Heartbeat callback)."""
+    """What one restart (a relaunch or an in-job restart) cost, in seconds: ``detection`` (failure to the
+    launcher's verdict: the settle time or the hang timeout), ``restart`` (stopping the attempt or the failed ranks,
+    starting the processes, imports, rendezvous: to the first ``setup`` beat), ``reload`` (model, strategy,
+    checkpoint: to the first ``start`` beat), ``recompute`` (the steps since the checkpoint, done again: to the first
+    beat at the failed attempt's last step) and ``total`` (failure to caught up). None where a moment was not
+    reported (a command without the Heartbeat callback)."""
 
     def span(a: float | None, b: float | None) -> float | None:
         return round(b - a, 3) if a is not None and b is not None else None
@@ -104,6 +108,8 @@ class LaunchReport:
             rows.append(
                 {
                     "attempt": after.attempt,
+                    "path": after.started_by,
+                    "replaced_ranks": after.replaced_ranks,
                     "reason": before.reason,
                     "failed_hosts": before.failed_hosts,
                     "nodes": after.nodes,

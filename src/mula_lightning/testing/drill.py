@@ -45,13 +45,14 @@ import yaml
 
 from mula_lightning.testing.tiny_run import tiny_fit_config
 
-__all__ = ["DRILL_KINDS", "DrillFault", "check_drill", "drill_table", "plan_drill", "run_drill"]
+__all__ = ["DRILL_KINDS", "DrillFault", "check_drill", "drill_table", "plan_drill", "restart_ratio", "run_drill"]
 
 DRILL_KINDS = ("kill_rank", "kill_node", "abort", "hang", "nan", "exception", "diskfull", "slow")
 NODES, RANKS_PER_NODE = 2, 2
 EVERY = 2  # DualCheckpoint's interval
 REPORT_EVERY, REPORT_WINDOW = 4, 3  # StragglerDetection's
 HANG_TIMEOUT_S = 6.0
+REJOIN_TIMEOUT_S = 60.0  # an in-job restart that stalls falls back to a relaunch (and fails the drill's check)
 SLOW_MS = 400
 
 
@@ -105,7 +106,9 @@ def _config(data_dir: Path, max_steps: int) -> dict[str, Any]:
     return config
 
 
-def _launch(workdir: Path, data_dir: Path, max_steps: int, faults: list[DrillFault]) -> tuple[int, dict, str]:
+def _launch(
+    workdir: Path, data_dir: Path, max_steps: int, faults: list[DrillFault], in_job: bool = False
+) -> tuple[int, dict, str]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tiny.yaml").write_text(yaml.safe_dump(_config(data_dir, max_steps)))
     src = str(Path(__file__).resolve().parents[2])
@@ -116,7 +119,9 @@ def _launch(workdir: Path, data_dir: Path, max_steps: int, faults: list[DrillFau
     relaunches = sum(f.kind != "slow" for f in faults)
     argv = [sys.executable, "-m", "mula_lightning.cli", "launch", "--nnodes", str(NODES), "--nproc-per-node",
             str(RANKS_PER_NODE), "--buffer-nodes", str(relaunches + 1), "--max-restarts", str(relaunches),
-            "--hang-timeout", str(HANG_TIMEOUT_S), "--grace", "2", "--report-dir", "launch", "--",
+            "--hang-timeout", str(HANG_TIMEOUT_S), "--rejoin-timeout", str(REJOIN_TIMEOUT_S), "--grace", "2",
+            "--report-dir", "launch",
+            *(["--in-job"] if in_job else []), "--",
             "mula", "fit", "--config", "tiny.yaml"]  # fmt: skip
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True)
     report = json.loads((workdir / "launch" / "launch_report.json").read_text())
@@ -137,9 +142,14 @@ def _losses(workdir: Path) -> list[dict[int, str]]:
 
 
 def run_drill(workdir: Path, data_dir: Path, faults: int, seed: int, kinds: tuple[str, ...] = DRILL_KINDS,
-              in_order: bool = False) -> dict:  # fmt: skip
-    """The straight run and the drill in ``workdir``; the checked result (see :func:`check_drill`)."""
-    plan, max_steps = plan_drill(faults, seed, kinds, in_order)
+              in_order: bool = False, in_job: bool = False,
+              plan: list[DrillFault] | None = None) -> dict:  # fmt: skip
+    """The straight run and the drill in ``workdir`` (``in_job``: ``mula launch --in-job``); the checked result
+    (see :func:`check_drill`). ``plan``: these faults (in attempt order) instead of drawn ones."""
+    if plan is None:
+        plan, max_steps = plan_drill(faults, seed, kinds, in_order)
+    else:
+        max_steps = max(f.step for f in plan) + 2 * EVERY + 1
     began = time.time()
     code, _, output = _launch(workdir / "straight", data_dir, max_steps, [])
     if code != 0:
@@ -147,19 +157,27 @@ def run_drill(workdir: Path, data_dir: Path, faults: int, seed: int, kinds: tupl
     (reference,) = _losses(workdir / "straight")
     straight_s = time.time() - began
     began = time.time()
-    code, report, output = _launch(workdir / "drill", data_dir, max_steps, plan)
+    code, report, output = _launch(workdir / "drill", data_dir, max_steps, plan, in_job)
     result = check_drill(plan, max_steps, code, report, reference, _losses(workdir / "drill"),
-                         workdir / "drill" / "launch" / "stragglers.jsonl", output)  # fmt: skip
-    result.update(seed=seed, straight_s=round(straight_s, 1), drill_s=round(time.time() - began, 1))
+                         workdir / "drill" / "launch" / "stragglers.jsonl", output, in_job)  # fmt: skip
+    result.update(in_job=in_job, seed=seed, straight_s=round(straight_s, 1), drill_s=round(time.time() - began, 1))
     (workdir / "drill_result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
 def check_drill(plan: list[DrillFault], max_steps: int, code: int, report: dict, reference: dict[int, str],
-                attempts_losses: list[dict[int, str]], stragglers: Path, output: str) -> dict:  # fmt: skip
+                attempts_losses: list[dict[int, str]], stragglers: Path, output: str,
+                in_job: bool = False) -> dict:  # fmt: skip
     """Check the drill ended right and say how each fault was handled; raises ``AssertionError`` naming the first
-    thing that is wrong (exit code, an attempt that did not fail as its fault should, a loss that differs from the
-    straight run's, a step never done, a slow rank never named)."""
+    thing that is wrong (exit code, an attempt that did not fail as its fault should, a fault restarted by the
+    wrong path, a loss that differs from the straight run's, a step never done, a slow rank never named).
+
+    Under ``in_job`` a fault must be restarted in-job when it touches only node 1 and kills, aborts, stops or
+    raises; it must fall back to a relaunch when it is a NaN (every rank ends), touches rank 0 (its process hosts
+    the store), stops or kills node 0 (rank 0's node is taken out) or fires during the set-up (``step=0``: a second
+    fault while the job restarts); a single rank 1 fault may go either way (in-job, or a relaunch once node 0 was
+    blamed twice in a row), and so may a full disk (in-job when the rank whose save failed ends first, a relaunch
+    when every rank's save fails at the next wait)."""
     tail = output[-4000:]
     assert code == 0 and report["outcome"] == "succeeded", f"launch exit {code}: {report['message']}\n{tail}"
     attempts = report["attempts"]
@@ -191,7 +209,17 @@ def check_drill(plan: list[DrillFault], max_steps: int, code: int, report: dict,
             if fault.kind == "kill_node":
                 assert record["failed_hosts"], f"{fault}: no node taken out ({record['reason']})"
             cost = restart["cost_s"]
-            row.update(path="relaunch", reason=record["reason"], lost_s=cost["total"], cost_s=cost,
+            on_node0 = any(r < RANKS_PER_NODE for r in fault.ranks)
+            relaunch = (
+                fault.kind == "nan"
+                or 0 in fault.ranks
+                or fault.step == 0
+                or (on_node0 and fault.kind in ("hang", "kill_node"))
+            )
+            either = on_node0 or fault.kind == "diskfull"
+            expected_path = {"relaunch"} if not in_job or relaunch else {"in-job", "relaunch"} if either else {"in-job"}
+            assert restart["path"] in expected_path, f"{fault}: restarted by {restart['path']}, not {expected_path}"
+            row.update(path=restart["path"], reason=record["reason"], lost_s=cost["total"], cost_s=cost,
                        taken_out=record["failed_hosts"], steps_redone=restart["steps_redone"],
                        last_step=record["last_step"])  # fmt: skip
         rows.append(row)
@@ -215,21 +243,38 @@ def _p95(values: list[float]) -> float:
 
 
 def drill_table(result: dict) -> str:
-    """The markdown table of a drill: per kind, the faults, their path, time lost (mean, p95) and its parts."""
+    """The markdown table of a drill: per kind and path, the faults, time lost (mean, p95) and its parts."""
     lines = [
         "| kind | faults | handled by | time lost mean (s) | p95 (s) | detection | restart | reload | recompute |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in DRILL_KINDS:
-        rows = [r for r in result["faults"] if r["kind"] == kind]
-        if not rows:
-            continue
-        lost = [r["lost_s"] for r in rows if r["lost_s"] is not None]
-        parts = []
-        for part in ("detection", "restart", "reload", "recompute"):
-            values = [r["cost_s"][part] for r in rows if r.get("cost_s") and r["cost_s"][part] is not None]
-            parts.append(f"{statistics.mean(values):.1f}" if values else "-")
-        mean = f"{statistics.mean(lost):.1f}" if lost else "-"
-        p95 = f"{_p95(lost):.1f}" if lost else "-"
-        lines.append(f"| {kind} | {len(rows)} | {rows[0]['path']} | {mean} | {p95} | {' | '.join(parts)} |")
+        for path in ("in-job", "relaunch", "straggler report"):
+            rows = [r for r in result["faults"] if r["kind"] == kind and r["path"] == path]
+            if not rows:
+                continue
+            lost = [r["lost_s"] for r in rows if r["lost_s"] is not None]
+            parts = []
+            for part in ("detection", "restart", "reload", "recompute"):
+                values = [r["cost_s"][part] for r in rows if r.get("cost_s") and r["cost_s"][part] is not None]
+                parts.append(f"{statistics.mean(values):.1f}" if values else "-")
+            mean = f"{statistics.mean(lost):.1f}" if lost else "-"
+            p95 = f"{_p95(lost):.1f}" if lost else "-"
+            lines.append(f"| {kind} | {len(rows)} | {path} | {mean} | {p95} | {' | '.join(parts)} |")
     return "\n".join(lines)
+
+
+def restart_ratio(result: dict) -> dict[str, float | None]:
+    """Mean restart latency (detection to every rank back in the group) and time lost per fault of the in-job path
+    and of the relaunch path in one drill, and their ratios (in-job / relaunch)."""
+    out: dict[str, float | None] = {}
+    for key, part in (("restart", "restart"), ("lost", "total")):
+        means = {}
+        for path in ("in-job", "relaunch"):
+            values = [r["cost_s"][part] for r in result["faults"] if r["path"] == path and r.get("cost_s")
+                      and r["cost_s"][part] is not None]  # fmt: skip
+            means[path] = statistics.mean(values) if values else None
+        out[f"{key}_in_job_s"], out[f"{key}_relaunch_s"] = means["in-job"], means["relaunch"]
+        ratio = means["in-job"] / means["relaunch"] if means["in-job"] and means["relaunch"] else None
+        out[f"{key}_ratio"] = round(ratio, 2) if ratio is not None else None
+    return out

@@ -36,6 +36,8 @@ __all__ = [
     "HEARTBEAT_ENV",
     "HEARTBEAT_MAGIC",
     "HEARTBEAT_MAX_LINE",
+    "IN_JOB_ENV",
+    "IN_JOB_TIMEOUT_ENV",
     "LAUNCH_ID_ENV",
     "NAN_EXIT_CODE",
     "NODE_NAME_ENV",
@@ -74,6 +76,12 @@ FAULT_ENV = "MULA_FAULT"
 #: exit code of every rank after NaNDetector found a non-finite loss or gradient (distinct from 1, signals and
 #: SLURM's codes): a soft node failure
 NAN_EXIT_CODE = 86
+#: set by ``mula launch --in-job``: the file where the launcher announces each in-job restart (JSON: ``attempt``,
+#: ``replaced_ranks``); ``mula fit`` then forms its process group itself (rank 0 hosts the store) and, when a peer
+#: fails, stays alive and rejoins the attempt announced there (:mod:`mula_lightning.utils.in_job_restart`)
+IN_JOB_ENV = "MULA_IN_JOB"
+#: seconds a rank that left a broken attempt waits for the next one's announcement and for its peers
+IN_JOB_TIMEOUT_ENV = "MULA_IN_JOB_TIMEOUT"
 #: the node's name for simulated nodes (the local backend, the tests); the host name otherwise
 NODE_NAME_ENV = "MULA_NODE_NAME"
 
@@ -372,6 +380,11 @@ class Fault:
         )
 
 
+#: the kinds that may also fire during the Trainer's set-up (``step=0``: before the checkpoint is loaded, as a second
+#: fault during a restart does)
+SETUP_FAULT_KINDS = ("kill", "hang", "exception", "abort")
+
+
 def parse_faults(spec: str) -> list[Fault]:
     """``"kind@key=value,...;..."`` -> faults.
 
@@ -396,8 +409,11 @@ def parse_faults(spec: str) -> list[Fault]:
                 fields[key] = int(value)
             else:
                 fields[key] = value
-        if fields.get("step", 0) < 1:
-            raise ValueError(f"{FAULT_ENV}: {part!r}: step=S (S >= 1, the optimizer step it happens at) is required")
+        if "step" not in fields or (fields["step"] < 1 and kind not in SETUP_FAULT_KINDS):
+            raise ValueError(
+                f"{FAULT_ENV}: {part!r}: step=S (S >= 1, the optimizer step it happens at; 0, during the set-up, for "
+                f"{'/'.join(SETUP_FAULT_KINDS)}) is required"
+            )
         if (kind == "slow") != (fields.get("ms", 0) > 0):
             raise ValueError(f"{FAULT_ENV}: {part!r}: ms=M (M >= 1) is required by slow and taken by no other kind")
         faults.append(Fault(kind=kind, **fields))

@@ -1,0 +1,125 @@
+"""The rank's side of an in-job restart: which errors are a peer's failure, where a rejoin resumes from, the wait for
+the launcher's announcement, and the cut of a broken attempt's connections (the job's store and the heartbeat
+connection kept)."""
+
+import json
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from mula_lightning.utils.in_job_restart import (
+    announced_attempt,
+    cut_connections,
+    in_job_file,
+    in_job_timeout,
+    is_peer_failure,
+    job_sockets,
+    resume_args,
+    tcp_sockets,
+)
+from mula_lightning.utils.run_failure import RunFailure
+
+GLOO_CLOSED = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:933"
+
+
+def test_peer_failures_are_told_from_a_ranks_own_errors():
+    """gloo's closed and reset connections and an aborted NCCL communicator are a peer's failure, also as the cause
+    of another error or inside the RunFailure that mula fit raises; the rank's own errors (an injected exception, a
+    full disk, a bad value) are not, so that rank ends and the launcher replaces it."""
+    assert is_peer_failure(RuntimeError(GLOO_CLOSED))
+    assert is_peer_failure(RuntimeError("Read error [127.0.0.1]:31108: Connection reset by peer"))
+    assert is_peer_failure(RuntimeError("NCCL communicator was aborted on rank 3"))
+    try:
+        try:
+            raise RuntimeError(GLOO_CLOSED)
+        except RuntimeError as err:
+            raise KeyError("teardown failed") from err
+    except KeyError as outer:
+        assert is_peer_failure(outer)
+        assert is_peer_failure(RunFailure(outer, rank=1))
+    assert not is_peer_failure(RuntimeError("MULA_FAULT: injected exception at step 6 on node0 rank 1"))
+    assert not is_peer_failure(OSError(28, "No space left on device"))
+    assert not is_peer_failure(ValueError("connection closed by peer"))  # not an error a collective raises
+
+
+def test_a_rejoin_resumes_from_last_only_once_a_slot_was_saved():
+    """The user's --ckpt_path is the start point until this process completed a slot; then `last`, whatever form
+    the user's option had; arguments without a path gain `--ckpt_path last`."""
+    args = ["fit", "--config", "c.yaml", "--ckpt_path", "init.ckpt", "--trainer.max_steps", "9"]
+    assert resume_args(args, saved=False) == args
+    assert resume_args(args, saved=True) == ["fit", "--config", "c.yaml", "--trainer.max_steps", "9", "--ckpt_path",
+                                             "last"]  # fmt: skip
+    assert resume_args(["fit", "--ckpt_path=x.ckpt"], saved=True) == ["fit", "--ckpt_path", "last"]
+    assert resume_args(["fit"], saved=True) == ["fit", "--ckpt_path", "last"]
+
+
+def test_the_rank_waits_for_the_launchers_announcement_and_times_out_naming_the_file(tmp_path):
+    """An announcement of the same or an older attempt (or a file being written) is not the next attempt; the next
+    one is returned with the ranks it replaces; without one the wait ends with an error naming the file."""
+    path = tmp_path / "in_job.json"
+    path.write_text(json.dumps({"attempt": 2, "replaced_ranks": []}))
+
+    def announce():
+        time.sleep(0.3)
+        path.write_text('{"attempt": 3, "repl')  # a torn write first
+        time.sleep(0.2)
+        path.write_text(json.dumps({"attempt": 3, "replaced_ranks": [2, 3]}))
+
+    thread = threading.Thread(target=announce)
+    thread.start()
+    began = time.monotonic()
+    assert announced_attempt(path, after=2, timeout_s=30, poll_s=0.05) == (3, [2, 3])
+    assert time.monotonic() - began >= 0.45
+    thread.join()
+    with pytest.raises(TimeoutError, match="no attempt after 3 was announced in .*in_job.json"):
+        announced_attempt(path, after=3, timeout_s=0.2, poll_s=0.05)
+
+
+def test_in_job_settings_come_from_the_launchers_variables(monkeypatch, tmp_path):
+    """Without MULA_IN_JOB a run is not restarted in-job; the rejoin timeout defaults to 1800 s and a bad value is
+    refused naming the variable."""
+    monkeypatch.delenv("MULA_IN_JOB", raising=False)
+    monkeypatch.delenv("MULA_IN_JOB_TIMEOUT", raising=False)
+    assert in_job_file() is None and in_job_timeout() == 1800.0
+    monkeypatch.setenv("MULA_IN_JOB", str(tmp_path / "in_job.json"))
+    monkeypatch.setenv("MULA_IN_JOB_TIMEOUT", "12.5")
+    assert in_job_file() == tmp_path / "in_job.json" and in_job_timeout() == 12.5
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("MULA_IN_JOB_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"MULA_IN_JOB_TIMEOUT='{bad}'"):
+            in_job_timeout()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+def test_cutting_connections_ends_a_peers_read_and_keeps_the_job_sockets_and_listeners(monkeypatch):
+    """Two connections stand for a broken attempt's gloo pair and the job's store: after the cut, the peer of the
+    pair reads the end of the stream at once (its collective fails instead of waiting for the group's timeout),
+    while the store's connection (MASTER_PORT) still carries data and the listening sockets still accept."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    store_listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("MASTER_PORT", str(store_listener.getsockname()[1]))
+    monkeypatch.delenv("MULA_HEARTBEAT", raising=False)
+    pair = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    store = socket.create_connection(store_listener.getsockname())
+    store_server, _ = store_listener.accept()
+    try:
+        kept = set(job_sockets())
+        assert {store.fileno(), store_server.fileno()} <= kept and pair.fileno() not in kept
+        own = {pair.fileno(), peer.fileno(), store.fileno(), store_server.fileno()}
+        others = set(tcp_sockets()) - own  # connections of this test process that are not ours to cut
+        assert cut_connections(kept | others) == 2  # both ends of the pair live in this process
+        peer.settimeout(5)
+        assert peer.recv(16) == b""  # the end of the stream, not a wait
+        store.sendall(b"ping")
+        store_server.settimeout(5)
+        assert store_server.recv(16) == b"ping"
+        late = socket.create_connection(listener.getsockname())  # the listener was left alone
+        late.close()
+        assert pair.fileno() >= 0  # shut down, not closed: its owner still holds the descriptor
+    finally:
+        for sock in (pair, peer, store, store_server, listener, store_listener):
+            sock.close()
