@@ -8,7 +8,9 @@ the rank sleeps ``ms`` longer per step, and rank 0 appends a straggler report na
 ``MULA_STRAGGLERS_FILE`` after every step from then on, as StragglerDetection's rank 0 would). Without
 collectives the other ranks do not notice a failure: the launcher must stop them. ``FAKE_SILENT=1``: the rank
 never beats (a rendezvous that never completes); ``FAKE_SILENT_S=T``: no beat, exit 0 after T s;
-``FAKE_HANG_AFTER_END=1``: rank 0 reports the end, then never exits.
+``FAKE_HANG_AFTER_END=1``: rank 0 reports the end, then never exits. Under ``--in-job`` (``MULA_IN_JOB``) a rank
+that sees a later attempt announced rejoins it in the same process, from the checkpoint (as ``run_in_job`` does);
+``FAKE_STUCK_RANK=R``: rank R ends with the stuck exit code instead (a survivor that could not leave).
 """
 
 import json
@@ -21,9 +23,11 @@ from pathlib import Path
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
     FAULT_ENV,
+    IN_JOB_ENV,
     NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
     STRAGGLERS_ENV,
+    STUCK_EXIT_CODE,
     HeartbeatClient,
     NanRecord,
     host_name,
@@ -31,7 +35,25 @@ from mula_lightning.utils.launch_env import (
 )
 
 
+def _announced(after: int) -> int | None:
+    """Under ``--in-job``: the attempt the launcher announced after ``after`` (``MULA_IN_JOB``), else None."""
+    path = os.environ.get(IN_JOB_ENV)
+    try:
+        attempt = int(json.loads(Path(path).read_text())["attempt"]) if path else -1
+    except (OSError, ValueError, KeyError):
+        return None
+    return attempt if attempt > after else None
+
+
 def main() -> int:
+    while True:  # under --in-job a survivor runs the attempts the launcher announces, in this process
+        code = run_attempt()
+        if code is not None:
+            return code
+
+
+def run_attempt() -> int | None:
+    """One attempt; its exit code, or None to rejoin the attempt the launcher announced (``--in-job``)."""
     steps = int(os.environ.get("FAKE_STEPS", "8"))
     step_s = float(os.environ.get("FAKE_STEP_S", "0.1"))
     state = Path(os.environ["FAKE_STATE_DIR"])
@@ -51,6 +73,13 @@ def main() -> int:
     start = int(checkpoint.read_text()) if checkpoint.exists() else 0
     heartbeat.beat(start, "start")
     for step in range(start + 1, steps + 1):
+        rejoin = _announced(attempt)
+        if rejoin is not None:  # a peer failed: this survivor leaves the attempt and rejoins the next one
+            heartbeat.close()
+            if os.environ.get("FAKE_STUCK_RANK") == str(rank):  # blocked in the broken attempt: ends itself
+                return STUCK_EXIT_CODE
+            os.environ[ATTEMPT_ENV] = str(rejoin)
+            return None
         for fault in (f for f in faults if f.step == step):
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -3,7 +3,6 @@ that runs out of nodes keeps its last checkpoint and the requeued launch resumes
 user's --ckpt_path is kept until the run saved its own slot; the guide's drill is a valid launch. Nodes killed,
 stopped, producing NaN, a full disk and a slow rank in one run: tests/launch/test_drill.py."""
 
-import csv
 import json
 import os
 import shlex
@@ -15,6 +14,7 @@ import pytest
 import yaml
 
 from mula_lightning.testing.doc_blocks import doc_block
+from mula_lightning.testing.drill import attempt_losses
 from mula_lightning.testing.tiny_run import tiny_fit_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,19 +40,6 @@ def _launch(
     return proc.returncode, report, proc.stdout + proc.stderr
 
 
-def _losses(workdir: Path) -> list[dict[int, str]]:
-    """Per attempt (CSV version folder): optimizer step (1-based) -> train/loss as written (exact text)."""
-    out = []
-    versions = sorted((workdir / "runs" / "tiny").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    for version in versions:
-        if not (version / "metrics.csv").exists():  # an attempt that died before its first log flush
-            out.append({})
-            continue
-        with open(version / "metrics.csv") as fh:
-            out.append({int(r["step"]) + 1: r["train/loss"] for r in csv.DictReader(fh) if r.get("train/loss")})
-    return out
-
-
 def _doc_drill() -> tuple[str, list[str]]:
     """The drill of docs/launch.md: its MULA_FAULT and its `mula launch` options (before `--`)."""
     words = shlex.split(doc_block("launch-drill").text.replace("\\\n", " "))
@@ -67,7 +54,7 @@ def reference_run(tmp_path_factory, tiny_data):
     code, report, output = _launch(workdir, tiny_data, None)
     assert code == 0, output[-3000:]
     assert len(report["attempts"]) == 1 and report["outcome"] == "succeeded"
-    (losses,) = _losses(workdir)
+    (losses,) = attempt_losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return workdir, losses
 
@@ -113,9 +100,9 @@ def test_out_of_nodes_keeps_the_last_checkpoint_and_the_requeued_launch_resumes_
     assert code == 0, output[-3000:]
     (attempt,) = report["attempts"]
     assert attempt["resumed_from_step"] == 4 and attempt["command"][-5:-4] == ["last"]
-    for losses in _losses(tmp_path):  # the three attempts (the second resumed from the step-2 slot)
+    for losses in attempt_losses(tmp_path):  # the three attempts (the second resumed from the step-2 slot)
         assert losses == {s: reference[s] for s in losses}
-    assert sorted(_losses(tmp_path)[-1]) == list(range(5, STEPS + 1))
+    assert sorted(attempt_losses(tmp_path)[-1]) == list(range(5, STEPS + 1))
     assert leftover_processes(report["settings"]["launch_id"]) == []
 
 
@@ -136,6 +123,6 @@ def test_user_ckpt_path_is_kept_until_the_run_saved_its_own_slot(reference_run, 
     first, second = report["attempts"]
     assert first["resumed_from_step"] == 8 and second["resumed_from_step"] == 8
     assert str(source / "state.ckpt") in second["command"]
-    after = _losses(tmp_path / "new")[-1]
+    after = attempt_losses(tmp_path / "new")[-1]
     assert after == {9: reference[9], 10: reference[10]}
     assert slot_step(resolve_last(tmp_path / "new" / "checkpoints" / "dual")) == 10

@@ -65,6 +65,26 @@ def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, 
     assert any("taken out: node0" in t for t in texts) and any("time lost" in t for t in texts)
 
 
+@pytest.mark.parametrize("stuck", [2, 0], ids=["survivor", "rank 0"])
+def test_a_survivor_stuck_in_the_broken_attempt_gets_a_new_process_in_the_restart(launch, fake_env, monkeypatch, stuck):
+    """--in-job, 2 nodes x 2 ranks: rank 3 killed at step 3 is restarted in-job; survivor rank 2 then ends with the
+    stuck exit code (its main thread could not leave the broken attempt) before attempt 1 formed. It gets a new
+    process in attempt 1 as well (the event says why), the other survivors keep theirs and the run finishes in 2
+    attempts. Rank 0 stuck is a second fault instead (its process hosted the job's store): a full relaunch."""
+    monkeypatch.setenv("FAKE_STUCK_RANK", str(stuck))
+    code, report = launch("kill@step=3,rank=3", nnodes=2, buffer_nodes=1, nproc_per_node=2, in_job=True)
+    assert code == 0 and report["outcome"] == "succeeded"
+    first, second = report["attempts"][:2]
+    texts = " ".join(e["text"] for e in report["events"])
+    if stuck == 0:
+        assert [a["started_by"] for a in report["attempts"]] == ["launch", "in-job", "relaunch"]
+        assert "a second fault before the in-job restart of attempt 1 completed" in texts
+        return
+    assert len(report["attempts"]) == 2 and second["started_by"] == "in-job" and second["outcome"] == "succeeded"
+    assert second["replaced_ranks"] == [2, 3] and "rank 2 could not leave attempt 0 (exit 75" in texts
+    assert second["pids"][:2] == first["pids"][:2] and not set(second["pids"][2:]) & set(first["pids"])
+
+
 def test_nan_on_one_node_makes_it_a_suspect_and_twice_in_a_row_takes_it_out(launch, fake_env, tmp_path):
     """Exit code 86 with one host's record in MULA_NAN_EVENTS_FILE (what NaNDetector does): node0 is only a suspect
     (a bad sample or a transient may have caused it) and the relaunch keeps it; a NaN on node0 again in that relaunch

@@ -123,3 +123,75 @@ def test_cutting_connections_ends_a_peers_read_and_keeps_the_job_sockets_and_lis
     finally:
         for sock in (pair, peer, store, store_server, listener, store_listener):
             sock.close()
+
+
+def _two_attempts(rank: int, world_size: int, port: int, announcements: str) -> dict:
+    """Attempt 0: ranks 1 and 2 wait in an all-reduce for rank 0, queued behind asynchronous ones that wait too,
+    while rank 0 stays alive and out of them (a survivor blocked on another survivor) and announces attempt 1; rank
+    0 then starts a collective of its own after its watcher's cut. Attempt 1: an all-reduce of every rank."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from mula_lightning.utils.in_job_restart import RestartGroup, run_in_job
+
+    dist.destroy_process_group()  # the harness's group: run_in_job forms each attempt's own
+    os.environ.update(MASTER_PORT=str(port), MULA_IN_JOB=announcements, MULA_LAUNCH_ATTEMPT="0")
+    os.environ["MULA_IN_JOB_TIMEOUT"] = "60"  # a collective that waited for the group's timeout would take 60 s
+    failures: list[float] = []
+
+    def stage(args: list[str]) -> list:
+        attempt = int(os.environ["MULA_LAUNCH_ATTEMPT"])
+        if attempt == 0:
+            dist.barrier()
+            began = time.monotonic()
+            try:
+                if rank == 0:
+                    time.sleep(0.5)  # ranks 1 and 2 are inside the all-reduce by now
+                    record = {"attempt": 1, "replaced_ranks": [], "launch_id": "t"}
+                    with open(announcements + ".tmp", "w") as fh:
+                        json.dump(record, fh)
+                    os.replace(announcements + ".tmp", announcements)
+                    time.sleep(1.5)  # the watcher (0.5 s polls) cut this rank's connections: a later one fails
+                    try:
+                        dist.all_reduce(torch.ones(3))
+                    except RuntimeError:  # user code that re-raises without the cause: no peer failure in sight
+                        raise RuntimeError("the step failed") from None
+                else:  # reductions in flight in both of gloo's worker threads (a backward's), one queued behind
+                    for _ in range(4):
+                        dist.all_reduce(torch.ones(3), async_op=True)
+                dist.all_reduce(torch.ones(3))
+            except Exception:
+                failures.append(time.monotonic() - began)
+                raise
+            raise AssertionError(f"rank {rank}: the all-reduce of attempt 0 completed")
+        RestartGroup._abort_communicators()  # NCCL / XCCL only: a gloo group's abort would stop its worker threads
+        values = torch.full((3,), float(rank + 1))
+        dist.all_reduce(values)
+        return [attempt, values.tolist(), args]
+
+    out = run_in_job(stage, ["fit", "--ckpt_path", "mine.ckpt"], lambda: True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the harness to destroy
+    return {"result": out, "failed_after_s": failures}
+
+
+def test_survivors_blocked_on_each_other_are_cut_free_and_rejoin_the_next_attempt(tmp_path):
+    """Three real ranks under ``run_in_job``: two wait in an all-reduce for the third, which is alive and never
+    joins it (the case a peer's death does not end), queued behind asynchronous all-reduces in flight in gloo's
+    worker threads; once it announces the next attempt, every rank's watcher cuts the attempt's connections, the
+    waiting collectives fail within seconds (not the group's 60 s timeout: a gloo group's abort would have stopped
+    the workers with the queued one never run, a survivor stuck for good), the
+    third rank's own later collective fails too (re-raised by its code as an error that names no peer: any error
+    after the cut is survived), and all three form attempt 1 on the same store and all-reduce
+    correctly in it (no stale cut reaches the new attempt's connections, and aborting the communicators leaves a gloo
+    group working), resuming from ``last``."""
+    from mula_lightning.launch.backends import free_port
+    from mula_lightning.testing import run_distributed_test
+
+    results = run_distributed_test(
+        _two_attempts, 3, port=free_port(), announcements=str(tmp_path / "in_job.json"), timeout=90
+    )
+    for rank, res in enumerate(results):
+        assert res["result"] == [1, [6.0, 6.0, 6.0], ["fit", "--ckpt_path", "last"]], (rank, res)
+        assert len(res["failed_after_s"]) == 1 and res["failed_after_s"][0] < 15, (rank, res)

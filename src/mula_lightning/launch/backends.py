@@ -221,9 +221,12 @@ class LocalAttempt:
             self._reported.discard(rank)
 
     def kill(self, ranks: Sequence[int]) -> None:
-        """SIGKILL the processes (and their process groups) of ``ranks`` and reap them (stopped ones included)."""
+        """SIGKILL the processes (and their process groups) of ``ranks`` and reap them (stopped ones included).
+        A process already reaped is left alone: its pid (and process group id) may belong to another process by
+        now (a hang's victims are killed at detection and again with their node's ranks at the restart)."""
         for rank in ranks:
-            _signal_group(self.procs[rank][2].pid, signal.SIGKILL)
+            if self.procs[rank][2].poll() is None:
+                _signal_group(self.procs[rank][2].pid, signal.SIGKILL)
         for rank in ranks:
             self.procs[rank][2].wait()
         self._reported.update(ranks)  # the launcher's own kills are never reported as exits

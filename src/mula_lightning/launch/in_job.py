@@ -12,12 +12,15 @@ options and current attempt.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mula_lightning.launch.heartbeat_server import HeartbeatServer
-from mula_lightning.launch.node_pool import OutOfNodesError
-from mula_lightning.launch.report import AttemptRecord
+from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
+from mula_lightning.launch.report import AttemptRecord, LaunchReport
 from mula_lightning.utils.io import atomic_write_text
+from mula_lightning.utils.launch_env import STUCK_EXIT_CODE
 
 __all__ = ["InJobRestarts"]
 
@@ -25,17 +28,20 @@ __all__ = ["InJobRestarts"]
 class InJobRestarts:
     """The in-job restart of :class:`~mula_lightning.launch.launcher.Launcher` (see the module docstring)."""
 
+    # what the launcher provides (its options are ``LaunchOptions``, typed loosely: the launcher imports this module)
     options: Any
-    pool: Any
-    report: Any
+    pool: NodePool
+    report: LaunchReport
     world_size: int
-    saved: bool
     launch_id: str
-    report_dir: Any
-    in_job_file: Any
-    _current: Any
+    report_dir: Path
+    in_job_file: Path
+    _current: AttemptRecord
     _restarting: bool
-    _attempt_command: Any
+    _attempt_command: Callable[[int], list[str]]
+    _env: Callable[[HeartbeatServer, int], dict[str, str]]
+    _local_command: Callable[[list[str]], list[str]]
+    _announce_failure: Callable[..., None]
 
     def _announce_attempt(self, attempt: int, replaced: list[int]) -> None:
         """Tell the ranks that left a broken attempt which attempt to rejoin (``--in-job``; written atomically, after
@@ -109,3 +115,28 @@ class InJobRestarts:
             replaced_ranks=ranks,
         )
         return after
+
+    def _replace_stuck(self, handle: Any, record: AttemptRecord, bad: list[Any], server: HeartbeatServer) -> bool:
+        """Ranks that ended with :data:`~mula_lightning.utils.launch_env.STUCK_EXIT_CODE` while an in-job restart
+        forms its attempt (survivors whose main thread stayed blocked in the broken attempt after their connections
+        were cut) get new processes in that same attempt: its group cannot form without them, so no rank trained in
+        it yet and nothing is redone twice. False (the failure is handled as any other) for any other exit, outside
+        a restart, or for rank 0 (its process hosted the job's store)."""
+        stuck = sorted({r for e in bad for r in e.ranks})
+        if not (self._restarting and bad and all(e.code == STUCK_EXIT_CODE for e in bad)) or 0 in stuck:
+            return False
+        log_dir = self.report_dir / "logs" / f"attempt{record.attempt}"
+        handle.kill(stuck)  # reaped already: only their stray children, if any
+        handle.replace(stuck, record.nodes, self._local_command(record.command), self._env(server, record.attempt),
+                       log_dir)  # fmt: skip
+        record.replaced_ranks = sorted({*record.replaced_ranks, *stuck})
+        record.pids = list(handle.pids)
+        plural = "s" if len(stuck) > 1 else ""
+        self.report.event(
+            f"attempt {record.attempt} (in-job): rank{plural} {','.join(map(str, stuck))} could not leave attempt "
+            f"{record.attempt - 1} (exit {STUCK_EXIT_CODE}: blocked after the cut) and get{'' if plural else 's'} a "
+            "new process in this attempt",
+            attempt=record.attempt,
+            replaced_ranks=stuck,
+        )
+        return True

@@ -83,6 +83,7 @@ from mula_lightning.utils.launch_env import (
     NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
     STRAGGLERS_ENV,
+    resume_from_last,
 )
 
 __all__ = [
@@ -176,19 +177,7 @@ def command_for_attempt(
     if _fit_index(out) is None:
         return out
     if not (keep_user_ckpt and _user_ckpt_path(out)):
-        kept: list[str] = []
-        skip = False
-        for arg in out:
-            if skip:
-                skip = False
-                continue
-            if arg == "--ckpt_path":
-                skip = True
-                continue
-            if arg.startswith("--ckpt_path="):
-                continue
-            kept.append(arg)
-        out = [*kept, "--ckpt_path", "last"]
+        out = resume_from_last(out)
     return [*out, "--trainer.num_nodes", str(nnodes), "--trainer.devices", str(nproc_per_node)]
 
 
@@ -403,6 +392,8 @@ class Launcher(InJobRestarts):
                 if ended.code == 0:
                     exited_ok.update(ended.ranks)
             bad = [e for e in exits if e.code != 0]
+            if bad and self._replace_stuck(handle, record, bad, server):
+                bad = []
             hang = None if bad or handle.finished() else self._hang(seen, records, exited_ok, start, now)
             if bad or hang is not None:
                 if bad:

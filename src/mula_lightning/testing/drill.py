@@ -45,7 +45,16 @@ import yaml
 
 from mula_lightning.testing.tiny_run import tiny_fit_config
 
-__all__ = ["DRILL_KINDS", "DrillFault", "check_drill", "drill_table", "plan_drill", "restart_ratio", "run_drill"]
+__all__ = [
+    "DRILL_KINDS",
+    "DrillFault",
+    "attempt_losses",
+    "check_drill",
+    "drill_table",
+    "plan_drill",
+    "restart_ratio",
+    "run_drill",
+]
 
 DRILL_KINDS = ("kill_rank", "kill_node", "abort", "hang", "nan", "exception", "diskfull", "slow")
 NODES, RANKS_PER_NODE = 2, 2
@@ -128,8 +137,10 @@ def _launch(
     return proc.returncode, report, proc.stdout + proc.stderr
 
 
-def _losses(workdir: Path) -> list[dict[int, str]]:
-    """Per attempt: optimizer step (1-based) -> train/loss as written."""
+def attempt_losses(workdir: Path) -> list[dict[int, str]]:
+    """Per attempt of a ``mula fit`` run in ``workdir`` (its CSV logger's version folders, ``runs/tiny``): optimizer
+    step (1-based) -> train/loss as written (the exact text; empty for an attempt that died before its first log
+    flush)."""
     out = []
     versions = sorted((workdir / "runs" / "tiny").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     for version in versions:
@@ -154,11 +165,11 @@ def run_drill(workdir: Path, data_dir: Path, faults: int, seed: int, kinds: tupl
     code, _, output = _launch(workdir / "straight", data_dir, max_steps, [])
     if code != 0:
         raise AssertionError(f"the straight run failed (exit {code}):\n{output[-3000:]}")
-    (reference,) = _losses(workdir / "straight")
+    (reference,) = attempt_losses(workdir / "straight")
     straight_s = time.time() - began
     began = time.time()
     code, report, output = _launch(workdir / "drill", data_dir, max_steps, plan, in_job)
-    result = check_drill(plan, max_steps, code, report, reference, _losses(workdir / "drill"),
+    result = check_drill(plan, max_steps, code, report, reference, attempt_losses(workdir / "drill"),
                          workdir / "drill" / "launch" / "stragglers.jsonl", output, in_job)  # fmt: skip
     result.update(in_job=in_job, seed=seed, straight_s=round(straight_s, 1), drill_s=round(time.time() - began, 1))
     (workdir / "drill_result.json").write_text(json.dumps(result, indent=1))

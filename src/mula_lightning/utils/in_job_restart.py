@@ -26,6 +26,12 @@ How, under ``MULA_IN_JOB`` (:data:`~mula_lightning.utils.launch_env.IN_JOB_ENV`:
   end (their collectives fail with the group: no write of theirs runs on once the next attempt loads a slot), destroy
   every group. NCCL: set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (the watchdog aborts a communicator whose collective
   cannot complete and raises, without ending the process) and a ``timeout`` a little above the hang timeout;
+* **a survivor blocked on another survivor** (both alive, neither reading from the failed rank): a watcher thread
+  reads the announcement file while an attempt runs; once a later attempt is announced it cuts the connections
+  (again every :data:`RECUT_S`) and gives the groups' later operations a short timeout, and any error the stage
+  raises after that counts as leaving. A main thread still inside the attempt :data:`STUCK_S` later ends the
+  process with :data:`~mula_lightning.utils.launch_env.STUCK_EXIT_CODE`, and the launcher starts a new process
+  for the rank in the announced attempt;
 * **rejoining**: wait for the launcher to announce the next attempt in its file (:func:`announced_attempt`; written
   once the failed ranks' processes are gone, so none of them can join it), take its number (``MULA_LAUNCH_ATTEMPT``:
   faults, heartbeats and the group's prefix follow it) and run the stage again from the same configuration with
@@ -52,7 +58,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mula_lightning.utils.launch_env import ATTEMPT_ENV, HEARTBEAT_ENV, IN_JOB_ENV, IN_JOB_TIMEOUT_ENV
+from mula_lightning.utils.launch_env import (
+    ATTEMPT_ENV,
+    HEARTBEAT_ENV,
+    IN_JOB_ENV,
+    IN_JOB_TIMEOUT_ENV,
+    STUCK_EXIT_CODE,
+    resume_from_last,
+)
 
 __all__ = [
     "PEER_FAILURE_WORDS",
@@ -80,9 +93,11 @@ PEER_FAILURE_WORDS = (
 #: seconds between two reads of the launcher's announcement file while an attempt runs
 WATCH_POLL_S = 0.5
 #: seconds the main thread has to leave an attempt once the watcher cut its connections
-STUCK_S = 30.0
-#: exit code of a rank whose main thread stayed stuck in a broken attempt
-STUCK_EXIT_CODE = 75
+STUCK_S = 20.0
+#: seconds between two cuts of a broken attempt's connections while its main thread has not left it
+RECUT_S = 0.2
+#: the timeout of every operation a broken attempt's groups start after the cut (they fail instead of waiting)
+CUT_OP_TIMEOUT_S = 5.0
 #: seconds a rejoin waits by default (``MULA_IN_JOB_TIMEOUT``)
 DEFAULT_TIMEOUT_S = 1800.0
 #: the state of a listening socket in /proc/net/tcp
@@ -149,19 +164,7 @@ def resume_args(args: Sequence[str], saved: bool) -> list[str]:
     """``args`` of a stage run again in-job: ``--ckpt_path last`` when a slot was ``saved`` in this process (or the
     args already resume from ``last``), replacing the user's ``--ckpt_path``; unchanged otherwise (the user's start
     point is still the newest)."""
-    out = list(args)
-    if not saved:
-        return out
-    kept: list[str] = []
-    skip = False
-    for arg in out:
-        if skip:
-            skip = False
-        elif arg == "--ckpt_path":
-            skip = True
-        elif not arg.startswith("--ckpt_path="):
-            kept.append(arg)
-    return [*kept, "--ckpt_path", "last"]
+    return resume_from_last(list(args)) if saved else list(args)
 
 
 class RestartGroup:
@@ -179,6 +182,8 @@ class RestartGroup:
             raise ValueError(f"{IN_JOB_ENV} is set but {', '.join(missing)} is not: start the ranks with mula launch")
         self.kept_sockets = set(tcp_sockets())  # the connections made before any group: never cut
         self._watching: int | None = None  # the attempt :meth:`watch` watches
+        self._watch_lock = threading.Lock()  # no cut once :meth:`unwatch` returned (the next attempt's are safe)
+        self.cut_attempt: int | None = None  # the last attempt the watcher cut (it was announced over)
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -222,40 +227,80 @@ class RestartGroup:
             while self._watching == attempt:
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                     if int(json.loads(announcements.read_text())["attempt"]) > attempt:
-                        if self._watching == attempt:
-                            cut_connections(self.kept_sockets | set(job_sockets()))
-                            self._abort_communicators()
-                            self._end_if_stuck(attempt)
+                        self._cut_until_left(attempt)
                         return
                 time.sleep(poll_s)
 
         threading.Thread(target=run, name="mula-in-job-watch", daemon=True).start()
 
     def unwatch(self) -> None:
-        self._watching = None
+        """The main thread left the watched attempt: from now on the watcher cuts nothing."""
+        with self._watch_lock:
+            self._watching = None
 
-    def _end_if_stuck(self, attempt: int, grace_s: float = STUCK_S) -> None:
-        """After the cut, the main thread must leave the attempt within ``grace_s``; one that does not is blocked
-        where no cut reaches (a store wait, a lock): its stacks go to the log and the process ends, so that the
-        launcher sees a failure during the restart and relaunches, instead of every rank waiting for it until the
-        rejoin timeout."""
+    def was_cut(self, attempt: int) -> bool:
+        """Whether the watcher cut ``attempt`` (the launcher announced a later one): whatever that attempt's stage
+        raised since, this rank is a survivor and rejoins."""
+        return self.cut_attempt == attempt
+
+    def _cut_until_left(self, attempt: int, grace_s: float = STUCK_S) -> None:
+        """Cut the attempt's connections (abort NCCL / XCCL, give the groups' later operations a short timeout)
+        and cut again every :data:`RECUT_S` (a connection made since: gloo connects some pairs lazily) until the
+        main thread leaves the attempt. A main thread still inside it after ``grace_s`` is blocked where no cut
+        reaches (a store wait, a lock, a gloo operation that never sees the cut): its stacks go to the log and the
+        process ends with :data:`~mula_lightning.utils.launch_env.STUCK_EXIT_CODE`; the launcher starts a new
+        process for this rank in the announced attempt (whose group cannot form without it, so nobody trained in
+        it), instead of every rank waiting for it until the rejoin timeout."""
         deadline = time.monotonic() + grace_s
-        while self._watching == attempt and time.monotonic() < deadline:
-            time.sleep(0.1)
+        first = True
+        while time.monotonic() < deadline:
+            with self._watch_lock:
+                if self._watching != attempt:
+                    return
+                cut_connections(self.kept_sockets | set(job_sockets()))
+                if first:
+                    self.cut_attempt, first = attempt, False
+                    self._shorten_timeouts()
+                    self._abort_communicators()
+            time.sleep(RECUT_S)
         if self._watching == attempt:
             _say(f"rank {self.rank}: still inside attempt {attempt} {grace_s:g} s after its connections were cut; "
-                 "its threads' stacks follow, and this process ends (the launcher relaunches)")  # fmt: skip
+                 "its threads' stacks follow, and this process ends (the launcher replaces it)")  # fmt: skip
             faulthandler.dump_traceback(all_threads=True)
             sys.stderr.flush()
             os._exit(STUCK_EXIT_CODE)
 
     @staticmethod
-    def _abort_communicators() -> None:
+    def _shorten_timeouts(seconds: float = CUT_OP_TIMEOUT_S) -> None:
+        """Every group's later operations time out after ``seconds`` (the attempt is over: one entered now must
+        fail, not wait the group's timeout for a peer that left)."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):  # NCCL / XCCL: abort the communicators (gloo has nothing to abort)
-                dist.distributed_c10d._abort_process_group()
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        timeout = datetime.timedelta(seconds=seconds)
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
+        for group in list(dist.distributed_c10d._world.pg_map):
+            with contextlib.suppress(Exception):  # a backend that cannot change its timeout keeps it
+                set_timeout(timeout, group)
+
+    @staticmethod
+    def _abort_communicators() -> None:
+        """Abort the NCCL / XCCL communicators of every group: their collectives then fail instead of waiting.
+        Never gloo's (so not ``_abort_process_group``): a gloo group's abort blocks until its worker threads end
+        and stops them, so a collective queued behind the ones in flight (the main thread's, behind a backward's
+        asynchronous reductions) never runs and its caller waits forever; the cut ends gloo's collectives."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        for group in list(dist.distributed_c10d._world.pg_map):
+            for device in ("cuda", "xpu"):
+                with contextlib.suppress(Exception):  # no backend for that device in this group
+                    backend = group._get_backend(torch.device(device))
+                    if "gloo" not in type(backend).__name__.lower():
+                        backend.abort()
 
     def close(self) -> None:
         """Destroy the process groups and drop the store (rank 0: its server ends), before the interpreter does:
@@ -361,7 +406,9 @@ def run_in_job(stage: Callable[[list[str]], int], args: Sequence[str], saved: Ca
             try:
                 return stage(current)
             except BaseException as err:
-                if not is_peer_failure(err):
+                # a peer's failure, or any error once the launcher announced the attempt over (a collective that
+                # timed out or failed in another way after the cut): this rank survives it
+                if not (is_peer_failure(err) or (isinstance(err, Exception) and group.was_cut(attempt))):
                     raise
                 failure = _first_line(err)
             finally:

@@ -40,6 +40,7 @@ __all__ = [
     "IN_JOB_TIMEOUT_ENV",
     "LAUNCH_ID_ENV",
     "NAN_EXIT_CODE",
+    "STUCK_EXIT_CODE",
     "NODE_NAME_ENV",
     "STRAGGLERS_ENV",
     "Fault",
@@ -51,6 +52,7 @@ __all__ = [
     "parse_faults",
     "parse_heartbeat_line",
     "parse_nan_line",
+    "resume_from_last",
 ]
 
 #: ``host:port`` of the launcher's heartbeat server
@@ -76,6 +78,9 @@ FAULT_ENV = "MULA_FAULT"
 #: exit code of every rank after NaNDetector found a non-finite loss or gradient (distinct from 1, signals and
 #: SLURM's codes): a soft node failure
 NAN_EXIT_CODE = 86
+#: exit code of a rank that could not leave a broken attempt in an in-job restart (its main thread stayed blocked
+#: after its connections were cut): the launcher starts a new process for it in the attempt it was to rejoin
+STUCK_EXIT_CODE = 75
 #: set by ``mula launch --in-job``: the file where the launcher announces each in-job restart (JSON: ``attempt``,
 #: ``replaced_ranks``); ``mula fit`` then forms its process group itself (rank 0 hosts the store) and, when a peer
 #: fails, stays alive and rejoins the attempt announced there (:mod:`mula_lightning.utils.in_job_restart`)
@@ -93,6 +98,22 @@ def host_name() -> str:
     of the node (``SLURMD_NODENAME``, the name the launcher's node pool and ``--nodelist`` use, which often differs
     from ``gethostname()``: ``nid001234`` vs ``nid001234.hsn.cluster``), else the hostname."""
     return os.environ.get(NODE_NAME_ENV) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def resume_from_last(args: list[str]) -> list[str]:
+    """``args`` of ``mula fit`` with any ``--ckpt_path`` (both spellings) replaced by ``--ckpt_path last``: what a
+    relaunch and an in-job restart run once this launch saved a slot (the newest valid slot, not the user's start
+    point)."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return [*kept, "--ckpt_path", "last"]
 
 
 def heartbeat_key(attempt: int, rank: int) -> str:
