@@ -246,6 +246,7 @@ def test_hang_timeout_zero_turns_detection_off(launch, monkeypatch):
         (["--nnodes", "2"], "no command to launch"),
         (["--nnodes", "2", "--nodes", "a", "--", "true"], "only 1 are available (a)"),
         (["--nnodes", "1", "--hang-timeout", "-1", "--", "true"], "--hang-timeout (-1.0) must be >= 0 (0 = off)"),
+        (["--nnodes", "1", "--collective-timeout", "-5", "--", "true"], "--collective-timeout (-5.0) must be >= 0"),
         (["--nnodes", "1", "--backend", "slurm", "--", "true"], "SLURM_JOB_NODELIST is not set"),
     ],
 )

@@ -14,6 +14,7 @@ from mula_lightning.utils.in_job_restart import (
     announced_attempt,
     cut_connections,
     in_job_file,
+    in_job_op_timeout,
     in_job_timeout,
     is_peer_failure,
     job_sockets,
@@ -79,11 +80,18 @@ def test_the_rank_waits_for_the_launchers_announcement_and_times_out_naming_the_
 
 
 def test_in_job_settings_come_from_the_launchers_variables(monkeypatch, tmp_path):
-    """Without MULA_IN_JOB a run is not restarted in-job; the rejoin timeout defaults to 1800 s and a bad value is
-    refused naming the variable."""
+    """Without MULA_IN_JOB a run is not restarted in-job; the rejoin timeout defaults to 1800 s, the collective
+    timeout to none of its own, and a bad value of either is refused naming the variable."""
     monkeypatch.delenv("MULA_IN_JOB", raising=False)
     monkeypatch.delenv("MULA_IN_JOB_TIMEOUT", raising=False)
-    assert in_job_file() is None and in_job_timeout() == 1800.0
+    monkeypatch.delenv("MULA_IN_JOB_OP_TIMEOUT", raising=False)
+    assert in_job_file() is None and in_job_timeout() == 1800.0 and in_job_op_timeout() is None
+    monkeypatch.setenv("MULA_IN_JOB_OP_TIMEOUT", "40")
+    assert in_job_op_timeout() == 40.0
+    for bad in ("later", "0"):
+        monkeypatch.setenv("MULA_IN_JOB_OP_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"MULA_IN_JOB_OP_TIMEOUT='{bad}'"):
+            in_job_op_timeout()
     monkeypatch.setenv("MULA_IN_JOB", str(tmp_path / "in_job.json"))
     monkeypatch.setenv("MULA_IN_JOB_TIMEOUT", "12.5")
     assert in_job_file() == tmp_path / "in_job.json" and in_job_timeout() == 12.5
@@ -139,6 +147,7 @@ def _two_attempts(rank: int, world_size: int, port: int, announcements: str) -> 
     dist.destroy_process_group()  # the harness's group: run_in_job forms each attempt's own
     os.environ.update(MASTER_PORT=str(port), MULA_IN_JOB=announcements, MULA_LAUNCH_ATTEMPT="0")
     os.environ["MULA_IN_JOB_TIMEOUT"] = "60"  # a collective that waited for the group's timeout would take 60 s
+    os.environ["MULA_IN_JOB_OP_TIMEOUT"] = "45"  # the attempts' collectives' own (set on groups made in them too)
     failures: list[float] = []
 
     def stage(args: list[str]) -> list:
@@ -169,7 +178,11 @@ def _two_attempts(rank: int, world_size: int, port: int, announcements: str) -> 
         RestartGroup._abort_communicators()  # NCCL / XCCL only: a gloo group's abort would stop its worker threads
         values = torch.full((3,), float(rank + 1))
         dist.all_reduce(values)
-        return [attempt, values.tolist(), args]
+        later = dist.new_group()
+        time.sleep(0.8)  # the watcher's next poll (every 0.5 s)
+        groups = (dist.group.WORLD, later)
+        timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+        return [attempt, values.tolist(), args, timeouts]
 
     out = run_in_job(stage, ["fit", "--ckpt_path", "mine.ckpt"], lambda: True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the harness to destroy
@@ -185,7 +198,8 @@ def test_survivors_blocked_on_each_other_are_cut_free_and_rejoin_the_next_attemp
     third rank's own later collective fails too (re-raised by its code as an error that names no peer: any error
     after the cut is survived), and all three form attempt 1 on the same store and all-reduce
     correctly in it (no stale cut reaches the new attempt's connections, and aborting the communicators leaves a gloo
-    group working), resuming from ``last``."""
+    group working), resuming from ``last``; the collective timeout of MULA_IN_JOB_OP_TIMEOUT is on the attempt's
+    group and on a group made during the attempt."""
     from mula_lightning.launch.backends import free_port
     from mula_lightning.testing import run_distributed_test
 
@@ -193,5 +207,5 @@ def test_survivors_blocked_on_each_other_are_cut_free_and_rejoin_the_next_attemp
         _two_attempts, 3, port=free_port(), announcements=str(tmp_path / "in_job.json"), timeout=90
     )
     for rank, res in enumerate(results):
-        assert res["result"] == [1, [6.0, 6.0, 6.0], ["fit", "--ckpt_path", "last"]], (rank, res)
+        assert res["result"] == [1, [6.0, 6.0, 6.0], ["fit", "--ckpt_path", "last"], [45.0, 45.0]], (rank, res)
         assert len(res["failed_after_s"]) == 1 and res["failed_after_s"][0] < 15, (rank, res)

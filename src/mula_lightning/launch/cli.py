@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         "startup timeout)",
     )
     parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=0.0,
+        help="with --in-job: seconds after which a collective of a rank fails (default 0: the startup timeout); "
+        "a little above --hang-timeout bounds how long a survivor can stay blocked in a broken attempt",
+    )
+    parser.add_argument(
         "--spares",
         type=int,
         default=None,
@@ -115,6 +122,7 @@ def main(argv: Sequence[str]) -> int:
         in_job=args.in_job,
         spares=args.spares,
         rejoin_timeout_s=args.rejoin_timeout,
+        collective_timeout_s=args.collective_timeout,
     )
     return Launcher(options).run()
 

@@ -78,6 +78,7 @@ from mula_lightning.utils.launch_env import (
     FAILED_HOSTS_ENV,
     HEARTBEAT_ENV,
     IN_JOB_ENV,
+    IN_JOB_OP_TIMEOUT_ENV,
     IN_JOB_TIMEOUT_ENV,
     LAUNCH_ID_ENV,
     NAN_EVENTS_ENV,
@@ -132,6 +133,7 @@ class LaunchOptions:
     in_job: bool = False
     spares: int | None = None  # warm spares under --in-job; None: one node's worth (nproc_per_node)
     rejoin_timeout_s: float = 300.0  # an in-job restart not reloaded on every rank by then falls back to a relaunch
+    collective_timeout_s: float = 0.0  # in-job: the attempts' collectives time out after this (0: --startup-timeout)
 
     def check(self) -> None:
         """Refuse values that cannot work, naming them."""
@@ -143,7 +145,7 @@ class LaunchOptions:
         for name in ("buffer_nodes", "max_restarts", "straggler_reports", "spares"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 0")
-        for name in ("hang_timeout_s", "startup_timeout_s", "rejoin_timeout_s"):
+        for name in ("hang_timeout_s", "startup_timeout_s", "rejoin_timeout_s", "collective_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} ({getattr(self, name)}) must be >= 0 (0 = off)")
         if self.grace_s <= 0:
@@ -329,6 +331,8 @@ class Launcher(InJobRestarts):
         if self.options.in_job and self.options.backend == "local":  # a rejoin may wait as long as a start
             env[IN_JOB_ENV] = str(self.in_job_file.resolve())
             env[IN_JOB_TIMEOUT_ENV] = f"{self.options.startup_timeout_s or 1800:g}"
+            if self.options.collective_timeout_s:
+                env[IN_JOB_OP_TIMEOUT_ENV] = f"{self.options.collective_timeout_s:g}"
         return env
 
     def _start(self, command: list[str], nodes: list[str], env: dict[str, str], attempt: int) -> Any:

@@ -61,7 +61,8 @@ NODES, RANKS_PER_NODE = 2, 2
 EVERY = 2  # DualCheckpoint's interval
 REPORT_EVERY, REPORT_WINDOW = 4, 3  # StragglerDetection's
 HANG_TIMEOUT_S = 6.0
-REJOIN_TIMEOUT_S = 60.0  # an in-job restart that stalls falls back to a relaunch (and fails the drill's check)
+REJOIN_TIMEOUT_S = 90.0  # an in-job restart that stalls falls back to a relaunch (and fails the drill's check)
+COLLECTIVE_TIMEOUT_S = 30.0  # in-job: a survivor blocked after the cut (rank 0 included) is free within this
 SLOW_MS = 400
 
 
@@ -128,7 +129,8 @@ def _launch(
     relaunches = sum(f.kind != "slow" for f in faults)
     argv = [sys.executable, "-m", "mula_lightning.cli", "launch", "--nnodes", str(NODES), "--nproc-per-node",
             str(RANKS_PER_NODE), "--buffer-nodes", str(relaunches + 1), "--max-restarts", str(relaunches),
-            "--hang-timeout", str(HANG_TIMEOUT_S), "--rejoin-timeout", str(REJOIN_TIMEOUT_S), "--grace", "2",
+            "--hang-timeout", str(HANG_TIMEOUT_S), "--rejoin-timeout", str(REJOIN_TIMEOUT_S),
+            "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--grace", "2",
             "--report-dir", "launch",
             *(["--in-job"] if in_job else []), "--",
             "mula", "fit", "--config", "tiny.yaml"]  # fmt: skip

@@ -62,6 +62,7 @@ from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
     HEARTBEAT_ENV,
     IN_JOB_ENV,
+    IN_JOB_OP_TIMEOUT_ENV,
     IN_JOB_TIMEOUT_ENV,
     STUCK_EXIT_CODE,
     resume_from_last,
@@ -72,6 +73,7 @@ __all__ = [
     "RestartGroup",
     "announced_attempt",
     "in_job_file",
+    "in_job_op_timeout",
     "cut_connections",
     "in_job_timeout",
     "is_peer_failure",
@@ -114,13 +116,27 @@ def in_job_file() -> Path | None:
 
 def in_job_timeout() -> float:
     """``MULA_IN_JOB_TIMEOUT``: seconds a rank that left a broken attempt waits for the next one (default 1800)."""
-    value = os.environ.get(IN_JOB_TIMEOUT_ENV, "").strip() or str(DEFAULT_TIMEOUT_S)
+    return _env_seconds(IN_JOB_TIMEOUT_ENV, "a rejoin may wait (e.g. 1800)") or DEFAULT_TIMEOUT_S
+
+
+def in_job_op_timeout() -> float | None:
+    """``MULA_IN_JOB_OP_TIMEOUT``: seconds after which an attempt's collective fails; None when unset (the groups
+    keep the rejoin wait, :func:`in_job_timeout`, as their timeout)."""
+    return _env_seconds(IN_JOB_OP_TIMEOUT_ENV, "a collective may wait (e.g. 60)")
+
+
+def _env_seconds(name: str, what: str) -> float | None:
+    """The positive seconds in the variable ``name``, None when unset; a ValueError naming it and ``what`` the
+    seconds are for otherwise."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
     if seconds <= 0:
-        raise ValueError(f"{IN_JOB_TIMEOUT_ENV}={value!r}: expected the seconds a rejoin may wait (e.g. 1800)")
+        raise ValueError(f"{name}={value!r}: expected the seconds {what}")
     return seconds
 
 
@@ -184,6 +200,8 @@ class RestartGroup:
         self._watching: int | None = None  # the attempt :meth:`watch` watches
         self._watch_lock = threading.Lock()  # no cut once :meth:`unwatch` returned (the next attempt's are safe)
         self.cut_attempt: int | None = None  # the last attempt the watcher cut (it was announced over)
+        self.op_timeout = in_job_op_timeout()
+        self._timed: set[int] = set()  # the groups given ``op_timeout`` (by id) in the watched attempt
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -215,6 +233,8 @@ class RestartGroup:
         dist.init_process_group(
             self.backend(), store=store, rank=self.rank, world_size=self.world_size, timeout=self.timeout
         )
+        if self.op_timeout is not None:  # formed with the rejoin's wait; its collectives get theirs
+            _set_timeouts([dist.group.WORLD], self.op_timeout)
 
     def watch(self, announcements: Path, attempt: int, poll_s: float = WATCH_POLL_S) -> None:
         """Until :meth:`unwatch`, cut this process's attempt connections (and abort NCCL / XCCL communicators) as
@@ -222,9 +242,12 @@ class RestartGroup:
         survivor (both alive, neither reading from the failed rank) would otherwise wait until the group's timeout;
         the cut makes its collective fail, and it leaves and rejoins like the others."""
         self._watching = attempt
+        self._timed = set()
 
         def run() -> None:
             while self._watching == attempt:
+                if self.op_timeout is not None:
+                    self._time_new_groups(attempt)
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                     if int(json.loads(announcements.read_text())["attempt"]) > attempt:
                         self._cut_until_left(attempt)
@@ -232,6 +255,20 @@ class RestartGroup:
                 time.sleep(poll_s)
 
         threading.Thread(target=run, name="mula-in-job-watch", daemon=True).start()
+
+    def _time_new_groups(self, attempt: int) -> None:
+        """Give every group of the attempt made since the last poll (the strategy's, the checkpoint's) the
+        collective timeout ``op_timeout``: it bounds how long a collective can stay blocked after the attempt is
+        cut (gloo wakes a send queued behind a full socket buffer only at its timeout)."""
+        import torch.distributed as dist
+
+        with self._watch_lock:
+            if self._watching != attempt or not (dist.is_available() and dist.is_initialized()):
+                return
+            fresh = [g for g in list(dist.distributed_c10d._world.pg_map) if id(g) not in self._timed]
+            if fresh:
+                _set_timeouts(fresh, float(self.op_timeout or 0))
+                self._timed.update(id(g) for g in fresh)
 
     def unwatch(self) -> None:
         """The main thread left the watched attempt: from now on the watcher cuts nothing."""
@@ -263,11 +300,16 @@ class RestartGroup:
                     self._shorten_timeouts()
                     self._abort_communicators()
             time.sleep(RECUT_S)
-        if self._watching == attempt:
-            _say(f"rank {self.rank}: still inside attempt {attempt} {grace_s:g} s after its connections were cut; "
-                 "its threads' stacks follow, and this process ends (the launcher replaces it)")  # fmt: skip
-            faulthandler.dump_traceback(all_threads=True)
-            sys.stderr.flush()
+        if self._watching != attempt:
+            return
+        ends = "this process ends (the launcher replaces it)"
+        if self.rank == 0:  # its process hosts the job's store: it waits (the collective timeout, the rejoin's)
+            ends = "it keeps waiting: its process hosts the job's store"
+        _say(f"rank {self.rank}: still inside attempt {attempt} {grace_s:g} s after its connections were cut; its "
+             f"threads' stacks follow, and {ends}")  # fmt: skip
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        if self.rank != 0:
             os._exit(STUCK_EXIT_CODE)
 
     @staticmethod
@@ -278,11 +320,7 @@ class RestartGroup:
 
         if not (dist.is_available() and dist.is_initialized()):
             return
-        timeout = datetime.timedelta(seconds=seconds)
-        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
-        for group in list(dist.distributed_c10d._world.pg_map):
-            with contextlib.suppress(Exception):  # a backend that cannot change its timeout keeps it
-                set_timeout(timeout, group)
+        _set_timeouts(list(dist.distributed_c10d._world.pg_map), seconds)
 
     @staticmethod
     def _abort_communicators() -> None:
@@ -336,6 +374,17 @@ class RestartGroup:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
+
+
+def _set_timeouts(groups: list, seconds: float) -> None:
+    """The timeout of every later collective of ``groups`` (a backend that cannot change its timeout keeps it)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=seconds)
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
+    for group in groups:
+        with contextlib.suppress(Exception):
+            set_timeout(timeout, group)
 
 
 def tcp_sockets() -> dict[int, tuple[int, int]]:

@@ -37,6 +37,7 @@ __all__ = [
     "HEARTBEAT_MAGIC",
     "HEARTBEAT_MAX_LINE",
     "IN_JOB_ENV",
+    "IN_JOB_OP_TIMEOUT_ENV",
     "IN_JOB_TIMEOUT_ENV",
     "LAUNCH_ID_ENV",
     "NAN_EXIT_CODE",
@@ -87,6 +88,9 @@ STUCK_EXIT_CODE = 75
 IN_JOB_ENV = "MULA_IN_JOB"
 #: seconds a rank that left a broken attempt waits for the next one's announcement and for its peers
 IN_JOB_TIMEOUT_ENV = "MULA_IN_JOB_TIMEOUT"
+#: seconds after which a collective of an in-job attempt fails (``mula launch --collective-timeout``; unset: the
+#: rejoin wait, ``MULA_IN_JOB_TIMEOUT``)
+IN_JOB_OP_TIMEOUT_ENV = "MULA_IN_JOB_OP_TIMEOUT"
 #: the node's name for simulated nodes (the local backend, the tests); the host name otherwise
 NODE_NAME_ENV = "MULA_NODE_NAME"
 
