@@ -125,12 +125,8 @@ class LocalAttempt:
 
     def fill_spares(self) -> int:
         """Start warm spares until :attr:`spare_target` are running (dead ones are reaped); how many were started."""
-        alive = []
-        for proc in self.spares:
-            if proc.poll() is None:
-                alive.append(proc)
-        self.spares = alive
-        started = max(0, self.spare_target - len(alive))
+        self.spares = [proc for proc in self.spares if proc.poll() is None]
+        started = max(0, self.spare_target - len(self.spares))
         for _ in range(started):
             self.spares.append(self._start_spare())
         return started
