@@ -20,10 +20,21 @@ Launch::
         --data_dir data/pretrain --devices 12 --num_nodes 256 --ep_size 12 --precision bf16-true \\
         --micro_batch_size 1 --global_batch_size 3072
 
-Outputs go to ``--out_dir`` (default ``runs/fabric``): ``metrics.csv`` (``mula report`` plots it),
+    # mula launch: nodes that fail are replaced; with --in-job only the failed rank's process is started again, the
+    # others stay and rejoin (every rank resumes from the newest complete slot of out_dir/dual)
+    mula launch --in-job --nnodes 2 --nproc-per-node 2 --buffer-nodes 1 --report-dir runs/launch -- \\
+        python examples/fabric_pretrain.py --data_dir data/stdlib --devices 2 --num_nodes 2 --save_every 20
+
+Outputs go to ``--out_dir`` (default ``runs/fabric``): ``version_N/metrics.csv`` (one per start of the script;
+``mula report`` joins and plots them),
 ``stragglers.jsonl`` (every ``straggler_every`` steps, the ranks that made the others wait; ``MULA_STRAGGLERS_FILE``
-under ``mula launch``) and ``checkpoint/`` (a sharded ``torch.distributed.checkpoint`` directory with model,
-optimizer and data position).
+under ``mula launch``), ``dual/`` (every ``save_every`` steps, two alternating crash-safe checkpoint slots: model,
+optimizer, data position, RNG states) and ``checkpoint/`` (the last step: a sharded ``torch.distributed.checkpoint``
+directory with model, optimizer and data position).
+
+Started again with the same ``--out_dir`` (by hand, by ``mula launch`` after a failure, or in the same process by an
+in-job restart: :func:`~mula_lightning.utils.in_job_restart.run_loop_in_job`), the script resumes from the newest
+complete slot of ``dual/``, and the steps after it are the same, bit for bit, as in a run that never stopped.
 """
 
 from __future__ import annotations
@@ -37,11 +48,13 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 
+from mula_lightning.callbacks.dual_checkpoint import DualCheckpoint
 from mula_lightning.data.datamodule import MulaDataModule
 from mula_lightning.lr_schedule import warmup_cosine
 from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.utils.launch_env import STRAGGLERS_ENV
+from mula_lightning.utils.launched_loop import LaunchedLoop
 from mula_lightning.utils.progress import ProgressMeter
 from mula_lightning.utils.stragglers import StragglerMonitor
 
@@ -81,9 +94,12 @@ def main(
     val_every: int = 100,
     log_every: int = 10,
     straggler_every: int = 50,
+    save_every: int = 100,
+    async_save: bool = False,
     seed: int = 0,
 ) -> None:
-    """Train ``model`` on the prepared data in ``data_dir`` (arguments as in ``MulaLM`` / ``MulaDataModule``)."""
+    """Train ``model`` on the prepared data in ``data_dir`` (arguments as in ``MulaLM`` / ``MulaDataModule``),
+    resuming from the newest complete slot of ``out_dir/dual`` when there is one (``save_every`` 0: no slots)."""
     strategy = FabricEPSOStrategy(ep_size=ep_size, seed=seed)
     run_dir = Path(out_dir)
     fabric = Fabric(
@@ -92,9 +108,12 @@ def main(
         num_nodes=num_nodes,
         strategy=strategy,
         precision=precision,
-        loggers=CSVLogger(str(run_dir), name="", version=""),
+        # a version folder per start (a resume keeps the rows before it; mula report joins them); rows survive a kill
+        loggers=CSVLogger(str(run_dir), name="", flush_logs_every_n_steps=1),
     )
-    fabric.launch()
+    fabric.launch()  # under mula launch --in-job the group is already formed: Fabric keeps it
+    launched = LaunchedLoop(fabric.global_rank, fabric.local_rank)  # mula launch: heartbeats and MULA_FAULT drills
+    launched.setup()
     fabric.seed_everything(seed)
 
     data = MulaDataModule(
@@ -108,19 +127,32 @@ def main(
     net = fabric.setup_module(net)
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
     optimizer = fabric.setup_optimizers(optimizer)
-    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+    # two alternating crash-safe slots; the newest complete one restores model, optimizer, data position and RNG
+    checkpoint = DualCheckpoint(run_dir / "dual", every_n_train_steps=save_every or max_steps + 1,
+                                async_save=async_save, phase_hook=launched.checkpoint_hook())  # fmt: skip
+    state = {"model": net, "optimizer": optimizer, "data": data, "step": 0}
+    if save_every:
+        checkpoint.load_fabric(fabric, state)
+    step = int(state["step"])
+    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()  # from the restored data position
     accumulate = data.train_sampler.global_batch_size // data.train_sampler.step  # micro-batches per optimizer step
     flops_per_token = config.flops_per_token(data.manifest.seq_len)
 
     # the progress line of `mula fit` (step, loss, lr, tokens/s, memory, time left), printed by rank 0 only
     meter = ProgressMeter(max_steps, log_every, fabric.world_size, enabled=fabric.is_global_zero,
                           flops_per_token=flops_per_token, device=fabric.device)  # fmt: skip
+    meter.restart(step)
     # every rank times its sections; every `straggler_every` steps rank 0 names the ranks that made the others wait
     stragglers = StragglerMonitor(every_n_steps=straggler_every, window=min(10, straggler_every), device=fabric.device,
                                   path=os.environ.get(STRAGGLERS_ENV) or run_dir / "stragglers.jsonl")  # fmt: skip
-    step, micro, tokens, start = 0, 0, 0, time.perf_counter()
+    stragglers.restart(step)
+    micro, tokens, start = 0, 0, time.perf_counter()
     iterator = iter(train_loader)
+    launched.start(step)
+    loss = out = None
     while step < max_steps:
+        if micro % accumulate == 0:
+            launched.before_step(step + 1)  # a drill's fault of this step fires before its first forward
         with stragglers.section("data"):
             batch = fabric.to_device(next(iterator))
         micro += 1
@@ -129,6 +161,7 @@ def main(
             with stragglers.section("forward"):
                 out = net(batch["input_ids"], labels=batch["labels"])
                 loss = out.loss + out.aux_loss
+            launched.poison(loss)
             with stragglers.section("backward"):
                 fabric.backward(loss / accumulate)
         data.mark_consumed(1)
@@ -146,6 +179,11 @@ def main(
         step += 1
         stragglers.mark("optimizer")
         stragglers.step_done(step)  # on every rank: a small all-gather every `straggler_every` steps
+        if checkpoint.should_save(step):
+            state["step"] = step
+            with stragglers.section("checkpoint"):
+                checkpoint.save_fabric(fabric, state, step)
+        launched.step_done(step, saved=checkpoint.saves_this_process > 0)
         if step % log_every == 0 or step == max_steps:
             elapsed = time.perf_counter() - start
             metrics = {
@@ -162,19 +200,26 @@ def main(
             tokens, start = 0, time.perf_counter()
         meter.step(step, loss=loss.item, aux=out.aux_loss.item, lr=optimizer.param_groups[0]["lr"])  # read if due
         if step % val_every == 0 or step == max_steps:
+            launched.validation(step)
             with stragglers.paused():  # the evaluation is not a step's time
                 val_loss = evaluate(fabric, net, val_loader)
             fabric.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 50.0))}, step=step)
             fabric.print(f"validation at step {step}: val/loss {val_loss:.4f} | val/perplexity "
                          f"{math.exp(min(val_loss, 50.0)):.4f}")  # fmt: skip
             meter.restart(step)  # the evaluation is not training time
-    meter.finish(step, loss=loss.item, aux=out.aux_loss.item, lr=optimizer.param_groups[0]["lr"])
+    if loss is not None:  # steps were trained in this call (not a run resumed at its end)
+        meter.finish(step, loss=loss.item, aux=out.aux_loss.item, lr=optimizer.param_groups[0]["lr"])
+    checkpoint.wait()  # an asynchronous save in flight completes (or raises) before the process ends
     fabric.save(run_dir / "checkpoint", {"model": net, "optimizer": optimizer, "step": step, "data": data.state_dict()})
     fabric.logger.finalize("success")
-    fabric.print(f"checkpoint: {run_dir / 'checkpoint'}; log: {run_dir / 'metrics.csv'} (plots: mula report {run_dir})")
+    launched.end(step)
+    log = Path(fabric.logger.log_dir) / "metrics.csv"
+    fabric.print(f"checkpoint: {run_dir / 'checkpoint'}; log: {log} (plots: mula report {run_dir})")
 
 
 if __name__ == "__main__":
     from jsonargparse import CLI
 
-    CLI(main, as_positional=False)
+    from mula_lightning.utils.in_job_restart import run_loop_in_job
+
+    run_loop_in_job(CLI, main, as_positional=False)  # CLI(main, as_positional=False), again in each attempt

@@ -75,9 +75,9 @@ def default_loggers(save_dir: str = RUNS_DIR, name: str = "mula") -> list[dict[s
 def launch_callbacks() -> list[Any]:
     """The callbacks ``mula launch`` and failure drills need, only when their variables are set: ``Heartbeat``
     (``MULA_HEARTBEAT``: progress reports for hang detection) and ``FaultInjector`` (``MULA_FAULT``)."""
-    from mula_lightning.callbacks.fault_injection import FAULT_ENV, FaultInjector
+    from mula_lightning.callbacks.fault_injection import FaultInjector
     from mula_lightning.callbacks.heartbeat import Heartbeat
-    from mula_lightning.utils.launch_env import HEARTBEAT_ENV
+    from mula_lightning.utils.launch_env import FAULT_ENV, HEARTBEAT_ENV
 
     out: list[Any] = []
     if os.environ.get(HEARTBEAT_ENV):

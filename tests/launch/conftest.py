@@ -5,24 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from mula_lightning.testing.drill import launch_processes
+
 FAKE_RANK = Path(__file__).with_name("fake_rank.py")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def launch_processes(launch_id: str) -> list[int]:
-    """PIDs of every live process whose environment holds this launch's id (orphans, if any)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes()
-            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if f"MULA_LAUNCH_ID={launch_id}".encode() in environ.split(b"\0") and state != "Z":
-            found.append(int(proc.name))
-    return found
 
 
 @pytest.fixture

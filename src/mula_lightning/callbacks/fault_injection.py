@@ -30,90 +30,45 @@ thread when saves are asynchronous), as a file system that fills up does.
 
 from __future__ import annotations
 
-import errno
 import os
-import signal
-import sys
-import time
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from mula_lightning.utils.launch_env import ATTEMPT_ENV, FAULT_ENV, Fault, host_name, parse_faults
+from mula_lightning.utils.fault_plan import FaultPlan
 
 __all__ = ["FaultInjector"]
 
 
 class FaultInjector(Callback):
-    """Fire the faults of ``spec`` (default: ``MULA_FAULT``) that match this process, each once.
+    """Fire the faults of ``spec`` (default: ``MULA_FAULT``) that match this process, each once (the Trainer's
+    hooks driving a :class:`~mula_lightning.utils.fault_plan.FaultPlan`, which a Fabric loop drives itself).
 
     Args:
         spec: fault list (see the module docstring); ``None`` reads ``MULA_FAULT``.
     """
 
     def __init__(self, spec: str | None = None) -> None:
-        self.faults = parse_faults(os.environ.get(FAULT_ENV, "") if spec is None else spec)
-        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
-        self._fired: set[Fault] = set()
-        self._nan_pending = False
-        self._slowed_step = 0  # the last step a slow fault stalled
+        self.plan = FaultPlan(spec)
+        self.faults = self.plan.faults
 
-    def _mine(self, trainer: Any) -> list[Fault]:
+    @staticmethod
+    def _ranks(trainer: Any) -> tuple[int, int]:
         rank = int(getattr(trainer, "global_rank", os.environ.get("RANK", 0)))
-        local_rank = int(getattr(trainer, "local_rank", os.environ.get("LOCAL_RANK", 0)))
-        return [f for f in self.faults if f.applies(host_name(), rank, local_rank, self.attempt)]
+        return rank, int(getattr(trainer, "local_rank", os.environ.get("LOCAL_RANK", 0)))
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         from mula_lightning.callbacks.dual_checkpoint import DualCheckpoint
 
-        for fault in self._mine(trainer):
-            if fault.step == 0 and fault not in self._fired:  # during the set-up, before the checkpoint is loaded
-                self._fired.add(fault)
-                self._fire(fault, trainer)
-        full = [f for f in self._mine(trainer) if f.kind == "diskfull"]
-        for callback in (c for c in trainer.callbacks if isinstance(c, DualCheckpoint)) if full else ():
-            callback.phase_hook = self._disk_full_hook(trainer, full, callback.phase_hook)
-
-    def _disk_full_hook(self, trainer: Any, faults: list[Fault], previous: Any) -> Any:
-        def hook(phase: str) -> None:
-            if previous is not None:
-                previous(phase)
-            due = [f for f in faults if f not in self._fired and trainer.global_step >= f.step]
-            if phase == "cleared" and due:
-                self._fired.update(due)
-                where = f"a save at step {trainer.global_step} on {host_name()} rank {trainer.global_rank}"
-                print(f"{FAULT_ENV}: injecting diskfull in {where}", file=sys.stderr, flush=True)
-                raise OSError(errno.ENOSPC, f"No space left on device ({FAULT_ENV}: injected in {where})")
-
-        return hook
+        rank, local_rank = self._ranks(trainer)
+        self.plan.at_setup(rank, local_rank)  # during the set-up, before the checkpoint is loaded
+        for callback in (c for c in trainer.callbacks if isinstance(c, DualCheckpoint)):
+            callback.phase_hook = self.plan.disk_full_hook(
+                lambda: trainer.global_step, rank, local_rank, callback.phase_hook
+            )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step + 1  # the optimizer step this batch belongs to
-        for fault in self._mine(trainer):
-            if fault.kind == "slow":
-                if step >= fault.step and self._slowed_step != step:
-                    self._slowed_step = step
-                    time.sleep(fault.ms / 1000)
-            elif fault.step == step and fault not in self._fired and fault.kind != "diskfull":
-                self._fired.add(fault)
-                self._fire(fault, trainer)
-
-    def _fire(self, fault: Fault, trainer: Any) -> None:
-        where = f"step {fault.step} on {host_name()} rank {trainer.global_rank} (pid {os.getpid()})"
-        print(f"{FAULT_ENV}: injecting {fault.kind} at {where}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        if fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif fault.kind == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif fault.kind == "exception":
-            raise RuntimeError(f"{FAULT_ENV}: injected exception at {where}")
-        elif fault.kind == "abort":
-            os.abort()
-        else:  # nan: this step's gradients, on this rank only (before any reduction), become NaN
-            self._nan_pending = True
+        self.plan.before_step(trainer.global_step + 1, *self._ranks(trainer))  # the optimizer step this batch is of
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        if self._nan_pending and loss.requires_grad:
-            self._nan_pending = False
-            loss.register_hook(lambda grad: grad * float("nan"))
+        self.plan.poison(loss)

@@ -11,8 +11,8 @@ launcher the step each attempt resumed from and when its first step ran (the "ti
 
 The timeout must exceed the longest silent stretch of a healthy run: the slowest step, a checkpoint save, a
 validation batch. Without ``MULA_HEARTBEAT`` the callback does nothing (``mula fit`` adds it only when the variable
-is set). In a Fabric loop use :class:`~mula_lightning.utils.launch_env.HeartbeatClient` and call ``beat(step)``
-after each optimizer step.
+is set). A Fabric loop calls :class:`~mula_lightning.utils.launched_loop.LaunchedLoop` at the same points (it beats
+with :class:`~mula_lightning.utils.launch_env.HeartbeatClient`).
 """
 
 from __future__ import annotations

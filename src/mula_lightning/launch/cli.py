@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--in-job",
         action="store_true",
-        help="restart a failed rank inside the running job (mula fit, local backend): the other processes stay, "
+        help="restart a failed rank inside the running job (local backend; mula fit, or a Fabric script whose main "
+        "runs in run_loop_in_job): the other processes stay, "
         "rejoin and reload; rank 0's node, a NaN and a second fault during a restart fall back to a relaunch",
     )
     parser.add_argument(

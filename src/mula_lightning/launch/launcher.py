@@ -25,13 +25,14 @@ While an attempt runs, the launcher also reads ``stragglers.jsonl`` (``MULA_STRA
 reports in a row is *slow*; the run goes on, and the next attempt, when a failure causes one, runs on a buffer node
 in its place if one is free.
 
-With ``in_job`` (``--in-job``, local backend, ``mula fit``) a failure is first offered to the in-job restart: the
-verdict is applied as for a relaunch, then the failed ranks' processes (all ranks of a node taken out) are killed, the
-next attempt is announced in ``REPORT_DIR/in_job.json`` and only those ranks get new processes (warm spares where
-ready, on a buffer node for a node taken out), while every other rank keeps its process and rejoins
-(:mod:`mula_lightning.utils.in_job_restart`). It falls back to the relaunch below, saying why, for rank 0 or its node
-(rank 0's process hosts the job's store), a NaN, a second failure before the restarted attempt reloaded, ranks that
-already finished, a hang with nobody to blame, no buffer node, the last restart, or the SLURM backend.
+With ``in_job`` (``--in-job``, local backend, ``mula fit`` or a script under ``run_loop_in_job``) a failure is first
+offered to the in-job restart: the verdict is applied as for a relaunch, then the failed ranks' processes (all ranks
+of a node taken out) are killed, the next attempt is announced in ``REPORT_DIR/in_job.json`` and only those ranks
+get new processes (warm spares where ready, on a buffer node for a node taken out), while every other rank keeps its
+process and rejoins (:mod:`mula_lightning.utils.in_job_restart`). It falls back to the relaunch below, saying why,
+for rank 0 or its node (rank 0's process hosts the job's store), a NaN, a second failure before the restarted
+attempt reloaded, ranks that already finished, a hang with nobody to blame, no buffer node, the last restart, or the
+SLURM backend.
 
 Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
 are chosen among active + buffer - failed, and the command is relaunched. Every attempt of ``mula fit``, the first

@@ -51,6 +51,7 @@ __all__ = [
     "attempt_losses",
     "check_drill",
     "drill_table",
+    "launch_processes",
     "plan_drill",
     "restart_ratio",
     "run_drill",
@@ -137,6 +138,23 @@ def _launch(
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True)
     report = json.loads((workdir / "launch" / "launch_report.json").read_text())
     return proc.returncode, report, proc.stdout + proc.stderr
+
+
+def launch_processes(launch_id: str) -> list[int]:
+    """PIDs of every live process whose environment holds this launch's id (``MULA_LAUNCH_ID``): what a launch
+    left running (orphans, if any; empty once ``mula launch`` returned)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if f"MULA_LAUNCH_ID={launch_id}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(proc.name))
+    return found
 
 
 def attempt_losses(workdir: Path) -> list[dict[int, str]]:

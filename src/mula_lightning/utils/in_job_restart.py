@@ -57,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
@@ -79,6 +80,7 @@ __all__ = [
     "is_peer_failure",
     "resume_args",
     "run_in_job",
+    "run_loop_in_job",
 ]
 
 #: words of the errors a collective raises when a peer's process ended or aborted (gloo's transport, c10d's
@@ -437,7 +439,10 @@ def cut_connections(keep: set[int]) -> int:
     return cut
 
 
-def run_in_job(stage: Callable[[list[str]], int], args: Sequence[str], saved: Callable[[], bool]) -> int:
+_Result = TypeVar("_Result")
+
+
+def run_in_job(stage: Callable[[list[str]], _Result], args: Sequence[str], saved: Callable[[], bool]) -> _Result:
     """Run ``stage(args)`` in the attempts of this job until it returns: after a peer's failure, leave the group,
     wait for the launcher's next attempt and run the stage again in it (``--ckpt_path last`` once ``saved()``); any
     other error propagates (after this process's groups and store are closed: an orderly exit)."""
@@ -474,6 +479,21 @@ def run_in_job(stage: Callable[[list[str]], int], args: Sequence[str], saved: Ca
             current = resume_args(args, saved())
     finally:
         group.close()
+
+
+def run_loop_in_job(main: Callable[..., _Result], *args: Any, **kwargs: Any) -> _Result:
+    """``main(*args, **kwargs)`` of a Fabric (or plain) training script, in the restart loop of :func:`run_in_job`
+    under ``mula launch --in-job``: after a peer's failure this process leaves the broken attempt, waits for the
+    launcher's next one and calls ``main`` again with the same arguments; without ``MULA_IN_JOB`` it is one call.
+
+    What ``main`` must do (``examples/fabric_pretrain.py`` does all of it; docs/launch.md, "Fabric scripts"):
+    build everything (``Fabric``, model, optimizer, loaders) inside the call; resume from its own newest complete
+    checkpoint when there is one (:meth:`~mula_lightning.callbacks.DualCheckpoint.load_fabric`: a survivor and a
+    replaced rank then start from the same slot, and a step after it is recomputed, never applied twice); report
+    to the launcher (:class:`~mula_lightning.utils.launched_loop.LaunchedLoop`). The process group of each attempt
+    is formed here before ``main`` runs: ``fabric.launch()`` finds it initialised and keeps it.
+    """
+    return run_in_job(lambda _args: main(*args, **kwargs), [], saved=lambda: False)
 
 
 def _first_line(err: BaseException) -> str:
