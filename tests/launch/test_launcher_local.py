@@ -67,22 +67,55 @@ def test_killed_node_is_replaced_by_the_buffer_node_and_the_run_resumes(launch, 
 
 @pytest.mark.parametrize("stuck", [2, 0], ids=["survivor", "rank 0"])
 def test_a_survivor_stuck_in_the_broken_attempt_gets_a_new_process_in_the_restart(launch, fake_env, monkeypatch, stuck):
-    """--in-job, 2 nodes x 2 ranks: rank 3 killed at step 3 is restarted in-job; survivor rank 2 then ends with the
-    stuck exit code (its main thread could not leave the broken attempt) before attempt 1 formed. It gets a new
-    process in attempt 1 as well (the event says why), the other survivors keep theirs and the run finishes in 2
-    attempts. Rank 0 stuck is a second fault instead (its process hosted the job's store): a full relaunch."""
+    """--in-job, 2 nodes x 2 ranks: rank 3 killed at step 3 is restarted in-job; survivor rank 2 (or rank 0) then ends
+    with the stuck exit code (its main thread could not leave the broken attempt) before attempt 1 formed. It gets a
+    new process in attempt 1 as well (the event says why), the other survivors keep theirs and the run finishes in 2
+    attempts: rank 0 too, since the launcher hosts the job's store (no rank's process holds it)."""
     monkeypatch.setenv("FAKE_STUCK_RANK", str(stuck))
     code, report = launch("kill@step=3,rank=3", nnodes=2, buffer_nodes=1, nproc_per_node=2, in_job=True)
     assert code == 0 and report["outcome"] == "succeeded"
     first, second = report["attempts"][:2]
     texts = " ".join(e["text"] for e in report["events"])
-    if stuck == 0:
-        assert [a["started_by"] for a in report["attempts"]] == ["launch", "in-job", "relaunch"]
-        assert "a second fault before the in-job restart of attempt 1 completed" in texts
-        return
     assert len(report["attempts"]) == 2 and second["started_by"] == "in-job" and second["outcome"] == "succeeded"
-    assert second["replaced_ranks"] == [2, 3] and "rank 2 could not leave attempt 0 (exit 75" in texts
-    assert second["pids"][:2] == first["pids"][:2] and not set(second["pids"][2:]) & set(first["pids"])
+    assert second["replaced_ranks"] == sorted([stuck, 3])
+    assert f"rank {stuck} could not leave attempt 0 (exit 75" in texts
+    kept = [r for r in range(4) if r not in (stuck, 3)]
+    assert [second["pids"][r] for r in kept] == [first["pids"][r] for r in kept]
+    assert not {second["pids"][r] for r in (stuck, 3)} & set(first["pids"])
+
+
+def test_a_lost_store_relaunches_the_job_on_a_new_one(tmp_path, monkeypatch, fake_env, fake_command,
+                                                     leftover_processes):  # fmt: skip
+    """--in-job: the launcher hosts the job's store in a process of its own (rank 0 holds nothing of the job). That
+    process killed while the ranks train is a store loss: the attempt fails naming it, no in-job restart is tried,
+    the relaunch runs on a new store (another port), the run finishes, and neither store is left running."""
+    import threading
+
+    monkeypatch.setenv("FAKE_STEP_S", "0.4")
+    options = LaunchOptions(command=fake_command, report_dir=str(tmp_path / "launch"), nnodes=2, in_job=True,
+                            grace_s=2.0, settle_s=0.5, poll_s=0.05, startup_timeout_s=60.0)  # fmt: skip
+    launcher = Launcher(options)
+    ports = []
+
+    def kill_the_store():
+        deadline = time.monotonic() + 60
+        while launcher.store.proc is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if launcher.store.wait_ready(60):
+            ports.append(launcher.store.port)
+            launcher.store.proc.kill()
+
+    killer = threading.Thread(target=kill_the_store)
+    killer.start()
+    code = launcher.run()
+    killer.join()
+    report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
+    texts = " ".join(e["text"] for e in report["events"])
+    assert code == 0 and [a["started_by"] for a in report["attempts"]] == ["launch", "relaunch"], texts
+    assert f"the job's store on 127.0.0.1:{ports[0]} ended" in report["attempts"][0]["reason"]
+    assert "no in-job restart (the job's store was lost)" in texts and "a new one serves attempt 1" in texts
+    assert launcher.store.starts == 2 and launcher.store.port != ports[0] and launcher.store.proc is None
+    assert leftover_processes(launcher.launch_id) == []
 
 
 def test_nan_on_one_node_makes_it_a_suspect_and_twice_in_a_row_takes_it_out(launch, fake_env, tmp_path):

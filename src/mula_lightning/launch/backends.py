@@ -108,11 +108,12 @@ class LocalAttempt:
         env: Mapping[str, str],
         log_dir: Path | None = None,
         spares: int = 0,
+        port: int | None = None,
     ) -> None:
         self.nodes = list(nodes)
         self.nproc_per_node = nproc_per_node
         self.world_size = len(self.nodes) * nproc_per_node
-        self.port = free_port()
+        self.port = free_port() if port is None else port  # a given port: a store the launcher hosts
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
         self._reported: set[int] = set()
         for rank in range(self.world_size):

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="restart a failed rank inside the running job (local backend; mula fit, or a Fabric script whose main "
         "runs in run_loop_in_job): the other processes stay, "
-        "rejoin and reload; rank 0's node, a NaN and a second fault during a restart fall back to a relaunch",
+        "rejoin and reload (the launcher hosts the job's store, so rank 0 too); a NaN and a second fault during a "
+        "restart fall back to a relaunch",
     )
     parser.add_argument(
         "--rejoin-timeout",

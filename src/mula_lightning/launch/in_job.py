@@ -61,8 +61,6 @@ class InJobRestarts:
             return f"the {opts.backend} backend starts every rank in one step: one rank cannot be started alone"
         if self._restarting:
             return f"a second fault before the in-job restart of attempt {self._current.attempt} completed"
-        if 0 in failed:
-            return "rank 0 failed, and its process hosts the job's store"
         if exited_ok:
             return f"ranks {','.join(map(str, sorted(exited_ok)))} had already finished"
         if not set(handle.alive()) - set(failed):
@@ -76,19 +74,17 @@ class InJobRestarts:
     ) -> AttemptRecord | None:
         """Start a process for each failed rank, and for every rank of a node taken out (on the buffer node that
         takes its place); the other processes stay and rejoin as the next attempt. None (every rank stopped) when
-        that cannot be: rank 0's node is taken out, or no buffer node is left."""
+        that cannot be: no buffer node is left."""
         opts = self.options
         victims = set(failed)
         for host in record.failed_hosts:
             victims |= {k * opts.nproc_per_node + j for k, h in enumerate(record.nodes) if h == host
                         for j in range(opts.nproc_per_node)}  # fmt: skip
-        refusal = f"rank 0's node {record.nodes[0]} is taken out" if 0 in victims else ""
-        nodes: list[str] = []
-        if not refusal:
-            try:
-                nodes = self.pool.choose(swap_slow=False)
-            except OutOfNodesError as err:
-                refusal = str(err)
+        refusal, nodes = "", []
+        try:
+            nodes = self.pool.choose(swap_slow=False)
+        except OutOfNodesError as err:
+            refusal = str(err)
         if refusal:
             handle.stop(opts.grace_s)
             self._announce_failure(record, refusal)
@@ -121,9 +117,9 @@ class InJobRestarts:
         forms its attempt (survivors whose main thread stayed blocked in the broken attempt after their connections
         were cut) get new processes in that same attempt: its group cannot form without them, so no rank trained in
         it yet and nothing is redone twice. False (the failure is handled as any other) for any other exit, outside
-        a restart, or for rank 0 (its process hosted the job's store)."""
+        a restart."""
         stuck = sorted({r for e in bad for r in e.ranks})
-        if not (self._restarting and bad and all(e.code == STUCK_EXIT_CODE for e in bad)) or 0 in stuck:
+        if not (self._restarting and bad and all(e.code == STUCK_EXIT_CODE for e in bad)):
             return False
         log_dir = self.report_dir / "logs" / f"attempt{record.attempt}"
         handle.kill(stuck)  # reaped already: only their stray children, if any

@@ -30,9 +30,9 @@ offered to the in-job restart: the verdict is applied as for a relaunch, then th
 of a node taken out) are killed, the next attempt is announced in ``REPORT_DIR/in_job.json`` and only those ranks
 get new processes (warm spares where ready, on a buffer node for a node taken out), while every other rank keeps its
 process and rejoins (:mod:`mula_lightning.utils.in_job_restart`). It falls back to the relaunch below, saying why,
-for rank 0 or its node (rank 0's process hosts the job's store), a NaN, a second failure before the restarted
-attempt reloaded, ranks that already finished, a hang with nobody to blame, no buffer node, the last restart, or the
-SLURM backend.
+for a NaN, a second failure before the restarted attempt reloaded, ranks that already finished, a hang with nobody to
+blame, no buffer node, the last restart, a loss of the job's store (which the launcher hosts in a process of its own,
+:mod:`~mula_lightning.launch.store_host`, so that rank 0 restarts in-job like any other rank), or the SLURM backend.
 
 Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
 are chosen among active + buffer - failed, and the command is relaunched. Every attempt of ``mula fit``, the first
@@ -74,10 +74,12 @@ from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning, un
 from mula_lightning.launch.in_job import InJobRestarts
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 from mula_lightning.launch.report import AttemptRecord, LaunchReport
+from mula_lightning.launch.store_host import StoreHost
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
     FAILED_HOSTS_ENV,
     HEARTBEAT_ENV,
+    HOSTED_STORE_ENV,
     IN_JOB_ENV,
     IN_JOB_OP_TIMEOUT_ENV,
     IN_JOB_TIMEOUT_ENV,
@@ -220,6 +222,7 @@ class Launcher(InJobRestarts):
         settings = {k: v for k, v in asdict(options).items() if k != "command"}
         settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
         self.report = LaunchReport(self.report_dir, settings)
+        self.store = StoreHost()  # the job's store under --in-job (local backend), started with the first attempt
         self.world_size = options.nnodes * options.nproc_per_node
         self.saved = False  # a rank reported a checkpoint saved during this launch
         self._previous_nan: list[NanRecord] = []  # the NaN records of the previous attempt, if it stopped on NaN
@@ -242,7 +245,7 @@ class Launcher(InJobRestarts):
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
-        with HeartbeatServer(self.options.heartbeat_host) as server:
+        with HeartbeatServer(self.options.heartbeat_host) as server, self.store:
             return self._attempts(server)
 
     def _attempts(self, server: HeartbeatServer) -> int:
@@ -329,8 +332,10 @@ class Launcher(InJobRestarts):
             LAUNCH_ID_ENV: self.launch_id,
         }
         env.pop(IN_JOB_ENV, None)
-        if self.options.in_job and self.options.backend == "local":  # a rejoin may wait as long as a start
+        env.pop(HOSTED_STORE_ENV, None)
+        if self._hosts_store():  # a rejoin may wait as long as a start
             env[IN_JOB_ENV] = str(self.in_job_file.resolve())
+            env[HOSTED_STORE_ENV] = "1"
             env[IN_JOB_TIMEOUT_ENV] = f"{self.options.startup_timeout_s or 1800:g}"
             if self.options.collective_timeout_s:
                 env[IN_JOB_OP_TIMEOUT_ENV] = f"{self.options.collective_timeout_s:g}"
@@ -340,6 +345,11 @@ class Launcher(InJobRestarts):
         opts = self.options
         if opts.backend == "slurm":
             return SlurmAttempt(command, nodes, opts.nproc_per_node, env, srun=opts.srun, extra_args=opts.srun_args)
+        port = None
+        if self._hosts_store():
+            if self.store.port is not None and not self.store.alive():
+                self.report.event(f"the job's store ended (port {self.store.port}): a new one serves attempt {attempt}")
+            port = self.store.ensure({**os.environ, LAUNCH_ID_ENV: self.launch_id})
         return LocalAttempt(
             self._local_command(command),
             nodes,
@@ -347,7 +357,13 @@ class Launcher(InJobRestarts):
             env,
             spares=(opts.nproc_per_node if opts.spares is None else opts.spares) if opts.in_job else 0,
             log_dir=self.report_dir / "logs" / f"attempt{attempt}",
+            port=port,
         )
+
+    def _hosts_store(self) -> bool:
+        """Whether the launcher hosts the job's store (:mod:`~mula_lightning.launch.store_host`): under ``--in-job``
+        with the local backend, so that rank 0 restarts in-job like any other rank."""
+        return self.options.in_job and self.options.backend == "local"
 
     @staticmethod
     def _local_command(command: list[str]) -> list[str]:
@@ -378,6 +394,12 @@ class Launcher(InJobRestarts):
         while True:
             exits = handle.poll()
             now = time.monotonic()
+            lost = self.store.failure() if self._hosts_store() else None
+            if lost is not None:  # a store loss: every rank's next store operation fails; a relaunch on a new one
+                handle.stop(opts.grace_s)
+                record.outcome, record.ended, record.reason = "failed", time.time(), lost
+                self._announce_failure(record, "the job's store was lost")
+                return False
             for rank, beat in server.read(record.attempt, self.world_size).items():
                 text = json.dumps(beat, sort_keys=True)
                 if seen.get(rank, ("",))[0] != text:

@@ -63,7 +63,7 @@ EVERY = 2  # DualCheckpoint's interval
 REPORT_EVERY, REPORT_WINDOW = 4, 3  # StragglerDetection's
 HANG_TIMEOUT_S = 6.0
 REJOIN_TIMEOUT_S = 90.0  # an in-job restart that stalls falls back to a relaunch (and fails the drill's check)
-COLLECTIVE_TIMEOUT_S = 30.0  # in-job: a survivor blocked after the cut (rank 0 included) is free within this
+COLLECTIVE_TIMEOUT_S = 30.0  # in-job: a survivor blocked after the cut is free within this
 SLOW_MS = 400
 
 
@@ -203,12 +203,11 @@ def check_drill(plan: list[DrillFault], max_steps: int, code: int, report: dict,
     thing that is wrong (exit code, an attempt that did not fail as its fault should, a fault restarted by the
     wrong path, a loss that differs from the straight run's, a step never done, a slow rank never named).
 
-    Under ``in_job`` a fault must be restarted in-job when it touches only node 1 and kills, aborts, stops or
-    raises; it must fall back to a relaunch when it is a NaN (every rank ends), touches rank 0 (its process hosts
-    the store), stops or kills node 0 (rank 0's node is taken out) or fires during the set-up (``step=0``: a second
-    fault while the job restarts); a single rank 1 fault may go either way (in-job, or a relaunch once node 0 was
-    blamed twice in a row), and so may a full disk (in-job when the rank whose save failed ends first, a relaunch
-    when every rank's save fails at the next wait)."""
+    Under ``in_job`` a fault that kills, aborts, stops or raises must be restarted in-job, on any rank or node
+    (rank 0's too: the launcher hosts the job's store); it must fall back to a relaunch when it is a NaN (every rank
+    ends) or fires during the set-up (``step=0``: a second fault while the job restarts); a full disk may go either
+    way (in-job when the rank whose save failed ends first, a relaunch when every rank's save fails at the next
+    wait)."""
     tail = output[-4000:]
     assert code == 0 and report["outcome"] == "succeeded", f"launch exit {code}: {report['message']}\n{tail}"
     attempts = report["attempts"]
@@ -240,14 +239,8 @@ def check_drill(plan: list[DrillFault], max_steps: int, code: int, report: dict,
             if fault.kind == "kill_node":
                 assert record["failed_hosts"], f"{fault}: no node taken out ({record['reason']})"
             cost = restart["cost_s"]
-            on_node0 = any(r < RANKS_PER_NODE for r in fault.ranks)
-            relaunch = (
-                fault.kind == "nan"
-                or 0 in fault.ranks
-                or fault.step == 0
-                or (on_node0 and fault.kind in ("hang", "kill_node"))
-            )
-            either = on_node0 or fault.kind == "diskfull"
+            relaunch = fault.kind == "nan" or fault.step == 0
+            either = fault.kind == "diskfull"
             expected_path = {"relaunch"} if not in_job or relaunch else {"in-job", "relaunch"} if either else {"in-job"}
             assert restart["path"] in expected_path, f"{fault}: restarted by {restart['path']}, not {expected_path}"
             row.update(path=restart["path"], reason=record["reason"], lost_s=cost["total"], cost_s=cost,

@@ -9,8 +9,10 @@ group under the next attempt number and resumes from the newest complete checkpo
 
 How, under ``MULA_IN_JOB`` (:data:`~mula_lightning.utils.launch_env.IN_JOB_ENV`: the launcher's announcement file):
 
-* **one store for the whole job**: rank 0 hosts a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT`` (as torchrun's agent
-  does) for as long as its process lives; each attempt's process group is formed on a ``PrefixStore`` of it
+* **one store for the whole job**: a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``, hosted by ``mula launch`` beside
+  itself (``MULA_STORE_HOSTED``: :mod:`mula_lightning.launch.store_host`, as torchrun's agent hosts it), so that it
+  outlives every rank and rank 0 restarts in-job like the others (without it, rank 0 hosts the store for as long
+  as its process lives); each attempt's process group is formed on a ``PrefixStore`` of it
   (``mula/attempt<N>/``), so a new attempt needs no new port and never reads an older attempt's keys. The group is
   formed here, before Lightning's strategy sets up, which then finds it initialised and keeps it;
 * **seeing a peer fail**: gloo raises at once in a rank whose collective reads from a peer that died (its socket
@@ -62,6 +64,7 @@ from typing import Any, TypeVar
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
     HEARTBEAT_ENV,
+    HOSTED_STORE_ENV,
     IN_JOB_ENV,
     IN_JOB_OP_TIMEOUT_ENV,
     IN_JOB_TIMEOUT_ENV,
@@ -186,7 +189,8 @@ def resume_args(args: Sequence[str], saved: bool) -> list[str]:
 
 
 class RestartGroup:
-    """This job's store (hosted by rank 0 for the life of its process) and the attempts' process groups on it.
+    """This job's store (the launcher's with ``MULA_STORE_HOSTED``, else rank 0's for the life of its process) and the
+    attempts' process groups on it.
 
     Args:
         timeout_s: how long joining an attempt may wait for every rank (the replacement's start included).
@@ -205,13 +209,15 @@ class RestartGroup:
         self.op_timeout = in_job_op_timeout()
         self._timed: set[int] = set()  # the groups given ``op_timeout`` (by id) in the watched attempt
         self.rank = int(os.environ["RANK"])
+        #: this process serves the job's store (rank 0 when the launcher does not host it): it must not end first
+        self.hosts_store = self.rank == 0 and os.environ.get(HOSTED_STORE_ENV, "") != "1"
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             None,
-            self.rank == 0,
+            self.hosts_store,
             timeout=self.timeout,
             wait_for_workers=False,
         )
@@ -305,13 +311,13 @@ class RestartGroup:
         if self._watching != attempt:
             return
         ends = "this process ends (the launcher replaces it)"
-        if self.rank == 0:  # its process hosts the job's store: it waits (the collective timeout, the rejoin's)
+        if self.hosts_store:  # it waits (the collective timeout, the rejoin's): its end would take the store along
             ends = "it keeps waiting: its process hosts the job's store"
         _say(f"rank {self.rank}: still inside attempt {attempt} {grace_s:g} s after its connections were cut; its "
              f"threads' stacks follow, and {ends}")  # fmt: skip
         faulthandler.dump_traceback(all_threads=True)
         sys.stderr.flush()
-        if self.rank != 0:
+        if not self.hosts_store:
             os._exit(STUCK_EXIT_CODE)
 
     @staticmethod
@@ -343,8 +349,9 @@ class RestartGroup:
                         backend.abort()
 
     def close(self) -> None:
-        """Destroy the process groups and drop the store (rank 0: its server ends), before the interpreter does:
-        a store or group left to interpreter shutdown can end the process with ``terminate called``."""
+        """Destroy the process groups and drop the store (in the process that hosts it, its server ends), before the
+        interpreter does: a store or group left to interpreter shutdown can end the process with ``terminate
+        called``."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

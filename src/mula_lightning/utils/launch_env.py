@@ -39,6 +39,7 @@ __all__ = [
     "IN_JOB_ENV",
     "IN_JOB_OP_TIMEOUT_ENV",
     "IN_JOB_TIMEOUT_ENV",
+    "HOSTED_STORE_ENV",
     "LAUNCH_ID_ENV",
     "NAN_EXIT_CODE",
     "STUCK_EXIT_CODE",
@@ -83,9 +84,13 @@ NAN_EXIT_CODE = 86
 #: after its connections were cut): the launcher starts a new process for it in the attempt it was to rejoin
 STUCK_EXIT_CODE = 75
 #: set by ``mula launch --in-job``: the file where the launcher announces each in-job restart (JSON: ``attempt``,
-#: ``replaced_ranks``); ``mula fit`` then forms its process group itself (rank 0 hosts the store) and, when a peer
-#: fails, stays alive and rejoins the attempt announced there (:mod:`mula_lightning.utils.in_job_restart`)
+#: ``replaced_ranks``); ``mula fit`` then forms its process group itself and, when a peer fails, stays alive and
+#: rejoins the attempt announced there (:mod:`mula_lightning.utils.in_job_restart`)
 IN_JOB_ENV = "MULA_IN_JOB"
+#: "1" when the job's store at ``MASTER_ADDR:MASTER_PORT`` is hosted by the launcher
+#: (:mod:`mula_lightning.launch.store_host`): every rank, rank 0 included, connects to it as a client; unset, rank 0
+#: hosts it in its own process
+HOSTED_STORE_ENV = "MULA_STORE_HOSTED"
 #: seconds a rank that left a broken attempt waits for the next one's announcement and for its peers
 IN_JOB_TIMEOUT_ENV = "MULA_IN_JOB_TIMEOUT"
 #: seconds after which a collective of an in-job attempt fails (``mula launch --collective-timeout``; unset: the
