@@ -80,14 +80,11 @@ class InJobRestarts:
         for host in record.failed_hosts:
             victims |= {k * opts.nproc_per_node + j for k, h in enumerate(record.nodes) if h == host
                         for j in range(opts.nproc_per_node)}  # fmt: skip
-        refusal, nodes = "", []
         try:
             nodes = self.pool.choose(swap_slow=False)
         except OutOfNodesError as err:
-            refusal = str(err)
-        if refusal:
             handle.stop(opts.grace_s)
-            self._announce_failure(record, refusal)
+            self._announce_failure(record, str(err))
             return None
         self._announce_failure(record)
         ranks = sorted(victims)

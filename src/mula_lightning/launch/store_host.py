@@ -10,8 +10,8 @@ Why a process of its own: the launcher does not import torch (it starts in a fra
 this module's :func:`main` does, in a process of its own (:data:`SERVE`). It binds the port it is given
 on the given host, writes ``ready PORT`` on its standard output and serves until its standard input ends (the
 launcher closed it, or died): it never outlives the launch. Losing it (the process killed) is a store loss: the
-ranks' next store operation fails, they end, and the launcher relaunches the job on a new store
-(:meth:`StoreHost.ensure`).
+launcher sees it end (:meth:`StoreHost.failure`), stops every rank (a group formed later, or the next restart,
+would need it) and relaunches the job on a new store (:meth:`StoreHost.ensure`).
 """
 
 from __future__ import annotations
