@@ -30,7 +30,9 @@ Outputs go to ``--out_dir`` (default ``runs/fabric``): ``version_N/metrics.csv``
 ``stragglers.jsonl`` (every ``straggler_every`` steps, the ranks that made the others wait; ``MULA_STRAGGLERS_FILE``
 under ``mula launch``), ``dual/`` (every ``save_every`` steps, two alternating crash-safe checkpoint slots: model,
 optimizer, data position, RNG states) and ``checkpoint/`` (the last step: a sharded ``torch.distributed.checkpoint``
-directory with model, optimizer and data position).
+directory with model, optimizer and data position) and, after a non-finite loss or gradient on any rank, ``nan/``
+(the report naming the rank, host and first tensors: every rank exits with code 86 before the update, as ``mula fit``
+does; ``mula launch`` then relaunches from the newest slot).
 
 Started again with the same ``--out_dir`` (by hand, by ``mula launch`` after a failure, or in the same process by an
 in-job restart: :func:`~mula_lightning.utils.in_job_restart.run_loop_in_job`), the script resumes from the newest
@@ -55,6 +57,7 @@ from mula_lightning.models import MulaConfig, MulaForCausalLM
 from mula_lightning.strategies import FabricEPSOStrategy
 from mula_lightning.utils.launch_env import STRAGGLERS_ENV
 from mula_lightning.utils.launched_loop import LaunchedLoop
+from mula_lightning.utils.non_finite import NonFiniteCheck
 from mula_lightning.utils.progress import ProgressMeter
 from mula_lightning.utils.stragglers import StragglerMonitor
 
@@ -125,6 +128,8 @@ def main(
     with fabric.init_module(empty_init=True):  # meta device: the strategy materialises and shards it
         net = MulaForCausalLM(config)
     net = fabric.setup_module(net)
+    # NaN / Inf in any rank's loss or gradients: every rank stops before the update, the report names the rank
+    nan_check = NonFiniteCheck(run_dir / "nan", ep_size=ep_size, local_rank=fabric.local_rank).watch(net)
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
     optimizer = fabric.setup_optimizers(optimizer)
     # two alternating crash-safe slots; the newest complete one restores model, optimizer, data position and RNG
@@ -162,6 +167,7 @@ def main(
                 out = net(batch["input_ids"], labels=batch["labels"])
                 loss = out.loss + out.aux_loss
             launched.poison(loss)
+            nan_check.loss(loss)
             with stragglers.section("backward"):
                 fabric.backward(loss / accumulate)
         data.mark_consumed(1)
@@ -169,6 +175,7 @@ def main(
         meter.add_tokens(batch["input_ids"].numel() * fabric.world_size)
         if is_accumulating:
             continue
+        nan_check.step(step)  # one all-reduce of a flag: every rank exits here if any saw a non-finite value
         for group in optimizer.param_groups:
             group["lr"] = warmup_cosine(step, warmup_steps, max_steps, lr, min_lr)
         grad_norm = None

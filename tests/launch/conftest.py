@@ -1,5 +1,6 @@
 """Helpers of the launcher tests: the fake rank's command and the processes a launch left behind."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,20 @@ def fake_command() -> list[str]:
 def leftover_processes():
     """``launch_id -> live PIDs`` of that launch (must be empty once the launcher returns)."""
     return launch_processes
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch) -> Path:
+    """``srun`` and ``scontrol`` first on PATH: fake_srun.py and fake_scontrol.py (this interpreter); returns the file
+    where the fake srun logs each command line (``FAKE_SRUN_LOG``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_RANK.with_name(f"fake_{tool}.py")} "$@"\n')
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
+    return tmp_path / "srun.log"
 
 
 @pytest.fixture

@@ -57,7 +57,8 @@ def run_attempt() -> int | None:
     steps = int(os.environ.get("FAKE_STEPS", "8"))
     step_s = float(os.environ.get("FAKE_STEP_S", "0.1"))
     state = Path(os.environ["FAKE_STATE_DIR"])
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank = int(os.environ.get("RANK") or os.environ["SLURM_PROCID"])  # torchrun's, else SLURM's (srun)
+    local_rank = int(os.environ.get("LOCAL_RANK") or os.environ["SLURM_LOCALID"])
     attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
     every = parse_faults(os.environ.get(FAULT_ENV, ""))
     faults = [f for f in every if f.applies(host_name(), rank, local_rank, attempt) and f.kind != "slow"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mula_lightning.launch import Launcher, LaunchOptions
-from mula_lightning.launch.backends import parse_srun_line
+from mula_lightning.launch.slurm_backend import parse_srun_line
 
 HERE = Path(__file__).parent
 
@@ -20,17 +20,12 @@ def _tool(path, script):
     path.chmod(0o755)
 
 
-def test_srun_command_lines_exclude_the_failed_host(tmp_path, monkeypatch, fake_env, fake_command, leftover_processes):
+def test_srun_command_lines_exclude_the_failed_host(tmp_path, monkeypatch, fake_env, fake_command, fake_slurm,
+                                                    leftover_processes):  # fmt: skip
     """SLURM_JOB_NODELIST=node[1-4], 3 active + 1 buffer: attempt 0 runs `srun --nodelist=node1,node2,node3`; node2
     is killed at step 3 (srun: "node2: task 1: Killed"), so attempt 1 runs `srun --nodelist=node1,node4,node3`, with
     the same command, and finishes; nothing is left running."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    _tool(bin_dir / "srun", HERE / "fake_srun.py")
-    _tool(bin_dir / "scontrol", HERE / "fake_scontrol.py")
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-4]")
-    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
     monkeypatch.setenv("MULA_FAULT", "kill@step=3,node=node2")
     monkeypatch.setenv("FAKE_STEPS", "5")
     launcher = Launcher(
@@ -59,14 +54,8 @@ def test_srun_command_lines_exclude_the_failed_host(tmp_path, monkeypatch, fake_
     assert leftover_processes(launcher.launch_id) == []
 
 
-def _slurm_launch(tmp_path, monkeypatch, fake_command, fault, **env):
+def _slurm_launch(tmp_path, monkeypatch, fake_command, fault, **env):  # with the fake_slurm fixture
     """3 active + 1 buffer over the fake srun; returns (exit code, report, srun command lines)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    _tool(bin_dir / "srun", HERE / "fake_srun.py")
-    _tool(bin_dir / "scontrol", HERE / "fake_scontrol.py")
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
     monkeypatch.setenv("MULA_FAULT", fault)
     monkeypatch.setenv("FAKE_STEPS", "5")
     for key, value in env.items():
@@ -81,6 +70,7 @@ def _slurm_launch(tmp_path, monkeypatch, fake_command, fault, **env):
     return code, report, [next(a for a in line if a.startswith("--nodelist=")) for line in lines]
 
 
+@pytest.mark.usefixtures("fake_slurm")
 def test_srun_abort_and_segfault_wordings_make_a_suspect_not_a_lost_node(tmp_path, monkeypatch, fake_env, fake_command):
     """srun's "task 1: Aborted (core dumped)" (NCCL's watchdog on a healthy rank): node2 is a suspect after the first
     (the relaunch keeps it) and is taken out only when it fails first again in that relaunch; the second relaunch runs
@@ -95,6 +85,7 @@ def test_srun_abort_and_segfault_wordings_make_a_suspect_not_a_lost_node(tmp_pat
     assert nodelists == ["--nodelist=node1,node2,node3"] * 2 + ["--nodelist=node1,node4,node3"]
 
 
+@pytest.mark.usefixtures("fake_slurm")
 def test_srun_node_failure_line_is_a_lost_node_even_amid_invalid_bytes(tmp_path, monkeypatch, fake_env, fake_command):
     """1 MB of stderr with invalid UTF-8 bytes (and a 50 kB line without a newline) before srun's "Node failure on
     node2": the reader keeps reading (the step does not block on a full pipe), the node-failure line takes node2 out
@@ -129,16 +120,12 @@ def test_parse_srun_line_knows_the_real_wordings(line, host, code, node_failure)
         assert event.detail == "Something new in SLURM 27" and "Something new" in event.describe()
 
 
+@pytest.mark.usefixtures("fake_slurm")
 def test_a_hang_under_slurm_is_blamed_on_the_rank_that_fell_behind(tmp_path, monkeypatch, fake_env, fake_command):
     """Under SLURM no process state is visible from the launcher: node2's rank stops at step 2 (SIGSTOP), the others
     run on and report higher steps; after --hang-timeout the heartbeats say who fell behind, so node2 becomes a
     suspect (not a lost node) and the relaunch on the same nodes finishes."""
     monkeypatch.setenv("FAKE_STEPS", "4")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    _tool(bin_dir / "srun", HERE / "fake_srun.py")
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
     monkeypatch.setenv("MULA_FAULT", "hang@step=2,node=node2")
     options = LaunchOptions(
         command=fake_command, nnodes=3, buffer_nodes=1, backend="slurm", nodes=["node1", "node2", "node3", "node4"],
@@ -177,6 +164,7 @@ def test_no_kill_is_checked_with_scontrol(tmp_path, monkeypatch, kill_on_node_fa
         assert expected in warning and "sbatch --no-kill" in warning
 
 
+@pytest.mark.usefixtures("fake_slurm")
 def test_a_node_slurm_reports_down_is_lost_whatever_its_rank_printed(tmp_path, monkeypatch, fake_env, fake_command):
     """node2's rank exits 1 (alone that makes node2 a suspect), but SLURM reports node2 DOWN+NOT_RESPONDING after the
     failure: an unreachable node is hard evidence, node2 is taken out at once and the relaunch runs on node4."""

@@ -89,14 +89,19 @@ def test_the_examples_entry_point_is_the_guides_wrapper():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["local", "slurm"])
 def test_under_mula_launch_in_job_a_killed_rank_restarts_alone_and_the_losses_stay_bit_equal(
-    straight_run, tiny_data, tmp_path
+    straight_run, tiny_data, tmp_path, backend
 ):
     """docs/launch.md's Fabric launch (2 nodes x 1 rank, 1 buffer node; rank 1's node killed at step 4), at the tiny
     scale: the example's heartbeats let the launcher restart rank 1 in-job on the buffer node while rank 0 keeps its
     process; both resume from the slot of step 2 (the launch report's cost split says so) and every loss of both
     attempts, steps 3 and 4 done twice, equals the straight run's bit for bit; the run ends at step 6 and nothing of
-    the launch is left running."""
+    the launch is left running. Under ``--backend slurm`` too (tests/launch/fake_srun.py: tasks get SLURM's variables
+    only): the ranks run through the task shim, Fabric reads SLURMEnvironment, rank 1 starts again in a one-task
+    ``srun --overlap`` step on the buffer node and rejoins the store the launcher hosts. Locally a NaN follows in the
+    restarted attempt (rank 0's gradients at step 5): the example's NonFiniteCheck stops both ranks before the
+    update, names rank 0 on node0 in its report, and the full relaunch resumes from the slot of step 4, bit-equal."""
     words = shlex.split(doc_block("launch-in-job-fabric").text.replace("\\\n", " "))
     fault = next(w.split("=", 1)[1] for w in words if w.startswith("MULA_FAULT="))
     cut = words.index("--")
@@ -105,18 +110,42 @@ def test_under_mula_launch_in_job_a_killed_rank_restarts_alone_and_the_losses_st
     command = [sys.executable, str(EXAMPLE), *command[2:], *TINY, "--out_dir", str(tmp_path / "fabric")]
     command[command.index("--data_dir") + 1] = str(tiny_data)
     argv = [sys.executable, "-m", "mula_lightning.cli", "launch", *own, "--hang-timeout", "60", "--grace", "2"]
-    env = {**_env(), "MULA_FAULT": fault}
+    nan = backend == "local"  # a NaN in attempt 1 too (once: a relaunch's cost)
+    env = {**_env(), "MULA_FAULT": fault + (";nan@step=5,rank=0,attempt=1" if nan else "")}
+    if backend == "slurm":
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        for tool in ("srun", "scontrol"):
+            (bin_dir / tool).write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT}/tests/launch/fake_{tool}.py "$@"\n')
+            (bin_dir / tool).chmod(0o755)
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_SRUN_LOG=str(tmp_path / "srun.log"))
+        argv += ["--backend", "slurm", "--nodes", "node0,node1,node2", "--heartbeat-host", "127.0.0.1"]
     proc = subprocess.run([*argv, "--", *command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "launch" / "launch_report.json").read_text())
-    first, second = report["attempts"]
+    first, second = report["attempts"][:2]
     assert (second["started_by"], second["replaced_ranks"], second["nodes"]) == ("in-job", [1], ["node0", "node2"])
     assert second["pids"][0] == first["pids"][0] and second["pids"][1] != first["pids"][1]
-    (restart,) = report["restarts"]
+    restart = report["restarts"][0]
     assert restart["path"] == "in-job" and restart["resumed_from_step"] == 2
     assert all(v is not None and v >= 0 for v in restart["cost_s"].values()), restart
     (reference,) = _losses(straight_run[0])
-    before, after = _losses(tmp_path / "fabric")
-    assert sorted(before) == [1, 2, 3] and sorted(after) == [3, 4, 5, 6]  # killed before step 4's forward
-    assert {**before, **after} == reference and before[3] == after[3]
+    before, after, *relaunched = _losses(tmp_path / "fabric")
+    assert sorted(before) == [1, 2, 3] and before[3] == after[3]  # killed before step 4's forward
+    if nan:
+        texts = " ".join(e["text"] for e in report["events"])
+        assert [a["started_by"] for a in report["attempts"]] == ["launch", "in-job", "relaunch"]
+        assert "no in-job restart (a NaN ends every rank" in texts and report["restarts"][1]["resumed_from_step"] == 4
+        nan_report = json.loads((tmp_path / "fabric" / "nan" / "nan_report.json").read_text())
+        # rank 1 sees it too: rank 0's NaN reaches its experts' gradients through the all-to-all (one EP group)
+        assert nan_report["step"] == 4 and nan_report["ranks"][0]["host"] == "node0" and 0 in nan_report["bad_ranks"]
+        assert sorted(after) == [3, 4] and [sorted(r) for r in relaunched] == [[5, 6]]  # step 5 never applied
+        assert {**before, **after, **relaunched[0]} == reference
+    else:
+        assert sorted(after) == [3, 4, 5, 6] and relaunched == [] and {**before, **after} == reference
     assert launch_processes(report["settings"]["launch_id"]) == []
+    if backend == "slurm":
+        steps = [json.loads(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+        assert [s[:5] for s in steps if "--overlap" in s and "--rank" in s] == [
+            ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=node2"]
+        ]

@@ -66,7 +66,7 @@ def test_a_training_step_reads_the_device_once(tiny_data, tmp_path, progress_bar
     trainer.fit(MulaLM(model="mula-tiny-moe", model_overrides=TINY), MulaDataModule(str(tiny_data), micro_batch_size=2))
     reads, steps = counter.reads, counter.steps
     assert steps == 5
-    by_nan = reads.total(os.path.join("callbacks", "nan_detector.py"))
+    by_nan = reads.total(os.path.join("utils", "non_finite.py"))  # NaNDetector runs NonFiniteCheck
     by_experts = reads.total(CPU_ONLY_READ)
     by_lightning = reads.total(os.sep + "lightning" + os.sep)
     assert by_nan == steps, reads.sites

@@ -1,74 +1,23 @@
 """``NaNDetector``: find the rank whose loss or gradients went non-finite, stop every rank together, name the host.
 
 Why (Aurora paper, Section 4, "Soft node failure handling"): a failing accelerator can keep running and produce
-NaN/Inf locally. Once gradients are reduced the NaN is on every rank and nobody knows where it came from; one
-optimizer step later the weights are NaN, and the next checkpoint is poisoned. Lightning's own
-``check_finite_loss`` is never called by the Trainer and only looks at the loss.
-
-What runs, per rank:
-
-* before backward: ``isfinite(loss)`` (one small device op, no host sync);
-* during backward: a gradient hook on every parameter (``Tensor.register_hook`` runs *before* the gradient is
-  accumulated, i.e. before DDP's or :class:`~mula_lightning.parallel.sharded_optimizer.ShardedAdamW`'s bucket
-  hooks add it to a reduction) records, on the device, the order in which each tensor was first seen
-  non-finite: the flags describe this rank's local values, never reduced ones;
-* once per optimizer step, before the update (``on_before_optimizer_step``, which Lightning calls before
-  clipping and before the optimizer's update): one all-reduce of one int per rank (the fused "this rank saw a
-  non-finite value" flag), i.e. one collective and one host sync per step.
-
-On detection every rank knows the offending ranks from that single all-reduce, so all leave together (nobody is
-left waiting in a collective): the offending ranks' details are gathered, rank 0 writes the JSON report and
-appends one line per offending host to the failed-hosts file (and to ``MULA_FAILED_HOSTS_FILE`` when ``mula launch``
-set it): ``HOST step=S ranks=R,.. ep_groups=G,.. bad=B world=W``, from which the launcher tells a node's fault (one
-host, or one expert-parallel group: a NaN crosses the dispatch all-to-all within the group) from the model's or the
-data's (several at once: nobody is evicted), and
-every rank exits with :data:`NAN_EXIT_CODE` without running the optimizer step, so the weights and every later
-checkpoint stay clean (no hook of any other callback runs after the event). Hosts are named by
-``MULA_NODE_NAME`` when set (simulated nodes), else the hostname.
+NaN/Inf locally; once gradients are reduced the NaN is on every rank and nobody knows where it came from. The check
+itself (gradient hooks, one all-reduce of one flag per optimizer step, the report, ``nan_events.jsonl`` for
+``mula launch``, every rank exiting with :data:`NAN_EXIT_CODE` before the update) is
+:class:`~mula_lightning.utils.non_finite.NonFiniteCheck`, which a Fabric loop uses directly; this callback drives it
+from Lightning's hooks: the model is watched in ``on_fit_start`` (after the strategy set it up), the loss in
+``on_before_backward``, the per-step check runs in ``on_before_optimizer_step`` (before clipping and the update).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import sys
-import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from mula_lightning.parallel.params import local_tensor
-from mula_lightning.utils.dist import all_gather_object, flag_device, is_distributed
-from mula_lightning.utils.io import atomic_write_text
-from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EVENTS_ENV, NAN_EXIT_CODE, NanRecord, host_name
-
-REPORT_NAME = "nan_report.json"
-FAILED_HOSTS_NAME = "failed_hosts.txt"
-NAN_EVENTS_NAME = "nan_events.jsonl"
-
-log = logging.getLogger(__name__)
-
-
-def _append_host(path: Path, host: str) -> None:
-    """Add ``host`` to a host list (one name per line, as ``srun --exclude=$(paste -sd, FILE)`` reads it), once."""
-    if path.exists() and host in path.read_text().split():
-        return
-    _append_line(path, host)
-
-
-def _append_line(path: Path, line: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from mula_lightning.utils.launch_env import FAILED_HOSTS_ENV, NAN_EXIT_CODE, host_name
+from mula_lightning.utils.non_finite import FAILED_HOSTS_NAME, NAN_EVENTS_NAME, REPORT_NAME, NonFiniteCheck
 
 
 class NaNDetector(Callback):
@@ -101,115 +50,34 @@ class NaNDetector(Callback):
         self.failed_hosts_file = Path(failed_hosts_file) if failed_hosts_file else self.report_dir / FAILED_HOSTS_NAME
         self.exit_code = int(exit_code)
         self.max_tensors = max_tensors
-        self._names: list[str] = []
-        self._first: torch.Tensor | None = None  # [0]: loss, [i + 1]: parameter i; 0 = finite so far
-        self._seq = 0
-        self._handles: list[Any] = []
-        self._loss: torch.Tensor | None = None
+        self.check: NonFiniteCheck | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Hook every trainable parameter; called after the strategy set the model up (parameters are final)."""
-        for handle in self._handles:
-            handle.remove()
-        params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in params]
-        self._first = torch.zeros(len(params) + 1, dtype=torch.int64, device=pl_module.device)
-        self._handles = [p.register_hook(partial(self._on_grad, i + 1)) for i, (_, p) in enumerate(params)]
+        if self.check is not None:
+            self.check.close()
+        ep_size = int(getattr(getattr(trainer.strategy, "topology", None), "ep_size", 1) or 1)
+        self.check = NonFiniteCheck(
+            self.report_dir,
+            self.failed_hosts_file,
+            self.exit_code,
+            self.max_tensors,
+            ep_size=ep_size,
+            local_rank=trainer.local_rank,
+        ).watch(pl_module)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        if self.check is not None:
+            self.check.close()
 
-    def _mark(self, index: int, value: torch.Tensor) -> None:
-        self._seq += 1
-        first = self._first[index]
-        self._first[index] = torch.where(~torch.isfinite(value).all() & (first == 0), self._seq, first)
-
-    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
-        self._mark(index, local_tensor(grad.detach()))  # a tensor-parallel gradient: this rank's part of it
-
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        self._loss = loss.detach()
-        self._mark(0, self._loss)
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self.check is not None:
+            self.check.loss(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """The per-step check: one all-reduce of one flag per rank; exit on every rank when any flag is set."""
-        distributed = is_distributed() and dist.get_world_size() > 1
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        device = flag_device() if distributed else self._first.device
-        flags = torch.zeros(world, dtype=torch.int32, device=device)
-        flags[rank] = (self._first > 0).any().to(device)
-        if distributed:
-            dist.all_reduce(flags)
-        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]  # the one host read of the step
-        if bad_ranks:
-            self._stop(trainer, pl_module, bad_ranks)
-        self._first.zero_()
-        self._seq = 0
-
-    def _local_report(self, trainer: Any, pl_module: Any, rank: int) -> dict[str, Any]:
-        first = self._first.tolist()
-        order = sorted((seq, i) for i, seq in enumerate(first) if seq > 0)
-        tensors = [("loss" if i == 0 else self._names[i - 1]) for _, i in order]
-        return {
-            "rank": rank,
-            "host": host_name(),
-            "device": str(pl_module.device),
-            "local_rank": trainer.local_rank,
-            "loss": None if self._loss is None else float(self._loss.float().item()),
-            "loss_finite": first[0] == 0,
-            "first_offending_tensors": [t for t in tensors if t != "loss"][: self.max_tensors],
-        }
-
-    def _stop(self, trainer: Any, pl_module: Any, bad_ranks: list[int]) -> None:
-        distributed = is_distributed() and dist.get_world_size() > 1
-        rank = dist.get_rank() if distributed else 0
-        mine = self._local_report(trainer, pl_module, rank) if rank in bad_ranks else None
-        offenders = [r for r in all_gather_object(mine) if r is not None]
-        report = {
-            "event": "non_finite",
-            "step": trainer.global_step,  # optimizer steps completed before the one that was skipped
-            "time": time.time(),
-            "world_size": dist.get_world_size() if distributed else 1,
-            "bad_ranks": bad_ranks,
-            "ranks": offenders,
-            "exit_code": self.exit_code,
-            "failed_hosts_file": str(self.failed_hosts_file),
-        }
-        if rank == 0:
-            self.report_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.report_dir / REPORT_NAME, json.dumps(report, indent=1))
-            events = [self.report_dir / NAN_EVENTS_NAME]
-            if os.environ.get(NAN_EVENTS_ENV) and Path(os.environ[NAN_EVENTS_ENV]) != events[0]:
-                events.append(Path(os.environ[NAN_EVENTS_ENV]))
-            ep_size = max(1, int(getattr(getattr(trainer.strategy, "topology", None), "ep_size", 1)))
-            for host in dict.fromkeys(r["host"] for r in offenders):
-                ranks = [r["rank"] for r in offenders if r["host"] == host]
-                line = NanRecord(
-                    host,
-                    step=trainer.global_step,
-                    ranks=ranks,
-                    ep_groups=sorted({r // ep_size for r in ranks}) if ep_size > 1 else [],
-                    bad=len(bad_ranks),
-                    world=report["world_size"],
-                ).line()
-                for path in events:
-                    _append_line(path, line)
-                _append_host(self.failed_hosts_file, host)
-        if distributed:
-            dist.barrier()  # the report is on disk before anyone leaves
-        where = ", ".join(
-            f"rank {r['rank']} on {r['host']} ({r['first_offending_tensors'][:2] or 'loss'})" for r in offenders
-        )
-        message = (
-            f"NaNDetector: non-finite values at step {trainer.global_step} from {where}; step skipped, exiting "
-            f"with code {self.exit_code} (report: {self.report_dir / REPORT_NAME})"
-        )
-        log.error(message)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(self.exit_code)  # now, on every rank: no later hook (checkpoint, logger) may run after the event
+        if self.check is not None:
+            self.check.step(trainer.global_step)
 
 
 __all__ = [

@@ -8,10 +8,7 @@ Both backends start one attempt on a list of nodes and report, as it happens, wh
   ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning, Fabric and
   plain ``torch.distributed`` code run unchanged. Each rank is the leader of its own process group, so stopping
   it also stops whatever it started (data-loader workers).
-* :class:`SlurmAttempt`: one ``srun --nodes N --nodelist ... --ntasks-per-node P`` step; SLURM starts the ranks
-  (Lightning's ``SLURMEnvironment`` reads the task variables; ``MASTER_ADDR`` / ``MASTER_PORT`` are set by the
-  launcher). Which ranks failed is read from ``srun``'s own report lines (``srun: error: HOST: task 3: Killed``,
-  ``... Exited with exit code 1``, ``Node failure on HOST``), which are passed through to the launcher's stderr.
+* :class:`~mula_lightning.launch.slurm_backend.SlurmAttempt`: ``srun`` steps (its own module).
 
 Stopping (both): SIGTERM (plus SIGCONT, so that a stopped process can act on it), then SIGKILL after the grace
 period; nothing is left running when :meth:`stop` returns.
@@ -22,18 +19,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LocalAttempt", "RankExit", "SlurmAttempt", "free_port", "parse_srun_line", "process_stopped"]
+__all__ = ["LocalAttempt", "RankExit", "free_port", "process_stopped", "signal_group"]
 
 
 @dataclass
@@ -92,7 +87,8 @@ def _mula_argv(command: Sequence[str]) -> list[str] | None:
     return None
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``pid`` (gone already: nothing to do)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 
@@ -159,7 +155,7 @@ class LocalAttempt:
                 proc.stdin.write(json.dumps(order).encode() + b"\n")
                 proc.stdin.close()
             except OSError:  # the spare died: try the next one
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 continue
             return proc
@@ -223,7 +219,7 @@ class LocalAttempt:
         now (a hang's victims are killed at detection and again with their node's ranks at the restart)."""
         for rank in ranks:
             if self.procs[rank][2].poll() is None:
-                _signal_group(self.procs[rank][2].pid, signal.SIGKILL)
+                signal_group(self.procs[rank][2].pid, signal.SIGKILL)
         for rank in ranks:
             self.procs[rank][2].wait()
         self._reported.update(ranks)  # the launcher's own kills are never reported as exits
@@ -232,9 +228,10 @@ class LocalAttempt:
         """The ranks whose process is running (stopped ones included)."""
         return [rank for _, rank, proc in self.procs if proc.poll() is None]
 
-    def stopped_ranks(self) -> list[int]:
-        """Ranks whose process is stopped (SIGSTOP: state ``T``)."""
-        return [rank for _, rank, proc in self.procs if proc.poll() is None and process_stopped(proc.pid)]
+    def stopped_ranks(self, among: Sequence[int] | None = None) -> list[int]:
+        """Ranks (of ``among``, default all) whose process is stopped (SIGSTOP: state ``T``)."""
+        wanted = set(range(self.world_size) if among is None else among)
+        return [r for _, r, proc in self.procs if r in wanted and proc.poll() is None and process_stopped(proc.pid)]
 
     @property
     def pids(self) -> list[int]:
@@ -265,141 +262,15 @@ class LocalAttempt:
         """SIGTERM (and SIGCONT) every rank's process group, SIGKILL what is left after ``grace_s``; reap all."""
         for _, _, proc in self.procs:
             if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGTERM)
-                _signal_group(proc.pid, signal.SIGCONT)
+                signal_group(proc.pid, signal.SIGTERM)
+                signal_group(proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not self.finished():
             time.sleep(0.05)
         for _, _, proc in self.procs:
-            _signal_group(proc.pid, signal.SIGKILL)  # also the group's other members, even if the leader exited
+            signal_group(proc.pid, signal.SIGKILL)  # also the group's other members, even if the leader exited
             proc.wait()
         for spare in self.spares:  # nothing of theirs to save: ended at once
-            _signal_group(spare.pid, signal.SIGKILL)
+            signal_group(spare.pid, signal.SIGKILL)
             spare.wait()
         self.spares = []
-
-
-# srun's report lines: "srun: error: nid001: task 3: Exited with exit code 1", "srun: error: nid001: tasks 0-3:
-# Killed", "srun: error: Node failure on nid002"
-_TASK_LINE = re.compile(r"srun: error: (?P<host>[^:\s]+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)$")
-_NODE_FAILURE = re.compile(r"srun: error: Node failure on (?P<host>\S+)")
-_EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
-# the wordings of strsignal() that srun prints for a task ended by a signal
-_SIGNAL_WORDS = {
-    "Killed": signal.SIGKILL,
-    "Terminated": signal.SIGTERM,
-    "Segmentation fault": signal.SIGSEGV,
-    "Aborted": signal.SIGABRT,
-    "Bus error": signal.SIGBUS,
-    "Illegal instruction": signal.SIGILL,
-    "Floating point exception": signal.SIGFPE,
-    "Interrupt": signal.SIGINT,
-    "Hangup": signal.SIGHUP,
-}
-
-
-def _task_ids(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def parse_srun_line(line: str) -> RankExit | None:
-    """One of srun's report lines as a :class:`RankExit` (``None`` for any other line)."""
-    match = _NODE_FAILURE.search(line)
-    if match:
-        return RankExit(match.group("host"), [], -int(signal.SIGKILL), node_failure=True)
-    match = _TASK_LINE.search(line.strip())
-    if not match:
-        return None
-    what = match.group("what").strip()
-    code_match = _EXIT_CODE.search(what)
-    detail = ""
-    if code_match:
-        code = int(code_match.group(1))
-    else:  # "Killed", "Aborted (core dumped)", "Segmentation fault", ...: the task was killed by a signal
-        sig = _SIGNAL_WORDS.get(what.split(" (")[0])
-        code = -int(sig) if sig is not None else 1  # an unknown wording is an ordinary failure, never a lost node
-        detail = "" if sig is not None else what
-    return RankExit(match.group("host"), _task_ids(match.group("tasks")), code, detail=detail)
-
-
-class SlurmAttempt:
-    """One ``srun`` step over ``nodes``; its report lines say which ranks ended and how."""
-
-    def __init__(
-        self,
-        command: Sequence[str],
-        nodes: Sequence[str],
-        nproc_per_node: int,
-        env: Mapping[str, str],
-        srun: str = "srun",
-        extra_args: Sequence[str] = (),
-    ) -> None:
-        self.nodes = list(nodes)
-        port = free_port()
-        self.argv = [
-            srun,
-            f"--nodes={len(self.nodes)}",
-            f"--nodelist={','.join(self.nodes)}",
-            f"--ntasks-per-node={nproc_per_node}",
-            f"--ntasks={len(self.nodes) * nproc_per_node}",
-            *extra_args,
-            *command,
-        ]
-        step_env = {**env, "MASTER_ADDR": self.nodes[0], "MASTER_PORT": str(port)}
-        self.proc = subprocess.Popen(self.argv, env=step_env, stderr=subprocess.PIPE, start_new_session=True)
-        self._lock = threading.Lock()
-        self._pending: list[RankExit] = []
-        self._reader = threading.Thread(target=self._read, name="srun-stderr", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        """Drain srun's stderr to the end whatever it holds: bytes, split on newlines (a line of any length),
-        decoded with replacement; a failure to echo or parse one line never stops the reading (a reader that died
-        would let the pipe fill and block every rank that writes to stderr)."""
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            with contextlib.suppress(Exception):
-                sys.stderr.write(line)  # srun's and the ranks' stderr reach the user
-            try:
-                event = parse_srun_line(line)
-            except Exception:  # noqa: BLE001 - a line that does not parse is not a report line
-                event = None
-            if event is not None:
-                with self._lock:
-                    self._pending.append(event)
-
-    def poll(self) -> list[RankExit]:
-        code = self.proc.poll()
-        if code is not None:
-            self._reader.join(timeout=5)
-        with self._lock:
-            ended, self._pending = self._pending, []
-        if code not in (None, 0) and not ended and not getattr(self, "_exit_reported", False):
-            self._exit_reported = True  # srun failed without naming a task (a refused step, a bad node list)
-            ended.append(RankExit("", [], code))  # no host to blame
-        return ended
-
-    def finished(self) -> bool:
-        return self.proc.poll() is not None
-
-    def succeeded(self) -> bool:
-        return self.proc.poll() == 0
-
-    def stopped_hosts(self) -> list[str]:
-        return []  # not visible from the batch host
-
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM srun (it forwards the signal to every task), SIGKILL after ``grace_s`` (SLURM then ends the
-        step's tasks itself)."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._reader.join(timeout=5)

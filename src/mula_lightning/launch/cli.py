@@ -50,7 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", default="", help="node names, comma-separated (default: the SLURM allocation, or node0..)"
     )
     parser.add_argument("--srun", default="srun", help="the srun executable (slurm backend)")
-    parser.add_argument("--srun-args", default="", help="extra srun arguments, space-separated")
+    parser.add_argument(
+        "--srun-args", default="", help="extra srun arguments, space-separated (--srun-args='--mpi=none ...')"
+    )
+    parser.add_argument(
+        "--srun-replace-args",
+        default="",
+        help="with --in-job --backend slurm: extra srun arguments of the one-task step that restarts a rank "
+        "(e.g. --srun-replace-args='--gpus-per-node=4'), space-separated",
+    )
     parser.add_argument("--heartbeat-host", default="", help="this host's address as the ranks reach it (slurm)")
     parser.add_argument(
         "--straggler-reports",
@@ -61,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--in-job",
         action="store_true",
-        help="restart a failed rank inside the running job (local backend; mula fit, or a Fabric script whose main "
-        "runs in run_loop_in_job): the other processes stay, "
+        help="restart a failed rank inside the running job (mula fit, or a Fabric script whose main runs in "
+        "run_loop_in_job; under slurm in a one-task srun step beside the job's): the other processes stay, "
         "rejoin and reload (the launcher hosts the job's store, so rank 0 too); a NaN and a second fault during a "
         "restart fall back to a relaunch",
     )
@@ -119,6 +127,7 @@ def main(argv: Sequence[str]) -> int:
         nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
         srun=args.srun,
         srun_args=args.srun_args.split(),
+        srun_replace_args=args.srun_replace_args.split(),
         heartbeat_host=heartbeat_host,
         straggler_reports=args.straggler_reports,
         in_job=args.in_job,

@@ -25,14 +25,15 @@ While an attempt runs, the launcher also reads ``stragglers.jsonl`` (``MULA_STRA
 reports in a row is *slow*; the run goes on, and the next attempt, when a failure causes one, runs on a buffer node
 in its place if one is free.
 
-With ``in_job`` (``--in-job``, local backend, ``mula fit`` or a script under ``run_loop_in_job``) a failure is first
+With ``in_job`` (``--in-job``, ``mula fit`` or a script under ``run_loop_in_job``) a failure is first
 offered to the in-job restart: the verdict is applied as for a relaunch, then the failed ranks' processes (all ranks
 of a node taken out) are killed, the next attempt is announced in ``REPORT_DIR/in_job.json`` and only those ranks
-get new processes (warm spares where ready, on a buffer node for a node taken out), while every other rank keeps its
+get new processes (warm spares where ready; under SLURM one-task ``srun --overlap`` steps,
+:mod:`~mula_lightning.launch.slurm_backend`; on a buffer node for a node taken out), while every other rank keeps its
 process and rejoins (:mod:`mula_lightning.utils.in_job_restart`). It falls back to the relaunch below, saying why,
 for a NaN, a second failure before the restarted attempt reloaded, ranks that already finished, a hang with nobody to
 blame, no buffer node, the last restart, a loss of the job's store (which the launcher hosts in a process of its own,
-:mod:`~mula_lightning.launch.store_host`, so that rank 0 restarts in-job like any other rank), or the SLURM backend.
+:mod:`~mula_lightning.launch.store_host`, so that rank 0 restarts in-job like any other rank).
 
 Then every process of the attempt is stopped (SIGTERM, SIGKILL after ``grace_s``; none is left), N healthy nodes
 are chosen among active + buffer - failed, and the command is relaunched. Every attempt of ``mula fit``, the first
@@ -68,12 +69,13 @@ from mula_lightning.launch.attribution import (
     attribute_unreachable,
     parse_nan_line,
 )
-from mula_lightning.launch.backends import LocalAttempt, RankExit, SlurmAttempt
+from mula_lightning.launch.backends import LocalAttempt, RankExit
 from mula_lightning.launch.heartbeat_server import HeartbeatServer
 from mula_lightning.launch.hostlist import allocation_nodes, no_kill_warning, unreachable_nodes
 from mula_lightning.launch.in_job import InJobRestarts
 from mula_lightning.launch.node_pool import NodePool, OutOfNodesError
 from mula_lightning.launch.report import AttemptRecord, LaunchReport
+from mula_lightning.launch.slurm_backend import SlurmAttempt
 from mula_lightning.launch.store_host import StoreHost
 from mula_lightning.utils.launch_env import (
     ATTEMPT_ENV,
@@ -137,6 +139,7 @@ class LaunchOptions:
     spares: int | None = None  # warm spares under --in-job; None: one node's worth (nproc_per_node)
     rejoin_timeout_s: float = 300.0  # an in-job restart not reloaded on every rank by then falls back to a relaunch
     collective_timeout_s: float = 0.0  # in-job: the attempts' collectives time out after this (0: --startup-timeout)
+    srun_replace_args: list[str] = field(default_factory=list)  # in-job, slurm: srun options of a replacement's step
 
     def check(self) -> None:
         """Refuse values that cannot work, naming them."""
@@ -222,7 +225,7 @@ class Launcher(InJobRestarts):
         settings = {k: v for k, v in asdict(options).items() if k != "command"}
         settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
         self.report = LaunchReport(self.report_dir, settings)
-        self.store = StoreHost()  # the job's store under --in-job (local backend), started with the first attempt
+        self.store = StoreHost(self._store_address())  # the job's store under --in-job, started with attempt 0
         self.world_size = options.nnodes * options.nproc_per_node
         self.saved = False  # a rank reported a checkpoint saved during this launch
         self._previous_nan: list[NanRecord] = []  # the NaN records of the previous attempt, if it stopped on NaN
@@ -257,12 +260,6 @@ class Launcher(InJobRestarts):
         self._stragglers_offset = self.stragglers_file.stat().st_size
         if opts.backend == "slurm" and (warning := no_kill_warning()) is not None:
             self.report.event(f"warning: {warning}", no_kill=False)
-        if opts.in_job and opts.backend != "local":
-            self.report.event(
-                f"warning: --in-job needs the local backend (one srun step starts every rank: a rank cannot be "
-                f"started alone in it); under --backend {opts.backend} every failure is a full relaunch",
-                in_job=False,
-            )
         previous: AttemptRecord | None = None  # the attempt before, when it failed
         attempt = 0
         while True:
@@ -343,13 +340,24 @@ class Launcher(InJobRestarts):
 
     def _start(self, command: list[str], nodes: list[str], env: dict[str, str], attempt: int) -> Any:
         opts = self.options
-        if opts.backend == "slurm":
-            return SlurmAttempt(command, nodes, opts.nproc_per_node, env, srun=opts.srun, extra_args=opts.srun_args)
         port = None
         if self._hosts_store():
             if self.store.port is not None and not self.store.alive():
                 self.report.event(f"the job's store ended (port {self.store.port}): a new one serves attempt {attempt}")
             port = self.store.ensure({**os.environ, LAUNCH_ID_ENV: self.launch_id})
+        if opts.backend == "slurm":
+            return SlurmAttempt(
+                command,
+                nodes,
+                opts.nproc_per_node,
+                env,
+                srun=opts.srun,
+                extra_args=opts.srun_args,
+                in_job=opts.in_job,
+                control_dir=self.report_dir / "slurm" / f"attempt{attempt}",
+                master=(self.store.host, port) if port is not None else None,
+                replace_args=opts.srun_replace_args,
+            )
         return LocalAttempt(
             self._local_command(command),
             nodes,
@@ -361,9 +369,18 @@ class Launcher(InJobRestarts):
         )
 
     def _hosts_store(self) -> bool:
-        """Whether the launcher hosts the job's store (:mod:`~mula_lightning.launch.store_host`): under ``--in-job``
-        with the local backend, so that rank 0 restarts in-job like any other rank."""
-        return self.options.in_job and self.options.backend == "local"
+        """Whether the launcher hosts the job's store (:mod:`~mula_lightning.launch.store_host`): under ``--in-job``,
+        so that rank 0 restarts in-job like any other rank."""
+        return self.options.in_job
+
+    def _store_address(self) -> str:
+        """The address the ranks reach the job's store at: this host's (``--heartbeat-host``, else its name) under
+        SLURM, where the ranks run on other nodes; loopback for the local backend."""
+        if self.options.backend != "slurm":
+            return "127.0.0.1"
+        import socket
+
+        return self.options.heartbeat_host or socket.gethostname()
 
     @staticmethod
     def _local_command(command: list[str]) -> list[str]:
@@ -409,6 +426,8 @@ class Launcher(InJobRestarts):
                     steps[rank] = int(beat["step"])
             if len(records) == self.world_size and not any(b.get("phase") == "setup" for b in records.values()):
                 self._restarting = False
+                if -1 in record.pids or len(record.pids) != self.world_size:  # SLURM: known once the ranks beat
+                    record.pids = [int(records[r].get("pid", -1)) for r in range(self.world_size)]
                 if hasattr(handle, "fill_spares") and handle.fill_spares():  # the ranks are up: warm the spares
                     self.report.write()
             self._read_stragglers(record)
@@ -423,8 +442,10 @@ class Launcher(InJobRestarts):
                 bad = []
             hang = None if bad or handle.finished() else self._hang(seen, records, exited_ok, start, now)
             if bad or hang is not None:
-                if bad:
-                    after = self._on_exit_failure(handle, record, bad, events_offset, exited_ok, server)
+                if bad:  # a rank that reported the end of training cannot rejoin either (under SLURM its exit 0
+                    # is known only once the whole step ended)
+                    done = exited_ok | {r for r, b in records.items() if b.get("phase") == "end"}
+                    after = self._on_exit_failure(handle, record, bad, events_offset, done, server)
                 else:
                     after = self._on_hang(handle, record, hang, records, steps, now, server)  # type: ignore[arg-type]
                 if after is None:
@@ -604,13 +625,15 @@ class Launcher(InJobRestarts):
         silent, since = hang
         record.failure_at = time.time() - (now - since)
         record.detected_at = time.time()
-        stopped = handle.stopped_hosts()
-        victims = list(getattr(handle, "stopped_ranks", list)())
+        victims = list(handle.stopped_ranks(silent)) if hasattr(handle, "stopped_ranks") else []
+        per_node = self.options.nproc_per_node
+        stopped = list(dict.fromkeys(record.nodes[r // per_node] for r in victims)) or handle.stopped_hosts()
         known = {r: steps[r] for r in silent if r in steps}
         if not victims and known and min(known.values()) < max(steps.values()):
             victims = [r for r, step in known.items() if step == min(known.values())]
         unknown = "" if victims else "no rank of the hang is known to be the one that stopped"
-        refusal = self._in_job_refusal(handle, victims, set(), unknown)
+        finished = {r for r, b in records.items() if b.get("phase") == "end"} - set(victims)
+        refusal = self._in_job_refusal(handle, victims, finished, unknown)
         if refusal is None:
             handle.kill(victims)  # the survivors' collectives with them fail now: they rejoin
         else:

@@ -207,7 +207,7 @@ class HeartbeatClient:
         if not self.enabled:
             return
         self._saved |= bool(saved)
-        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) if rank is None else rank
         self._seq += 1
         now = time.time()
         if self._resumed_from is None and phase != "setup":  # a setup beat comes before the checkpoint is loaded

@@ -75,7 +75,8 @@ class LaunchedLoop:
         self.faults.before_step(step, self.rank, self.local_rank)
 
     def poison(self, loss: Any) -> None:
-        """Before ``loss``'s backward: a ``nan`` fault of this step makes this rank's gradients NaN."""
+        """Before ``loss``'s backward: a ``nan`` fault of this step makes this rank's gradients NaN (which a
+        :class:`~mula_lightning.utils.non_finite.NonFiniteCheck` of the loop then stops every rank on)."""
         self.faults.poison(loss)
 
     def step_done(self, step: int, saved: bool = False) -> None:
