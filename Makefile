@@ -36,7 +36,7 @@ fuzz: venv
 	$(PY) scripts/fuzz_loops.py --minutes $(MINUTES) --out fuzz-failures
 
 # `mula launch` through FAULTS faults of mixed kinds (kill, hang, NaN, abort, exception, full disk, slow rank) drawn
-# from SEED, ending bit-equal to a straight run; prints the table of BENCHMARKS.md (make test runs 5 of them).
+# from SEED, ending bit-equal to a straight run; prints the table of BENCHMARKS.md (make test runs 9 of them).
 # IN_JOB=1: mula launch --in-job (failed ranks restarted inside the running job, the others kept).
 FAULTS ?= 100
 SEED ?= 0

@@ -89,7 +89,7 @@ def test_a_stopped_rank_is_found_on_its_node_and_restarted_in_job(slurm_in_job, 
     """Rank 1 SIGSTOPped at step 3: after the hang timeout the launcher reads /proc/PID/stat of the silent ranks on
     their nodes through srun, finds rank 1 stopped, SIGKILLs it there (srun ... kill -KILL PID), and starts it
     alone in-job; the others keep their processes and the run finishes."""
-    code, report, lines = slurm_in_job("hang@step=3,rank=1", FAKE_STEPS="60")  # the others run on for 3 s
+    code, report, lines = slurm_in_job("hang@step=3,rank=1", FAKE_STEPS="40")  # the others run on for 3 s
     assert code == 0 and report["outcome"] == "succeeded", report["events"]
     first, second = report["attempts"]
     assert first["outcome"] == "hang" and "stopped on node1" in first["reason"] and second["replaced_ranks"] == [0, 1]
