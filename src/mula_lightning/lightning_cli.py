@@ -287,6 +287,7 @@ def _run_stage(args: list[str]) -> int:
     import signal
 
     from mula_lightning.callbacks.graceful_stop import GracefulStop
+    from mula_lightning.utils.dist import release_process_groups
     from mula_lightning.utils.run_failure import RunFailure
     from mula_lightning.utils.stop_request import signal_exit_code
 
@@ -305,6 +306,7 @@ def _run_stage(args: list[str]) -> int:
             raise RunFailure(err) from err
         raise
     stops = [c for c in getattr(cli.trainer, "callbacks", []) if isinstance(c, GracefulStop)]
+    release_process_groups()  # the stage ended on every rank: the groups go now, not at the interpreter's exit
     return max((stop.exit_code for stop in stops), default=0)
 
 

@@ -102,7 +102,8 @@ def _child_main(
         )
         value = fn(rank, world_size, **kwargs)
         message = ("ok", pickle.dumps(value), time.time())
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``fn`` may have ended the groups itself (a finished ``mula fit`` does)
+            dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything, including SystemExit, must reach the parent
         message = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time())
     try:

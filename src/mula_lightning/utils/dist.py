@@ -11,7 +11,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_object", "all_true", "broadcast_object", "flag_device", "is_distributed", "rank_world"]
+__all__ = [
+    "all_gather_object",
+    "all_true",
+    "broadcast_object",
+    "flag_device",
+    "is_distributed",
+    "rank_world",
+    "release_process_groups",
+]
 
 
 def is_distributed() -> bool:
@@ -22,6 +30,16 @@ def is_distributed() -> bool:
 def rank_world() -> tuple[int, int]:
     """``(rank, world size)`` of the default group; ``(0, 1)`` without one."""
     return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def release_process_groups() -> None:
+    """Destroy every process group of this process (and so drop its store) now, before the interpreter's shutdown
+    does: a group or store left to shutdown is freed in no set order with the other threads' objects and has ended a
+    rank that had finished training with ``terminate called without an active exception`` (SIGABRT), an exit the
+    launcher takes for a fault. Only once the ranks' collectives are over (a finished stage): a group with a peer
+    still inside a collective waits for it in the shutdown."""
+    if is_distributed():
+        dist.destroy_process_group()
 
 
 def flag_device(group: Any = None) -> torch.device:
