@@ -1,7 +1,7 @@
 """`mula launch` around real `mula fit` runs (tiny MoE, 3 simulated nodes x 1 rank + 1 buffer, gloo, epso): a launch
 that runs out of nodes keeps its last checkpoint and the requeued launch resumes from it on its first attempt; a
-user's --ckpt_path is kept until the run saved its own slot; the guide's drill is a valid launch. Nodes killed,
-stopped, producing NaN, a full disk and a slow rank in one run: tests/launch/test_drill.py."""
+user's --ckpt_path is kept until the run saved its own slot; the guide's drill is a valid launch. Ranks aborted,
+raising, stopped and a node killed in one in-job run: tests/launch/test_drill.py."""
 
 import json
 import os
