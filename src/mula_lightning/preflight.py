@@ -17,7 +17,8 @@ from every rank after the processes and process groups are up:
 * a resume (:func:`check_resume`): the slot ``ckpt_path`` names (``last``: the newest of the ``DualCheckpoint``
   folder) is not already at ``max_steps`` (a finished run resumed trains nothing and ends "successfully": a launch
   drill run after the quick start in the same folder did exactly that), and the launching process says which slot and
-  step the run resumes from.
+  step the run resumes from. A relaunch by ``mula launch`` whose slot was saved by the same launch is let through (the
+  run finished and a rank failed at its exit: the relaunch ends at once, and the launch succeeds).
 
 The same checks run again where they always ran (``MulaLM.setup``, the strategy's setup), so a module used without
 the CLI keeps them; here they only run earlier. Everything runs in every process the Trainer starts as well, cheaply.
@@ -25,6 +26,7 @@ the CLI keeps them; here they only run earlier. Everything runs in every process
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mula_lightning.checkpoint.init_source import MODEL_ONLY, InitWeights
@@ -112,6 +114,11 @@ def check_resume(trainer: Any, ckpt_path: str | None) -> str | None:
     if marker is None:
         return f"resuming from {slot}"
     step, max_steps = int(marker["step"]), int(trainer.max_steps)
+    if 0 < max_steps <= step and ckpt_path == "last" and _saved_by_this_launch(marker):
+        return (
+            f"{slot} is at step {step} of max_steps {max_steps}, saved by an earlier attempt of this launch: the run "
+            "is complete (a rank failed after its last save): nothing is trained"
+        )
     if 0 < max_steps <= step:
         raise ValueError(
             f"--ckpt_path {ckpt_path}: {slot} is at step {step} and trainer.max_steps is {max_steps}: nothing to "
@@ -119,3 +126,18 @@ def check_resume(trainer: Any, ckpt_path: str | None) -> str | None:
         )
     of = f" of max_steps {max_steps}" if max_steps > 0 else ""
     return f"resuming from {slot} (step {step}{of})"
+
+
+def _saved_by_this_launch(marker: dict[str, Any]) -> bool:
+    """Whether a slot's marker was written during this ``mula launch`` (an attempt after its first): its ranks all
+    finished and one failed at its exit, so the launcher's relaunch finds the run complete; a requeued or new launch
+    (a later start) still gets the refusal."""
+    from mula_lightning.utils.launch_env import ATTEMPT_ENV, LAUNCH_STARTED_ENV
+
+    try:
+        attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        started = float(os.environ.get(LAUNCH_STARTED_ENV, "") or "inf")
+        written = float(marker.get("time") or 0.0)
+    except ValueError:
+        return False
+    return attempt > 0 and written >= started

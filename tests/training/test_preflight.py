@@ -226,3 +226,28 @@ def test_the_launching_process_says_what_a_fit_resumes_from(tiny_config, tmp_pat
     assert check_resume(trainer, "last") == f"resuming from {slot} (step 6 of max_steps 10)"
     assert check_resume(trainer, str(slot)) == f"resuming from {slot} (step 6 of max_steps 10)"
     assert check_resume(trainer, None) is None
+
+
+def test_a_relaunch_finds_the_run_its_own_launch_completed_and_a_later_launch_is_still_refused(tmp_path, monkeypatch):
+    """A slot at ``max_steps`` marked after ``MULA_LAUNCH_STARTED`` is the run this launch finished (its ranks all
+    ended, one failed at its exit): attempt 1's ``--ckpt_path last`` is let through with a line saying the run is
+    complete. The same slot refuses the launch's first attempt, a launch started after it (a requeue, a resubmission)
+    and a path named by the user, as before."""
+    from mula_lightning.callbacks import DualCheckpoint
+    from mula_lightning.preflight import check_resume
+    from mula_lightning.utils.launch_env import ATTEMPT_ENV, LAUNCH_STARTED_ENV
+
+    trainer = Trainer(max_steps=6, callbacks=[DualCheckpoint(tmp_path / "checkpoints" / "dual", 2)], logger=False)
+    slot = _finished_run(tmp_path, 6)
+    (slot / "COMPLETE.json").write_text(json.dumps({"step": 6, "files": {}, "time": 1000.0}))
+    refused = "is at step 6 and trainer.max_steps is 6: nothing to train"
+    monkeypatch.setenv(LAUNCH_STARTED_ENV, "999.5")
+    monkeypatch.setenv(ATTEMPT_ENV, "1")
+    assert "saved by an earlier attempt of this launch: the run is complete" in check_resume(trainer, "last")
+    with pytest.raises(ValueError, match=refused):
+        check_resume(trainer, str(slot))  # the user's own path: their mistake, whoever launched it
+    for attempt, started in (("0", "999.5"), ("1", "1000.5"), ("1", "")):
+        monkeypatch.setenv(ATTEMPT_ENV, attempt)
+        monkeypatch.setenv(LAUNCH_STARTED_ENV, started)
+        with pytest.raises(ValueError, match=refused):
+            check_resume(trainer, "last")

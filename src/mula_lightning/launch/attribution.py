@@ -138,7 +138,7 @@ def attribute_hang(
     silent: Sequence[int], records: dict[int, dict[str, Any]], steps: dict[int, int], stopped_hosts: Sequence[str]
 ) -> Verdict:
     """The verdict for a hang: ``silent`` ranks sent nothing for the timeout; ``records`` / ``steps`` are every
-    rank's last heartbeat record and step; ``stopped_hosts`` are hosts with a stopped process (local backend)."""
+    rank's last heartbeat record and step; ``stopped_hosts`` are the hosts of its stopped ranks (either backend)."""
     if stopped_hosts:
         why = {h: "hang: a rank stopped (no progress, process state T)" for h in stopped_hosts}
         return Verdict(LOST, f"a rank stopped on {', '.join(stopped_hosts)}", lost=list(stopped_hosts), why=why)

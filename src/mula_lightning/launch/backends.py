@@ -254,10 +254,6 @@ class LocalAttempt:
     def succeeded(self) -> bool:
         return all(proc.poll() == 0 for _, _, proc in self.procs)
 
-    def stopped_hosts(self) -> list[str]:
-        """Hosts with a rank that is stopped (a SIGSTOPped process makes no progress and never exits)."""
-        return list(dict.fromkeys(h for h, _, p in self.procs if p.poll() is None and process_stopped(p.pid)))
-
     def stop(self, grace_s: float) -> None:
         """SIGTERM (and SIGCONT) every rank's process group, SIGKILL what is left after ``grace_s``; reap all."""
         for _, _, proc in self.procs:

@@ -86,6 +86,7 @@ from mula_lightning.utils.launch_env import (
     IN_JOB_OP_TIMEOUT_ENV,
     IN_JOB_TIMEOUT_ENV,
     LAUNCH_ID_ENV,
+    LAUNCH_STARTED_ENV,
     NAN_EVENTS_ENV,
     NAN_EXIT_CODE,
     STRAGGLERS_ENV,
@@ -222,6 +223,7 @@ class Launcher(InJobRestarts):
         self._stragglers_offset = 0  # bytes of it already read
         self._straggler_streak: dict[str, int] = {}  # host -> reports in a row that named it (this attempt)
         self.launch_id = uuid.uuid4().hex[:12]
+        self.started = time.time()  # a slot marked after it was saved by this launch (``mula fit``'s resume check)
         settings = {k: v for k, v in asdict(options).items() if k != "command"}
         settings.update(command=list(options.command), nodes=list(self.pool.nodes), launch_id=self.launch_id)
         self.report = LaunchReport(self.report_dir, settings)
@@ -327,6 +329,7 @@ class Launcher(InJobRestarts):
             NAN_EVENTS_ENV: str(self.nan_events_file.resolve()),
             STRAGGLERS_ENV: str(self.stragglers_file.resolve()),
             LAUNCH_ID_ENV: self.launch_id,
+            LAUNCH_STARTED_ENV: f"{self.started:.3f}",
         }
         env.pop(IN_JOB_ENV, None)
         env.pop(HOSTED_STORE_ENV, None)
@@ -627,7 +630,7 @@ class Launcher(InJobRestarts):
         record.detected_at = time.time()
         victims = list(handle.stopped_ranks(silent)) if hasattr(handle, "stopped_ranks") else []
         per_node = self.options.nproc_per_node
-        stopped = list(dict.fromkeys(record.nodes[r // per_node] for r in victims)) or handle.stopped_hosts()
+        stopped = list(dict.fromkeys(record.nodes[r // per_node] for r in victims))  # a stopped rank is silent
         known = {r: steps[r] for r in silent if r in steps}
         if not victims and known and min(known.values()) < max(steps.values()):
             victims = [r for r, step in known.items() if step == min(known.values())]

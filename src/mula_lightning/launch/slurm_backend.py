@@ -306,19 +306,23 @@ class SlurmAttempt:
             if where is not None:
                 orders.setdefault(where[0], ["kill", "-KILL"]).append(str(where[1]))
         self._on_nodes(orders, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._unreported += self._collect()
-            waiting = [r for r in live if r not in self._ended]
-            if not waiting or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for rank in waiting:
+        for rank in self._unreported_after(live, timeout_s):
             step, _ = self._owner[rank]
             if len(step.ranks) == 1:
                 signal_group(step.proc.pid, signal.SIGKILL)
             self._ended[rank] = -int(signal.SIGKILL)
             sys.stderr.write(f"mula launch: rank {rank}'s end was not reported within {timeout_s:g} s of its kill\n")
+
+    def _unreported_after(self, ranks: Sequence[int], timeout_s: float) -> list[int]:
+        """The ranks of ``ranks`` whose end srun has not reported within ``timeout_s`` (their reports collected
+        meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._unreported += self._collect()
+            waiting = [r for r in ranks if r not in self._ended]
+            if not waiting or time.monotonic() > deadline:
+                return waiting
+            time.sleep(0.05)
 
     def stopped_ranks(self, among: Sequence[int] | None = None) -> list[int]:
         """Ranks (of ``among``, default every live one) whose process is stopped (SIGSTOP: state ``T``), read from
@@ -338,11 +342,6 @@ class SlurmAttempt:
                 if pid.strip().isdigit() and state and state[0] in ("T", "t"):
                     stopped.add((host, int(pid)))
         return [r for r, w in where.items() if w in stopped]
-
-    def stopped_hosts(self) -> list[str]:
-        """Not read from here: probing every node is an srun each; the launcher asks :meth:`stopped_ranks` about
-        the silent ranks of a hang instead."""
-        return []
 
     def replace(
         self,

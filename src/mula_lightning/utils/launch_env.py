@@ -41,6 +41,7 @@ __all__ = [
     "IN_JOB_TIMEOUT_ENV",
     "HOSTED_STORE_ENV",
     "LAUNCH_ID_ENV",
+    "LAUNCH_STARTED_ENV",
     "NAN_EXIT_CODE",
     "STUCK_EXIT_CODE",
     "NODE_NAME_ENV",
@@ -73,6 +74,8 @@ NAN_EVENTS_ENV = "MULA_NAN_EVENTS_FILE"
 FAILED_HOSTS_ENV = "MULA_FAILED_HOSTS_FILE"
 #: one id per launch, in every rank's environment (finds the processes of a launch)
 LAUNCH_ID_ENV = "MULA_LAUNCH_ID"
+#: when the launch began (Unix time, the launcher's clock): a checkpoint slot marked after it was saved by this launch
+LAUNCH_STARTED_ENV = "MULA_LAUNCH_STARTED"
 #: where rank 0 of StragglerDetection appends its reports (``mula launch``: ``<report dir>/stragglers.jsonl``)
 STRAGGLERS_ENV = "MULA_STRAGGLERS_FILE"
 #: injected faults for drills and tests: ``kill@step=5,node=node1;...`` (see :func:`parse_faults`)
