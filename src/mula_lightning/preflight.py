@@ -32,6 +32,7 @@ from typing import Any
 from mula_lightning.checkpoint.init_source import MODEL_ONLY, InitWeights
 from mula_lightning.lightning_module import MulaLM, check_layout
 from mula_lightning.strategies.protocol import strategy_pipeline, strategy_tensor_parallel
+from mula_lightning.utils.launch_env import ATTEMPT_ENV, LAUNCH_STARTED_ENV
 
 __all__ = ["check_before_launch", "check_resume"]
 
@@ -132,8 +133,6 @@ def _saved_by_this_launch(marker: dict[str, Any]) -> bool:
     """Whether a slot's marker was written during this ``mula launch`` (an attempt after its first): its ranks all
     finished and one failed at its exit, so the launcher's relaunch finds the run complete; a requeued or new launch
     (a later start) still gets the refusal."""
-    from mula_lightning.utils.launch_env import ATTEMPT_ENV, LAUNCH_STARTED_ENV
-
     try:
         attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
         started = float(os.environ.get(LAUNCH_STARTED_ENV, "") or "inf")

@@ -628,7 +628,7 @@ class Launcher(InJobRestarts):
         silent, since = hang
         record.failure_at = time.time() - (now - since)
         record.detected_at = time.time()
-        victims = list(handle.stopped_ranks(silent)) if hasattr(handle, "stopped_ranks") else []
+        victims = list(handle.stopped_ranks(silent))
         per_node = self.options.nproc_per_node
         stopped = list(dict.fromkeys(record.nodes[r // per_node] for r in victims))  # a stopped rank is silent
         known = {r: steps[r] for r in silent if r in steps}

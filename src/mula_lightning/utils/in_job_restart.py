@@ -351,12 +351,11 @@ class RestartGroup:
     def close(self) -> None:
         """Destroy the process groups and drop the store (in the process that hosts it, its server ends), before the
         interpreter does: a store or group left to interpreter shutdown can end the process with ``terminate
-        called``."""
-        import torch.distributed as dist
+        called`` (:func:`~mula_lightning.utils.dist.release_process_groups`)."""
+        from mula_lightning.utils.dist import release_process_groups
 
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            release_process_groups()
         self.store = None
 
     def leave(self) -> None:
@@ -369,7 +368,7 @@ class RestartGroup:
         keeps it alive, so without the cut a peer that is still inside a collective with this rank would wait for
         it until the group's timeout; with it, that peer's collective fails at once and the peer rejoins as well.
         """
-        import torch.distributed as dist
+        from mula_lightning.utils.dist import release_process_groups
 
         wandb = sys.modules.get("wandb")
         if wandb is not None and getattr(wandb, "run", None) is not None:
@@ -380,8 +379,7 @@ class RestartGroup:
         for thread in threading.enumerate():
             if thread.name.startswith("mula-checkpoint-") and thread is not threading.current_thread():
                 thread.join(CHECKPOINT_THREAD_JOIN_S)
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        release_process_groups()
         gc.collect()
 
 
